@@ -1,0 +1,273 @@
+"""RolloutBase, the class rollout backends subclass, and a backend that serves on its own thread.
+
+Weight sync writes the tensors a backend serves. That is only safe while no forward reads them.
+:meth:`RolloutBase.paused` is where a backend makes sure of it: inside it no forward runs and none
+starts. The default does nothing, which is right for an engine whose generate call blocks the
+caller's loop: when the loop is running a sync it is, by construction, not generating.
+Backends that generate on their own (stream generation, a backend serving on its own thread)
+override it and really park.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from .errors import PauseTimeout, TornWeightsError
+from .gate import Gate
+from .trace import SpanKind, Timeline
+from .weights import check_weights_match, specs_of
+
+__all__ = ["BackendStatistics", "RolloutBase", "ThreadedRolloutBackend"]
+
+
+class RolloutBase(abc.ABC):
+    """The base class of rollout backends.
+
+    What a subclass provides:
+
+    * :meth:`served_weights`: the tensors its forwards read, by name.
+    * :meth:`initialize` (optional): build the engine. Called once, lazily, by
+      :meth:`ensure_initialized`; a worker calls that inside the weight-sync bracket.
+    * :meth:`paused` (optional): park generation. Leave the default only if generation never
+      runs while the caller's loop handles a command.
+    * :meth:`load_weights` (optional): the default copies in place into :meth:`served_weights`;
+      an engine that needs a reload path overrides it.
+
+    What the base keeps: the served weight version, and whether the served weights are torn
+    (a synchronous write failed part-way), in which case generation must be refused until a
+    complete sync lands (:meth:`check_servable`).
+    """
+
+    def __init__(self) -> None:
+        self._weight_version = 0
+        self._torn_reason: str | None = None
+        self._servable = threading.Event()
+        self._servable.set()
+        self._initialized = False
+        self._init_lock = threading.Lock()
+
+    # -- the pause -----------------------------------------------------------------------------
+
+    @contextmanager
+    def paused(self, timeout: float | None = None) -> Iterator[None]:
+        """Park generation for the ``with`` body: no forward runs inside it and none starts.
+
+        Contract for overrides: re-entrant; bounded by ``timeout`` seconds (``None``: the
+        backend's default), raising :class:`PauseTimeout` instead of hanging; always resumes on
+        exit, exceptions included; a no-op before the engine exists.
+
+        The default does nothing: correct for an engine whose generate call blocks the loop that
+        runs weight-sync commands, since that loop cannot be in a sync and a generate at once.
+        """
+        yield
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def initialize(self) -> None:  # noqa: B027 - an optional hook, empty by default
+        """Build the engine. Called at most once, by :meth:`ensure_initialized`."""
+
+    def ensure_initialized(self) -> None:
+        """Run :meth:`initialize` once; later calls return at once."""
+        with self._init_lock:
+            if not self._initialized:
+                self.initialize()
+                self._initialized = True
+
+    @property
+    def is_initialized(self) -> bool:
+        return self._initialized
+
+    def shutdown(self) -> None:  # noqa: B027 - an optional hook, empty by default
+        """Release the engine. Safe to call more than once."""
+
+    # -- weights -------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def served_weights(self) -> Mapping[str, torch.Tensor]:
+        """The tensors generation reads, by name (in a stable order).
+
+        Transfers receive into these in place. A backend whose engine does not expose writable
+        tensors returns tensors of the right names, shapes and dtypes to receive into and
+        overrides :meth:`load_weights` to hand them to the engine.
+        """
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor], *, require_all: bool = True) -> None:
+        """Write ``weights`` into the served tensors, all checked before any is touched.
+
+        Call inside :meth:`paused` (the guard does). Raises
+        :class:`~rollout_sync.WeightMismatchError` and writes nothing on a bad input.
+        """
+        served = self.served_weights()
+        check_weights_match(specs_of(weights), served, require_all=require_all)
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                target = served[name]
+                if tensor.data_ptr() != target.data_ptr():
+                    target.copy_(tensor)
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights served now (0 before the first sync)."""
+        return self._weight_version
+
+    def commit_weight_version(self, version: int) -> None:
+        """Record that a complete sync of ``version`` landed; clears a torn state."""
+        self._weight_version = version
+        self._torn_reason = None
+        self._servable.set()
+
+    def mark_weights_torn(self, reason: str) -> None:
+        """Record that a write failed part-way; generation is refused until the next commit."""
+        self._torn_reason = reason
+        self._servable.clear()
+
+    @property
+    def weights_torn(self) -> bool:
+        return self._torn_reason is not None
+
+    def check_servable(self) -> None:
+        """Raise :class:`TornWeightsError` if the served weights are torn."""
+        reason = self._torn_reason
+        if reason is not None:
+            raise TornWeightsError(
+                f"{type(self).__name__} refuses to generate: its weights are torn ({reason}). "
+                "Run a complete weight sync to recover."
+            )
+
+
+@dataclass(frozen=True)
+class BackendStatistics:
+    running: bool
+    steps_served: int
+    parked: bool
+    weight_version: int
+    weights_torn: bool
+
+
+class ThreadedRolloutBackend(RolloutBase):
+    """A backend that serves on a thread of its own, one :meth:`serve_step` at a time.
+
+    The space between two steps is the safe point: :meth:`paused` closes a :class:`Gate` that
+    every step runs inside, so it returns once the step in progress has finished and no new
+    one starts until the ``with`` body exits. Time to park is bounded by one step.
+
+    Before :meth:`start` there is nothing to park and :meth:`paused` returns at once; a
+    :meth:`start` inside the body (lazy engine initialization in a sync) begins parked.
+    While the weights are torn, the thread serves nothing and waits for a complete sync.
+    """
+
+    def __init__(
+        self,
+        *,
+        pause_timeout: float = 60.0,
+        timeline: Timeline | None = None,
+        name: str = "generation",
+    ) -> None:
+        super().__init__()
+        self.pause_timeout = pause_timeout
+        self.timeline = timeline
+        self.generation_gate = Gate(
+            name,
+            section_noun="serving step",
+            close_verb="park",
+            default_timeout=pause_timeout,
+            timeout_error=PauseTimeout,
+        )
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._error: BaseException | None = None
+        self._steps_served = 0
+
+    @abc.abstractmethod
+    def serve_step(self) -> None:
+        """Serve one step (one forward, one simulator tick). Runs on the serving thread."""
+
+    # -- running -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the serving thread (after :meth:`ensure_initialized`)."""
+        if self._thread is not None:
+            raise RuntimeError(f"{type(self).__name__} is already started")
+        self.ensure_initialized()
+        self._thread = threading.Thread(
+            target=self._serve_forever, name=f"{type(self).__name__}-serving", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop serving and join the thread; re-raise an error that killed it.
+
+        Call outside :meth:`paused`: a parked thread finishes only when the pause ends.
+        """
+        thread = self._thread
+        self._stopping.set()
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                raise TimeoutError(
+                    f"{type(self).__name__}'s serving thread did not stop within {timeout:.1f} s "
+                    "(is stop() called inside paused(), or is serve_step() stuck?)"
+                )
+        self.shutdown()
+        self.raise_if_failed()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def raise_if_failed(self) -> None:
+        """Re-raise, wrapped, the error that ended the serving thread, if one did."""
+        if self._error is not None:
+            raise RuntimeError(f"{type(self).__name__}'s serving thread failed") from self._error
+
+    def _serve_forever(self) -> None:
+        gate = self.generation_gate
+        try:
+            while not self._stopping.is_set():
+                if not self._servable.is_set():
+                    # Torn weights: serve nothing until a complete sync commits a version.
+                    self._servable.wait(0.05)
+                    continue
+                # A sync holds the gate for as long as the transfer takes; the transfer itself
+                # is bounded, so this wait is too.
+                gate.enter_section(math.inf)
+                try:
+                    if self._servable.is_set() and not self._stopping.is_set():
+                        self.serve_step()
+                        self._steps_served += 1
+                finally:
+                    gate.exit_section()
+        except BaseException as exc:  # noqa: BLE001 - kept and re-raised by stop()
+            self._error = exc
+
+    # -- the pause -----------------------------------------------------------------------------
+
+    @contextmanager
+    def paused(self, timeout: float | None = None) -> Iterator[None]:
+        """Park the serving thread between two steps; see the class docstring."""
+        start = time.monotonic_ns()
+        with self.generation_gate.exclusive(timeout):
+            timeline = self.timeline
+            if timeline is None:
+                yield
+            else:
+                with timeline.span(SpanKind.PAUSE, "generation paused",
+                                   park_ms=(time.monotonic_ns() - start) / 1e6):
+                    yield
+
+    def statistics(self) -> BackendStatistics:
+        return BackendStatistics(
+            running=self.running,
+            steps_served=self._steps_served,
+            parked=self.generation_gate.held,
+            weight_version=self.weight_version,
+            weights_torn=self.weights_torn,
+        )

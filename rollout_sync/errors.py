@@ -1,0 +1,61 @@
+"""The exceptions rollout_sync raises, in one place so callers can catch them by family.
+
+Every timeout error is a :class:`TimeoutError` and names the operation, the limit and what was
+still in the way, so a log line alone tells what hung.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EgressHoldTimeout",
+    "FenceTimeout",
+    "GateTimeout",
+    "PauseTimeout",
+    "RolloutSyncError",
+    "TornWeightsError",
+    "WouldBlock",
+]
+
+
+class RolloutSyncError(Exception):
+    """Base class of every error rollout_sync raises on purpose."""
+
+
+class WouldBlock(RolloutSyncError):
+    """A ``*_nowait`` call could not proceed without waiting."""
+
+
+class GateTimeout(RolloutSyncError, TimeoutError):
+    """A :class:`~rollout_sync.Gate` wait ran past its limit.
+
+    Attributes:
+        operation: what was being waited for, in words.
+        timeout: the limit, in seconds.
+        sections_running: sections still inside the gate when the wait gave up.
+    """
+
+    def __init__(self, message: str, *, operation: str, timeout: float, sections_running: int):
+        super().__init__(message)
+        self.operation = operation
+        self.timeout = timeout
+        self.sections_running = sections_running
+
+
+class PauseTimeout(GateTimeout):
+    """Generation did not park within the limit (a forward kept running)."""
+
+
+class EgressHoldTimeout(GateTimeout):
+    """Payload egress could not be held or flushed within the limit (a send kept running)."""
+
+
+class FenceTimeout(RolloutSyncError, TimeoutError):
+    """The device fence after a weight sync did not complete within the limit."""
+
+
+class TornWeightsError(RolloutSyncError):
+    """The served weights are known to be a mix of two versions; generation is refused.
+
+    Raised after a synchronous weight transfer failed part-way. The only way out is a complete,
+    successful sync.
+    """

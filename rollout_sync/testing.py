@@ -1,0 +1,338 @@
+"""Small real fakes for testing weight-sync code: yours and ours.
+
+* :class:`VersionStampedModel` - weights whose every tensor carries the version that wrote it;
+  a forward reads all of them, slowly enough that a concurrent write is caught, and counts
+  *torn reads* (a forward that saw two versions). Writes go through ``RolloutBase.load_weights``.
+* :class:`TornReadBackend` - a :class:`~rollout_sync.ThreadedRolloutBackend` serving forwards of
+  that model continuously, optionally producing one payload per forward into a packer.
+* :class:`RecordingPacker` - a packer with ``hold_sends`` and ``flush_pending_sends``, a bounded
+  send buffer and (once started) a sender thread; :class:`FlushOnlyPacker` has only the flush,
+  :class:`PlainPacker` neither.
+* :class:`RecordingRollout` - a blocking-style backend that logs its pause.
+* :class:`EventLog` - one thread-safe, ordered log the fakes share, for order assertions.
+
+They are plain objects with real threads and real tensors; assert on what they observed.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .backend import RolloutBase, ThreadedRolloutBackend
+from .errors import EgressHoldTimeout, RolloutSyncError
+from .gate import Gate
+from .trace import SpanKind, Timeline
+
+__all__ = [
+    "BackpressureTimeout",
+    "EventLog",
+    "FlushOnlyPacker",
+    "ForwardResult",
+    "PlainPacker",
+    "RecordingPacker",
+    "RecordingRollout",
+    "TornReadBackend",
+    "VersionStampedModel",
+]
+
+
+class EventLog:
+    """An append-only, thread-safe list of event names (and optional details)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._events: list[str] = []
+
+    def add(self, event: str) -> None:
+        with self._lock:
+            self._events.append(event)
+
+    @property
+    def events(self) -> list[str]:
+        with self._lock:
+            return list(self._events)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._events.clear()
+
+
+# -- the torn-read detector --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ForwardResult:
+    versions_seen: tuple[int, ...]
+
+    @property
+    def torn(self) -> bool:
+        return len(set(self.versions_seen)) > 1
+
+
+class VersionStampedModel:
+    """Weights stamped with their version, and a forward that notices a mix of versions.
+
+    Writing version ``v`` fills every element of every tensor with ``v``. A forward reads the
+    tensors one by one and pauses ``read_gap_s`` between two reads (widening the race window on
+    purpose, so an unguarded concurrent write is caught rather than merely possible).
+
+    Args:
+        num_tensors, numel: the size of the fake model.
+        read_gap_s: pause between reading two tensors in a forward.
+        timeline: records a ``forward`` span per forward.
+    """
+
+    def __init__(
+        self,
+        num_tensors: int = 8,
+        numel: int = 1024,
+        *,
+        read_gap_s: float = 50e-6,
+        timeline: Timeline | None = None,
+    ) -> None:
+        self.weights: dict[str, torch.Tensor] = {
+            f"layers.{i}.weight": torch.zeros(numel, dtype=torch.float32)
+            for i in range(num_tensors)
+        }
+        self.read_gap_s = read_gap_s
+        self.timeline = timeline
+        self._lock = threading.Lock()
+        self.forwards = 0
+        self.torn_reads = 0
+
+    def forward(self) -> ForwardResult:
+        """Read every tensor's stamp (first and last element) and count a torn read."""
+        start = time.monotonic_ns()
+        seen: list[int] = []
+        for i, tensor in enumerate(self.weights.values()):
+            if i and self.read_gap_s:
+                time.sleep(self.read_gap_s)
+            seen.append(int(tensor[0].item()))
+            seen.append(int(tensor[-1].item()))
+        result = ForwardResult(tuple(seen))
+        with self._lock:
+            self.forwards += 1
+            self.torn_reads += result.torn
+        if self.timeline is not None:
+            self.timeline.add_span(SpanKind.FORWARD, "forward", start,
+                                   versions=sorted(set(seen)))
+        return result
+
+    def stamped(self, version: int) -> dict[str, torch.Tensor]:
+        """A full set of new weights carrying ``version`` (what a trainer would send)."""
+        return {name: torch.full_like(t, float(version)) for name, t in self.weights.items()}
+
+
+class TornReadBackend(ThreadedRolloutBackend):
+    """Serves forwards of a :class:`VersionStampedModel` on its own thread, without end.
+
+    Each forward optionally submits a payload to ``packer`` (any object with
+    ``submit(payload, timeout)``), which blocks when the packer's send buffer is full.
+    """
+
+    def __init__(
+        self,
+        model: VersionStampedModel,
+        *,
+        packer: RecordingPacker | None = None,
+        pause_timeout: float = 30.0,
+        timeline: Timeline | None = None,
+    ) -> None:
+        super().__init__(pause_timeout=pause_timeout, timeline=timeline)
+        self.model = model
+        self.packer = packer
+
+    def served_weights(self) -> Mapping[str, torch.Tensor]:
+        return self.model.weights
+
+    def serve_step(self) -> None:
+        result = self.model.forward()
+        if self.packer is not None:
+            self.packer.submit({"versions": result.versions_seen}, timeout=self.pause_timeout)
+
+
+class RecordingRollout(RolloutBase):
+    """A blocking-style backend (base ``paused`` contract) that logs its pause to an EventLog.
+
+    ``paused`` here logs ``pause:enter`` / ``pause:exit`` and is re-entrant; it parks nothing.
+    """
+
+    def __init__(self, log: EventLog, weights: Mapping[str, torch.Tensor] | None = None) -> None:
+        super().__init__()
+        self.log = log
+        self._weights = dict(weights) if weights is not None else {"w": torch.zeros(4)}
+        self.initialize_calls = 0
+
+    def initialize(self) -> None:
+        self.initialize_calls += 1
+        self.log.add("init")
+
+    def served_weights(self) -> Mapping[str, torch.Tensor]:
+        return self._weights
+
+    @contextmanager
+    def paused(self, timeout: float | None = None) -> Iterator[None]:
+        self.log.add("pause:enter")
+        try:
+            yield
+        finally:
+            self.log.add("pause:exit")
+
+
+# -- packers -----------------------------------------------------------------------------------
+
+
+class BackpressureTimeout(RolloutSyncError, TimeoutError):
+    """A payload could not be buffered: the send buffer stayed full past the limit."""
+
+
+class RecordingPacker:
+    """A payload packer with a bounded send buffer, a sender thread and both egress hooks.
+
+    ``submit`` puts a payload in the buffer (blocking while it is full: backpressure).
+    The sender thread, once :meth:`start` ed, takes payloads in order and "sends" each one as a
+    section of :attr:`egress_gate` (recorded as a ``payload_send`` span, ``send_s`` long).
+    ``hold_sends`` closes that gate: the send in flight completes, the next one waits, nothing
+    is dropped or reordered. ``flush_pending_sends`` waits for the send in flight only.
+    """
+
+    def __init__(
+        self,
+        *,
+        capacity: int = 16,
+        send_s: float = 0.0,
+        log: EventLog | None = None,
+        timeline: Timeline | None = None,
+        default_timeout: float = 30.0,
+    ) -> None:
+        self.egress_gate = Gate(
+            "payload egress",
+            section_noun="payload send",
+            close_verb="hold",
+            default_timeout=default_timeout,
+            timeout_error=EgressHoldTimeout,
+        )
+        self.capacity = capacity
+        self.send_s = send_s
+        self.log = log
+        self.timeline = timeline
+        self.default_timeout = default_timeout
+        self._buffer: queue.Queue[Any] = queue.Queue(maxsize=capacity)
+        self._sent: list[Any] = []
+        self._sent_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    # -- producer side -------------------------------------------------------------------------
+
+    def submit(self, payload: Any, timeout: float | None = None) -> None:
+        """Buffer ``payload`` for sending; raise :class:`BackpressureTimeout` if it stays full."""
+        limit = self.default_timeout if timeout is None else timeout
+        try:
+            self._buffer.put(payload, timeout=limit)
+        except queue.Full:
+            raise BackpressureTimeout(
+                f"payload send buffer stayed full ({self.capacity} payloads) for {limit:.1f} s; "
+                "sends are held or too slow"
+            ) from None
+
+    @property
+    def sent(self) -> list[Any]:
+        with self._sent_lock:
+            return list(self._sent)
+
+    @property
+    def buffered(self) -> int:
+        return self._buffer.qsize()
+
+    # -- the egress hooks ----------------------------------------------------------------------
+
+    @contextmanager
+    def hold_sends(self, timeout: float | None = None) -> Iterator[None]:
+        with self.egress_gate.exclusive(timeout):
+            self._log("hold_sends:enter")
+            try:
+                yield
+            finally:
+                self._log("hold_sends:exit")
+
+    def flush_pending_sends(self, timeout: float | None = None) -> None:
+        self.egress_gate.wait_idle(timeout)
+        self._log("flush_pending_sends")
+
+    # -- the sender ----------------------------------------------------------------------------
+
+    def start(self) -> RecordingPacker:
+        self._thread = threading.Thread(target=self._send_forever, name="packer-sender",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"packer sender did not stop within {timeout:.1f} s")
+        if self._error is not None:
+            raise RuntimeError("packer sender failed") from self._error
+
+    def _send_forever(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                try:
+                    payload = self._buffer.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                self.egress_gate.enter_section(float("inf"))
+                try:
+                    self._send(payload)
+                finally:
+                    self.egress_gate.exit_section()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by stop()
+            self._error = exc
+
+    def _send(self, payload: Any) -> None:
+        start = time.monotonic_ns()
+        if self.send_s:
+            time.sleep(self.send_s)
+        with self._sent_lock:
+            self._sent.append(payload)
+        if self.timeline is not None:
+            self.timeline.add_span(SpanKind.PAYLOAD_SEND, "payload send", start)
+
+    def _log(self, event: str) -> None:
+        if self.log is not None:
+            self.log.add(event)
+
+
+class FlushOnlyPacker:
+    """A packer with ``flush_pending_sends`` only (the weaker, fallback hook)."""
+
+    def __init__(self, log: EventLog | None = None) -> None:
+        self.log = log
+        self.flushes = 0
+
+    def flush_pending_sends(self, timeout: float | None = None) -> None:
+        self.flushes += 1
+        if self.log is not None:
+            self.log.add("flush_pending_sends")
+
+
+class PlainPacker:
+    """A packer with neither hook: it ships nothing over the device's NCCL."""
+
+    def __init__(self) -> None:
+        self.packed: list[Any] = []
+
+    def pack(self, payload: Any) -> None:
+        self.packed.append(payload)

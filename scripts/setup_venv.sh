@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Creates .venv at the repository root (if missing) and installs rollout_sync into it.
+# Sourced by run.sh and run_test.sh; idempotent, and skips pip when nothing changed.
+set -euo pipefail
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="$repo_root/.venv"
+python="${PYTHON:-python3}"
+
+if [ ! -x "$venv/bin/python" ]; then
+    "$python" -m venv "$venv"
+fi
+
+stamp="$venv/.rollout_sync_installed"
+want="$(cat "$repo_root/pyproject.toml" "$repo_root/scripts/setup_venv.sh" | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    # torch is pinned: 2.13.0 resolves to the CPU build on local disk here; an unpinned torch
+    # would pull a multi-GB CUDA build.
+    "$venv/bin/pip" install -q "torch==2.13.0"
+    "$venv/bin/pip" install -q --config-settings editable_mode=compat -e "$repo_root[test]"
+    echo "$want" > "$stamp"
+fi
