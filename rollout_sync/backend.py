@@ -71,7 +71,7 @@ class RolloutBase(abc.ABC):
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    def initialize(self) -> None:  # noqa: B027 - an optional hook, empty by default
+    def initialize(self) -> None:
         """Build the engine. Called at most once, by :meth:`ensure_initialized`."""
 
     def ensure_initialized(self) -> None:
@@ -85,7 +85,7 @@ class RolloutBase(abc.ABC):
     def is_initialized(self) -> bool:
         return self._initialized
 
-    def shutdown(self) -> None:  # noqa: B027 - an optional hook, empty by default
+    def shutdown(self) -> None:
         """Release the engine. Safe to call more than once."""
 
     # -- weights -------------------------------------------------------------------------------
@@ -99,7 +99,9 @@ class RolloutBase(abc.ABC):
         overrides :meth:`load_weights` to hand them to the engine.
         """
 
-    def load_weights(self, weights: Mapping[str, torch.Tensor], *, require_all: bool = True) -> None:
+    def load_weights(
+        self, weights: Mapping[str, torch.Tensor], *, require_all: bool = True
+    ) -> None:
         """Write ``weights`` into the served tensors, all checked before any is touched.
 
         Call inside :meth:`paused` (the guard does). Raises
@@ -245,7 +247,7 @@ class ThreadedRolloutBackend(RolloutBase):
                         self._steps_served += 1
                 finally:
                     gate.exit_section()
-        except BaseException as exc:  # noqa: BLE001 - kept and re-raised by stop()
+        except BaseException as exc:
             self._error = exc
 
     # -- the pause -----------------------------------------------------------------------------

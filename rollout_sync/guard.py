@@ -44,15 +44,16 @@ import enum
 import functools
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
 from .backend import RolloutBase
-from .egress import payload_egress_held
+from .egress import EgressHoldReport, payload_egress_held
 from .errors import FenceTimeout
 from .trace import SpanKind, Timeline
 
@@ -119,16 +120,6 @@ class SyncReport:
         }
 
 
-@dataclass
-class WeightSyncBracket:
-    """Yielded by :func:`weight_sync_bracket`; ``report`` is set when the bracket exits."""
-
-    name: str
-    mode: SyncMode
-    report: SyncReport | None = None
-    _marks: dict[str, float] = field(default_factory=dict)
-
-
 def device_fence(timeout: float | None = None) -> None:
     """Wait until the device work enqueued so far on the current CUDA stream has completed.
 
@@ -150,7 +141,108 @@ def device_fence(timeout: float | None = None) -> None:
         time.sleep(50e-6)
 
 
-@contextmanager
+class WeightSyncBracket:
+    """The bracket of one weight sync, as a context manager; made by :func:`weight_sync_bracket`.
+
+    ``report`` is set when the bracket exits, also when entering it failed (a pause or an
+    egress hold that timed out), so a failed sync is reported like any other.
+    """
+
+    def __init__(
+        self,
+        rollout: RolloutBase | None,
+        egress_components: Sequence[object],
+        *,
+        name: str,
+        mode: SyncMode,
+        pause: bool,
+        hold: bool,
+        timeout: float | None,
+        fence: Callable[[float | None], None] | None,
+        timeline: Timeline | None,
+    ) -> None:
+        self.name = name
+        self.mode = mode
+        self.report: SyncReport | None = None
+        self._rollout = rollout
+        self._egress_components = egress_components
+        self._pause = pause and rollout is not None
+        self._hold = hold
+        self._timeout = timeout
+        self._fence = fence
+        self._timeline = timeline
+        self._stack = ExitStack()
+        self._start = self._parked = self._drained = 0.0
+        self._body_start_ns = 0
+        self._egress = EgressHoldReport()
+
+    def __enter__(self) -> WeightSyncBracket:
+        self._start = self._parked = self._drained = time.perf_counter()
+        try:
+            if self._pause:
+                assert self._rollout is not None
+                self._stack.enter_context(self._rollout.paused(self._timeout))
+            self._parked = self._drained = time.perf_counter()
+            if self._hold:
+                self._egress = self._stack.enter_context(
+                    payload_egress_held(*self._egress_components, timeout=self._timeout)
+                )
+            self._drained = time.perf_counter()
+        except BaseException as exc:
+            self._stack.close()
+            self._finish(None, None, exc)
+            raise
+        self._body_start_ns = time.monotonic_ns()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        body_done = time.perf_counter()
+        if self._timeline is not None:
+            self._timeline.add_span(SpanKind.SYNC, self.name, self._body_start_ns)
+        fence_done: float | None = None
+        error = exc
+        try:
+            # The fence runs after a failed body too: a transfer that raised may still have
+            # device work in flight, and egress must not be released under it.
+            if self._fence is not None:
+                self._fence(self._timeout)
+            fence_done = time.perf_counter()
+        except BaseException as fence_error:
+            error = error or fence_error
+            raise
+        finally:
+            try:
+                self._stack.close()  # release egress, then resume generation
+            except BaseException as release_error:
+                error = error or release_error
+                raise
+            finally:
+                self._finish(body_done, fence_done, error)
+
+    def _finish(self, body_done: float | None, fence_done: float | None,
+                error: BaseException | None) -> None:
+        end = time.perf_counter()
+        body_end = body_done if body_done is not None else self._drained
+        self.report = SyncReport(
+            handler=self.name,
+            mode=self.mode,
+            paused=self._pause,
+            egress_held=self._egress.held,
+            egress_flushed=self._egress.flushed,
+            park_s=self._parked - self._start,
+            egress_drain_s=self._drained - self._parked,
+            handler_s=body_end - self._drained,
+            fence_s=(fence_done - body_end) if fence_done is not None else 0.0,
+            total_s=end - self._start,
+            error=None if error is None else f"{type(error).__name__}: {error}",
+        )
+
+
 def weight_sync_bracket(
     rollout: RolloutBase | None,
     egress_components: Sequence[object] = (),
@@ -162,63 +254,38 @@ def weight_sync_bracket(
     timeout: float | None = None,
     fence: Callable[[float | None], None] | None = device_fence,
     timeline: Timeline | None = None,
-) -> Iterator[WeightSyncBracket]:
-    """The bracket of one weight sync, as a context manager (the decorators use this).
+) -> WeightSyncBracket:
+    """The bracket of one weight sync, for code that is not a decorated handler.
+
+    ::
+
+        with weight_sync_bracket(rollout, [packer], timeout=30) as bracket:
+            transfer()
+        log(bracket.report)
 
     Args:
         rollout: paused for the body, unless the mode is async or ``pause`` is False.
         egress_components: held for the body via :func:`payload_egress_held` when ``hold``.
         pause: force the pause on or off; ``None`` follows ``mode``.
         timeout: seconds for the pause, each egress hold and the fence.
-        fence: called with ``timeout`` after the body, before egress is released.
+        fence: called with ``timeout`` after the body (also a failed one), before egress is
+            released.
+        timeline: records the body as a ``weight_sync`` span.
 
     Raises whatever the pause, holds, body or fence raise; generation is resumed and egress
-    released in every case. The report is set on the yielded object either way.
+    released in every case, and ``report`` is set either way.
     """
-    bracket = WeightSyncBracket(name=name, mode=mode)
-    do_pause = mode.pauses_generation if pause is None else pause
-    start = time.perf_counter()
-    parked = drained = body_done = start
-    fence_s = 0.0
-    egress_held = egress_flushed = 0
-    error: BaseException | None = None
-    try:
-        with ExitStack() as stack:
-            if do_pause and rollout is not None:
-                stack.enter_context(rollout.paused(timeout))
-            parked = time.perf_counter()
-            if hold:
-                egress = stack.enter_context(payload_egress_held(*egress_components,
-                                                                 timeout=timeout))
-                egress_held, egress_flushed = egress.held, egress.flushed
-            drained = time.perf_counter()
-            span = timeline.span(SpanKind.SYNC, name) if timeline is not None else nullcontext()
-            with span:
-                yield bracket
-            body_done = time.perf_counter()
-            if fence is not None:
-                fence(timeout)
-            fence_s = time.perf_counter() - body_done
-    except BaseException as exc:
-        error = exc
-        raise
-    finally:
-        end = time.perf_counter()
-        if body_done == start:
-            body_done = end
-        bracket.report = SyncReport(
-            handler=name,
-            mode=mode,
-            paused=do_pause and rollout is not None,
-            egress_held=egress_held,
-            egress_flushed=egress_flushed,
-            park_s=parked - start,
-            egress_drain_s=max(0.0, drained - parked),
-            handler_s=max(0.0, body_done - drained),
-            fence_s=fence_s,
-            total_s=end - start,
-            error=None if error is None else f"{type(error).__name__}: {error}",
-        )
+    return WeightSyncBracket(
+        rollout,
+        egress_components,
+        name=name,
+        mode=mode,
+        pause=mode.pauses_generation if pause is None else pause,
+        hold=hold,
+        timeout=timeout,
+        fence=fence,
+        timeline=timeline,
+    )
 
 
 # -- the decorators ----------------------------------------------------------------------------
@@ -261,23 +328,23 @@ def _guarded(
             return method(self, *args, **kwargs)
         taken = {k for k, on in ((pause_key, do_pause), (hold_key, do_hold)) if on}
         active |= taken
-        bracket: WeightSyncBracket | None = None
+        bracket = weight_sync_bracket(
+            getattr(self, "rollout", None),
+            _egress_components_of(self) if do_hold else (),
+            name=method.__name__,
+            mode=mode,
+            pause=do_pause,
+            hold=do_hold,
+            timeout=getattr(self, "weight_sync_timeout", None),
+            fence=getattr(self, "weight_sync_fence", device_fence),
+            timeline=getattr(self, "timeline", None),
+        )
         try:
-            with weight_sync_bracket(
-                getattr(self, "rollout", None),
-                _egress_components_of(self) if do_hold else (),
-                name=method.__name__,
-                mode=mode,
-                pause=do_pause,
-                hold=do_hold,
-                timeout=getattr(self, "weight_sync_timeout", None),
-                fence=getattr(self, "weight_sync_fence", device_fence),
-                timeline=getattr(self, "timeline", None),
-            ) as bracket:
+            with bracket:
                 return method(self, *args, **kwargs)
         finally:
             active -= taken
-            if bracket is not None and bracket.report is not None:
+            if bracket.report is not None:
                 _deliver_report(self, bracket.report)
 
     return wrapper

@@ -298,7 +298,7 @@ class RecordingPacker:
                     self._send(payload)
                 finally:
                     self.egress_gate.exit_section()
-        except BaseException as exc:  # noqa: BLE001 - re-raised by stop()
+        except BaseException as exc:
             self._error = exc
 
     def _send(self, payload: Any) -> None:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Overlap", "Span", "SpanKind", "Timeline", "find_overlaps", "FORBIDDEN_OVERLAPS"]
+__all__ = ["FORBIDDEN_OVERLAPS", "Overlap", "Span", "SpanKind", "Timeline", "find_overlaps"]
 
 
 class SpanKind:

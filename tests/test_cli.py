@@ -1,0 +1,32 @@
+"""`rollout-sync demo`: the report, its JSON line, the unguarded run and the trace file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from rollout_sync.cli import main
+
+pytestmark = pytest.mark.timeout(120)
+
+REPORT_KEYS = {"syncs", "forwards", "torn_reads", "egress_overlaps", "time_to_park_ms_p50",
+               "time_to_park_ms_p99", "sync_ms_p50", "sync_ms_p99"}
+
+
+def test_demo_json_report(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    trace = tmp_path / "out.json"
+    assert main(["demo", "--syncs", "20", "--json", "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(out.strip().splitlines()[-1])
+    assert REPORT_KEYS <= report.keys()
+    assert report["syncs"] == 20 and report["torn_reads"] == 0
+    assert "OK:" in out
+    assert json.loads(trace.read_text())["traceEvents"]
+
+
+def test_demo_unguarded_shows_torn_reads(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--syncs", "40", "--unguarded", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["torn_reads"] > 0

@@ -1,0 +1,283 @@
+"""The guard: order of the bracket, async modes, failures, timeouts, re-entrancy, real races."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+
+import pytest
+import torch
+from conftest import ThreadRunner, wait_until
+
+from rollout_sync import (
+    EgressHoldTimeout,
+    PauseTimeout,
+    SyncMode,
+    SyncReport,
+    ThreadedRolloutBackend,
+    holds_payload_egress,
+    pauses_generation,
+    payload_egress_held,
+    weight_sync_bracket,
+    weight_sync_handler,
+)
+from rollout_sync.demo import InProcessDemoConfig, run_in_process_demo
+from rollout_sync.testing import (
+    EventLog,
+    RecordingPacker,
+    RecordingRollout,
+    TornReadBackend,
+    VersionStampedModel,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class InjectedFault(Exception):
+    pass
+
+
+class LazyRollout(RecordingRollout):
+    def __init__(self, log: EventLog, fail_at: Callable[[], str | None]) -> None:
+        super().__init__(log)
+        self._fail_at = fail_at
+
+    def initialize(self) -> None:
+        super().initialize()
+        if self._fail_at() == "init":
+            raise InjectedFault("init")
+
+
+class Worker:
+    """A rollout worker as the guard sees it: rollout, data_packer, optional hooks."""
+
+    def __init__(self, mode: SyncMode = SyncMode.SYNC) -> None:
+        self.log = EventLog()
+        self.fail_at: str | None = None
+        self.rollout = LazyRollout(self.log, lambda: self.fail_at)
+        self.data_packer = RecordingPacker(log=self.log)
+        self.weight_sync_mode = mode
+        self.weight_sync_timeout = 5.0
+        self.reports: list[SyncReport] = []
+
+    def _step(self, name: str) -> None:
+        self.log.add(name)
+        if self.fail_at == name:
+            raise InjectedFault(name)
+
+    def weight_sync_fence(self, timeout: float | None) -> None:
+        self._step("fence")
+
+    def on_weight_sync_report(self, report: SyncReport) -> None:
+        self.reports.append(report)
+
+    @weight_sync_handler
+    def receive_p2r(self) -> str:
+        self.rollout.ensure_initialized()
+        self._step("barrier")
+        self._step("transfer")
+        return "p2r done"
+
+    @weight_sync_handler
+    def broadcast_r2r(self) -> None:
+        self.rollout.ensure_initialized()
+        self._step("barrier")
+        self._step("broadcast")
+
+    @weight_sync_handler
+    def p2r_then_r2r(self) -> None:
+        self.receive_p2r()
+        self.broadcast_r2r()
+
+
+BRACKET_OPEN = ["pause:enter", "hold_sends:enter"]
+BRACKET_CLOSE = ["fence", "hold_sends:exit", "pause:exit"]
+
+
+def test_p2r_handler_order_with_lazy_init_inside_the_bracket() -> None:
+    worker = Worker()
+    assert worker.receive_p2r() == "p2r done"
+    assert worker.log.events == [*BRACKET_OPEN, "init", "barrier", "transfer", *BRACKET_CLOSE]
+    (report,) = worker.reports
+    assert report.handler == "receive_p2r" and report.paused and report.egress_held == 1
+    assert report.error is None and report.total_s >= report.handler_s
+    assert worker.last_weight_sync_report is report  # type: ignore[attr-defined]
+
+
+def test_r2r_handler_order() -> None:
+    worker = Worker()
+    worker.rollout.ensure_initialized()
+    worker.log.clear()
+    worker.broadcast_r2r()
+    assert worker.log.events == [*BRACKET_OPEN, "barrier", "broadcast", *BRACKET_CLOSE]
+
+
+def test_nested_handlers_take_the_bracket_once() -> None:
+    worker = Worker()
+    worker.p2r_then_r2r()
+    events = worker.log.events
+    assert events[:2] == BRACKET_OPEN and events[-3:] == BRACKET_CLOSE
+    assert events.count("pause:enter") == 1 and events.count("hold_sends:enter") == 1
+    assert [r.handler for r in worker.reports] == ["p2r_then_r2r"]
+
+
+def test_single_purpose_decorators_compose_in_the_right_order() -> None:
+    class Split(Worker):
+        @pauses_generation
+        @holds_payload_egress
+        def handler(self) -> None:
+            self._step("body")
+
+    worker = Split()
+    worker.handler()
+    assert worker.log.events == ["pause:enter", "hold_sends:enter", "body", "fence",
+                                 "hold_sends:exit", "fence", "pause:exit"]
+
+
+@pytest.mark.parametrize("mode", [SyncMode.ASYNC_PER_GENERATION, SyncMode.ASYNC_PER_FORWARD])
+def test_async_modes_skip_the_pause_and_keep_the_hold(mode: SyncMode) -> None:
+    worker = Worker(mode)
+    worker.receive_p2r()
+    assert worker.log.events == ["hold_sends:enter", "init", "barrier", "transfer", "fence",
+                                 "hold_sends:exit"]
+    assert not worker.reports[0].paused
+
+
+def test_async_mode_generation_keeps_running_during_the_sync() -> None:
+    model = VersionStampedModel(num_tensors=4, numel=16)
+    packer = RecordingPacker().start()
+    backend = TornReadBackend(model, packer=packer)
+
+    class AsyncWorker:
+        rollout = backend
+        data_packer = packer
+        weight_sync_mode = SyncMode.ASYNC_PER_GENERATION
+
+        @weight_sync_handler
+        def write_buffer(self) -> None:
+            assert packer.egress_gate.held, "egress is held in async modes too"
+            n = model.forwards
+            # Generation is not paused: forwards keep completing inside the sync.
+            wait_until(lambda: model.forwards >= n + 3, what="forwards during an async sync")
+
+    backend.start()
+    try:
+        AsyncWorker().write_buffer()
+    finally:
+        backend.stop()
+        packer.stop()
+
+
+@pytest.mark.parametrize("fail_at", ["init", "barrier", "transfer", "fence"])
+def test_exception_anywhere_leaves_generation_resumed_and_egress_released(fail_at: str) -> None:
+    worker = Worker()
+    worker.fail_at = fail_at
+    with pytest.raises(InjectedFault):
+        worker.receive_p2r()
+    events = worker.log.events
+    assert events[:2] == BRACKET_OPEN
+    assert events[-2:] == ["hold_sends:exit", "pause:exit"]
+    assert not worker.data_packer.egress_gate.held
+    (report,) = worker.reports
+    assert report.error == f"InjectedFault: {fail_at}"
+    # The worker is usable again afterwards.
+    worker.fail_at = None
+    worker.log.clear()
+    worker.receive_p2r()
+    assert worker.log.events[-3:] == BRACKET_CLOSE
+
+
+class StuckStepBackend(ThreadedRolloutBackend):
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_step = threading.Event()
+        self.release = threading.Event()
+
+    def served_weights(self) -> Mapping[str, torch.Tensor]:
+        return {}
+
+    def serve_step(self) -> None:
+        self.in_step.set()
+        self.release.wait(30)
+
+
+def test_pause_that_cannot_be_had_raises_clearly_and_holds_nothing() -> None:
+    backend = StuckStepBackend()
+    worker = Worker()
+    worker.rollout = backend  # type: ignore[assignment]
+    worker.weight_sync_timeout = 0.2
+    backend.start()
+    assert backend.in_step.wait(10)
+    with pytest.raises(PauseTimeout, match=r"did not park within 0\.2 s"):
+        worker.receive_p2r()
+    assert "barrier" not in worker.log.events, "the handler body never ran"
+    assert not worker.data_packer.egress_gate.held and not backend.generation_gate.held
+    assert worker.reports[0].error is not None
+    backend.release.set()
+    backend.stop()
+
+
+def test_hold_that_cannot_be_had_raises_clearly_and_resumes_generation() -> None:
+    worker = Worker()
+    worker.weight_sync_timeout = 0.2
+    worker.data_packer.egress_gate.enter_section()  # a send that never completes
+    with pytest.raises(EgressHoldTimeout, match=r"did not hold within 0\.2 s"):
+        worker.receive_p2r()
+    assert worker.log.events == ["pause:enter", "pause:exit"]
+    worker.data_packer.egress_gate.exit_section()
+
+
+def test_weight_sync_thread_and_main_loop_both_hold_egress(threads: ThreadRunner) -> None:
+    """Async mode: the weight-sync thread holds egress in its run loop while the main loop runs
+    a decorated handler; the holds share the gate instead of deadlocking."""
+    worker = Worker(SyncMode.ASYNC_PER_GENERATION)
+    in_thread_hold = threading.Event()
+    main_done = threading.Event()
+
+    def weight_sync_thread_loop() -> None:
+        with payload_egress_held(worker.data_packer, timeout=5):
+            in_thread_hold.set()
+            assert main_done.wait(10)
+
+    threads.start(weight_sync_thread_loop)
+    assert in_thread_hold.wait(10)
+    worker.receive_p2r()
+    main_done.set()
+    assert not threads.join_all()
+    assert not worker.data_packer.egress_gate.held
+
+
+def test_guard_prevents_torn_reads_on_real_threads() -> None:
+    report = run_in_process_demo(InProcessDemoConfig(syncs=60, interval_s=0.001))
+    assert report["syncs"] == 60 and report["forwards"] > 0
+    assert report["torn_reads"] == 0 and report["egress_overlaps"] == 0
+
+
+def test_without_the_guard_the_same_harness_finds_torn_reads() -> None:
+    report = run_in_process_demo(InProcessDemoConfig(syncs=60, interval_s=0.001, guarded=False))
+    assert report["torn_reads"] > 0
+    assert report["egress_overlaps"] > 0
+
+
+def test_holding_egress_before_pausing_deadlocks_and_our_order_does_not() -> None:
+    """A producer blocked on a full send buffer cannot reach its park point while egress is
+    held; so egress-outermost times out, and the guard's pause-outermost order completes."""
+    model = VersionStampedModel(num_tensors=2, numel=4, read_gap_s=0)
+    packer = RecordingPacker(capacity=2).start()
+    backend = TornReadBackend(model, packer=packer, pause_timeout=30)
+    backend.start()
+    try:
+        with payload_egress_held(packer, timeout=5):
+            # Sender holds one payload at the gate, buffer full, producer blocked in submit.
+            wait_until(lambda: model.forwards == len(packer.sent) + packer.buffered + 2
+                       and packer.buffered == 2
+                       and packer.egress_gate.statistics().sections_waiting == 1)
+            with pytest.raises(PauseTimeout):
+                with backend.paused(timeout=0.5):
+                    pytest.fail("generation cannot park while its producer is blocked")
+        with weight_sync_bracket(backend, [packer], timeout=5) as bracket:
+            assert backend.generation_gate.held and packer.egress_gate.held
+        assert bracket.report is not None and bracket.report.error is None
+    finally:
+        backend.stop()
+        packer.stop()
