@@ -15,7 +15,11 @@ want="$(cat "$repo_root/pyproject.toml" "$repo_root/scripts/setup_venv.sh" | sha
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     # torch is pinned: 2.13.0 resolves to the CPU build on local disk here; an unpinned torch
     # would pull a multi-GB CUDA build.
-    "$venv/bin/pip" install -q "torch==2.13.0"
-    "$venv/bin/pip" install -q --config-settings editable_mode=compat -e "$repo_root[test]"
+    quiet_pip() {  # this machine's pip config points at optional local indexes; hide that noise
+        "$venv/bin/pip" install -q "$@" 2> >(grep -v "^WARNING: Location" >&2)
+    }
+    quiet_pip "torch==2.13.0"
+    # compat mode: a plain path entry, so a checkout on PYTHONPATH (a worktree) takes precedence.
+    quiet_pip --config-settings editable_mode=compat -e "$repo_root[test]"
     echo "$want" > "$stamp"
 fi
