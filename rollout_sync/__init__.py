@@ -13,9 +13,12 @@ from .egress import payload_egress_held as payload_egress_held
 from .errors import EgressHoldTimeout as EgressHoldTimeout
 from .errors import FenceTimeout as FenceTimeout
 from .errors import GateTimeout as GateTimeout
+from .errors import HarvestTimeout as HarvestTimeout
+from .errors import MetricKeyCollisionError as MetricKeyCollisionError
 from .errors import PauseTimeout as PauseTimeout
 from .errors import RolloutSyncError as RolloutSyncError
 from .errors import TornWeightsError as TornWeightsError
+from .errors import WeightBroadcastError as WeightBroadcastError
 from .errors import WouldBlock as WouldBlock
 from .gate import Gate as Gate
 from .gate import GateStatistics as GateStatistics
@@ -28,13 +31,34 @@ from .guard import pauses_generation as pauses_generation
 from .guard import weight_sync_bracket as weight_sync_bracket
 from .guard import weight_sync_handler as weight_sync_handler
 from .metrics import DurationSummary as DurationSummary
+from .metrics import Measurement as Measurement
+from .metrics import TimedSample as TimedSample
+from .metrics import TimerClock as TimerClock
+from .metrics import TimerStatistics as TimerStatistics
+from .metrics import TimingEvent as TimingEvent
+from .metrics import WeightSyncTimer as WeightSyncTimer
+from .metrics import cuda_timing_event as cuda_timing_event
 from .metrics import percentile as percentile
 from .metrics import summarize as summarize
+from .metrics_logging import MetricsLogger as MetricsLogger
+from .metrics_logging import log_metrics as log_metrics
 from .trace import Overlap as Overlap
 from .trace import Span as Span
 from .trace import SpanKind as SpanKind
 from .trace import Timeline as Timeline
 from .trace import find_overlaps as find_overlaps
+from .trainer import BroadcastCommandChannel as BroadcastCommandChannel
+from .trainer import BroadcastWeightPusher as BroadcastWeightPusher
+from .trainer import CommandChannel as CommandChannel
+from .trainer import CommandKind as CommandKind
+from .trainer import QueueCommandChannel as QueueCommandChannel
+from .trainer import TrainerCallback as TrainerCallback
+from .trainer import TrainerCallbacks as TrainerCallbacks
+from .trainer import WeightBroadcastCallback as WeightBroadcastCallback
+from .trainer import WeightBroadcastStatistics as WeightBroadcastStatistics
+from .trainer import WeightPusher as WeightPusher
+from .trainer import WeightSyncCommand as WeightSyncCommand
+from .trainer import merge_step_metrics as merge_step_metrics
 from .weights import WeightMismatchError as WeightMismatchError
 from .weights import WeightSpec as WeightSpec
 from .weights import check_weights_match as check_weights_match
@@ -43,6 +67,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackendStatistics",
+    "BroadcastCommandChannel",
+    "BroadcastWeightPusher",
+    "CommandChannel",
+    "CommandKind",
     "DurationSummary",
     "EgressHoldReport",
     "EgressHoldTimeout",
@@ -50,8 +78,13 @@ __all__ = [
     "Gate",
     "GateStatistics",
     "GateTimeout",
+    "HarvestTimeout",
+    "Measurement",
+    "MetricKeyCollisionError",
+    "MetricsLogger",
     "Overlap",
     "PauseTimeout",
+    "QueueCommandChannel",
     "RolloutBase",
     "RolloutSyncError",
     "Span",
@@ -61,16 +94,31 @@ __all__ = [
     "SyncMode",
     "SyncReport",
     "ThreadedRolloutBackend",
+    "TimedSample",
     "Timeline",
+    "TimerClock",
+    "TimerStatistics",
+    "TimingEvent",
     "TornWeightsError",
+    "TrainerCallback",
+    "TrainerCallbacks",
+    "WeightBroadcastCallback",
+    "WeightBroadcastError",
+    "WeightBroadcastStatistics",
     "WeightMismatchError",
+    "WeightPusher",
     "WeightSpec",
     "WeightSyncBracket",
+    "WeightSyncCommand",
+    "WeightSyncTimer",
     "WouldBlock",
     "check_weights_match",
+    "cuda_timing_event",
     "device_fence",
     "find_overlaps",
     "holds_payload_egress",
+    "log_metrics",
+    "merge_step_metrics",
     "pauses_generation",
     "payload_egress_held",
     "percentile",

@@ -10,9 +10,12 @@ __all__ = [
     "EgressHoldTimeout",
     "FenceTimeout",
     "GateTimeout",
+    "HarvestTimeout",
+    "MetricKeyCollisionError",
     "PauseTimeout",
     "RolloutSyncError",
     "TornWeightsError",
+    "WeightBroadcastError",
     "WouldBlock",
 ]
 
@@ -58,4 +61,44 @@ class TornWeightsError(RolloutSyncError):
 
     Raised after a synchronous weight transfer failed part-way. The only way out is a complete,
     successful sync.
+    """
+
+
+class HarvestTimeout(RolloutSyncError, TimeoutError):
+    """An explicit wait for a timer's pending samples ran past its limit.
+
+    Only :meth:`~rollout_sync.WeightSyncTimer.drain` waits; harvesting never does.
+
+    Attributes:
+        timeout: the limit, in seconds.
+        pending: samples whose end event was still incomplete when the wait gave up.
+    """
+
+    def __init__(self, message: str, *, timeout: float, pending: int) -> None:
+        super().__init__(message)
+        self.timeout = timeout
+        self.pending = pending
+
+
+class MetricKeyCollisionError(RolloutSyncError, ValueError):
+    """Two sources of a step's metrics use the same key; nothing was merged.
+
+    Attributes:
+        key: the metric name both used.
+        first: the source that had it first (``"train_metrics"`` or a callback's name).
+        second: the source that tried to add it again.
+    """
+
+    def __init__(self, message: str, *, key: str, first: str, second: str) -> None:
+        super().__init__(message)
+        self.key = key
+        self.first = first
+        self.second = second
+
+
+class WeightBroadcastError(RolloutSyncError):
+    """A trainer-side weight broadcast or its command announcement failed or timed out.
+
+    Raised with the operation, the limit and the process group in the message; the cause (the
+    backend's own error) is chained.
     """

@@ -10,6 +10,10 @@
   :class:`PlainPacker` neither.
 * :class:`RecordingRollout` - a blocking-style backend that logs its pause.
 * :class:`EventLog` - one thread-safe, ordered log the fakes share, for order assertions.
+* :class:`FakeCudaStream` / :class:`FakeCudaEvent` - a device whose events complete only when the
+  test says so, with ``torch.cuda.Event``'s interface, for driving deferred event timers on CPU.
+* :func:`count_host_syncs` - counts the host-device synchronizations made inside a ``with``
+  block (explicit synchronizes, device-to-host reads, CUDA's own sync debug mode).
 
 They are plain objects with real threads and real tensors; assert on what they observed.
 """
@@ -19,7 +23,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Iterator, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -34,13 +39,17 @@ from .trace import SpanKind, Timeline
 __all__ = [
     "BackpressureTimeout",
     "EventLog",
+    "FakeCudaEvent",
+    "FakeCudaStream",
     "FlushOnlyPacker",
     "ForwardResult",
+    "HostSyncCount",
     "PlainPacker",
     "RecordingPacker",
     "RecordingRollout",
     "TornReadBackend",
     "VersionStampedModel",
+    "count_host_syncs",
 ]
 
 
@@ -336,3 +345,199 @@ class PlainPacker:
 
     def pack(self, payload: Any) -> None:
         self.packed.append(payload)
+
+
+# -- a fake device for event timers ------------------------------------------------------------
+
+
+class FakeCudaStream:
+    """One fake CUDA stream: events recorded on it complete only when the test runs the device.
+
+    Device time is a cursor in milliseconds: :meth:`work` enqueues that much work, and an event
+    records the cursor when it is recorded. :meth:`complete_until` lets the "device" run past
+    the first ``n`` events recorded. Reading ``elapsed_time`` of an incomplete event raises, as
+    a real CUDA event does; waiting on an event (``synchronize``, ``wait``) is counted and
+    raises, because a timer that never stalls the host must not do it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.cursor_ms = 0.0
+        self._recorded = 0
+        self._completed = 0
+        self.queries = 0
+        self.events_created = 0
+        self.early_elapsed_time_calls = 0
+        self.waits = 0
+        self.complete_after_queries: int | None = None
+        """If set, the device runs past everything recorded once this many queries were made."""
+
+    def event(self) -> FakeCudaEvent:
+        """A new event on this stream (what an event factory returns)."""
+        with self._lock:
+            self.events_created += 1
+        return FakeCudaEvent(self)
+
+    def work(self, ms: float) -> None:
+        """Enqueue ``ms`` of device work after everything recorded so far."""
+        with self._lock:
+            self.cursor_ms += ms
+
+    @property
+    def recorded(self) -> int:
+        """Events recorded so far; pass a snapshot of it to :meth:`complete_until`."""
+        return self._recorded
+
+    def complete_until(self, n: int) -> None:
+        """The device has run past the first ``n`` recorded events (never goes backwards)."""
+        with self._lock:
+            self._completed = max(self._completed, min(n, self._recorded))
+
+    def complete_all(self) -> None:
+        self.complete_until(self._recorded)
+
+    def _record(self) -> tuple[int, float]:
+        with self._lock:
+            seq = self._recorded
+            self._recorded += 1
+            return seq, self.cursor_ms
+
+    def _query(self, seq: int | None) -> bool:
+        with self._lock:
+            self.queries += 1
+            if self.complete_after_queries is not None and \
+                    self.queries >= self.complete_after_queries:
+                self._completed = self._recorded
+            return seq is not None and seq < self._completed
+
+
+class FakeCudaEvent:
+    """An event of a :class:`FakeCudaStream`, with the interface of ``torch.cuda.Event``."""
+
+    def __init__(self, stream: FakeCudaStream) -> None:
+        self.stream = stream
+        self._seq: int | None = None
+        self.time_ms = 0.0
+
+    def record(self, stream: Any = None) -> None:
+        self._seq, self.time_ms = self.stream._record()
+
+    def query(self) -> bool:
+        return self.stream._query(self._seq)
+
+    def elapsed_time(self, end_event: FakeCudaEvent) -> float:
+        if not (self._is_complete() and end_event._is_complete()):
+            with self.stream._lock:
+                self.stream.early_elapsed_time_calls += 1
+            raise RuntimeError(
+                "CUDA error: device not ready (elapsed_time() on an event that has not completed)"
+            )
+        return end_event.time_ms - self.time_ms
+
+    def synchronize(self) -> None:
+        self._count_wait()
+        raise AssertionError("FakeCudaEvent.synchronize(): a host stall in code that must not")
+
+    def wait(self, stream: Any = None) -> None:
+        self._count_wait()
+        raise AssertionError("FakeCudaEvent.wait(): not expected of an event timer")
+
+    def _is_complete(self) -> bool:
+        with self.stream._lock:
+            return self._seq is not None and self._seq < self.stream._completed
+
+    def _count_wait(self) -> None:
+        with self.stream._lock:
+            self.stream.waits += 1
+
+
+# -- counting host-device synchronizations -----------------------------------------------------
+
+
+@dataclass
+class HostSyncCount:
+    """What :func:`count_host_syncs` saw; ``total`` is what "adds no sync" must keep at zero."""
+
+    explicit: int = 0
+    """``torch.cuda.synchronize``, ``Stream.synchronize``, ``Event.synchronize`` calls."""
+    device_reads: int = 0
+    """``Tensor.item`` / ``tolist`` / ``cpu`` on a CUDA tensor: each waits for the device."""
+    early_elapsed_time: int = 0
+    """``Event.elapsed_time`` on an event not yet complete (an error, or a hidden wait)."""
+    debug_mode_warnings: int = 0
+    """Synchronizing operations reported by ``torch.cuda.set_sync_debug_mode("warn")``."""
+
+    @property
+    def total(self) -> int:
+        return (self.explicit + self.device_reads + self.early_elapsed_time
+                + self.debug_mode_warnings)
+
+
+@contextmanager
+def count_host_syncs() -> Iterator[HostSyncCount]:
+    """Count host-device synchronizations made, on any thread, inside the ``with`` block.
+
+    Wraps the explicit synchronize calls, device-to-host reads of CUDA tensors and
+    ``Event.elapsed_time`` (flagging a call on an incomplete event), and, with CUDA available,
+    turns on PyTorch's sync debug mode ("warn") to catch what the wrappers cannot see. All is
+    restored on exit. Without CUDA it still counts the wrapped calls (all zero, normally).
+    Not re-entrant; meant for tests and benchmarks, never for production code.
+    """
+    counts = HostSyncCount()
+    lock = threading.Lock()
+    restore: list[Callable[[], None]] = []
+
+    def bump(field_name: str) -> None:
+        with lock:
+            setattr(counts, field_name, getattr(counts, field_name) + 1)
+
+    def wrap(owner: Any, name: str, before: Callable[..., None]) -> None:
+        had_own = name in vars(owner)
+        original = getattr(owner, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            before(*args, **kwargs)
+            return original(*args, **kwargs)
+
+        setattr(owner, name, wrapper)
+        restore.append(
+            (lambda: setattr(owner, name, original)) if had_own
+            else (lambda: delattr(owner, name))
+        )
+
+    def explicit(*args: Any, **kwargs: Any) -> None:
+        bump("explicit")
+
+    def device_read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        if tensor.is_cuda:
+            bump("device_reads")
+
+    def elapsed_time(start: Any, end: Any, *args: Any, **kwargs: Any) -> None:
+        if not (start.query() and end.query()):
+            bump("early_elapsed_time")
+
+    wrap(torch.cuda, "synchronize", explicit)
+    wrap(torch.cuda.Stream, "synchronize", explicit)
+    wrap(torch.cuda.Event, "synchronize", explicit)
+    wrap(torch.cuda.Event, "elapsed_time", elapsed_time)
+    for name in ("item", "tolist", "cpu"):
+        wrap(torch.Tensor, name, device_read)
+
+    cuda = torch.cuda.is_available()
+    previous_mode = torch.cuda.get_sync_debug_mode() if cuda else 0
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if cuda:
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield counts
+            finally:
+                if cuda:
+                    torch.cuda.set_sync_debug_mode(previous_mode)
+        counts.debug_mode_warnings = sum(
+            "synchroniz" in str(w.message).lower() for w in caught
+        )
+    finally:
+        for undo in reversed(restore):
+            undo()

@@ -1,0 +1,227 @@
+"""A trainer and a rollout process over gloo: announce, broadcast, perf_counter timing, merge."""
+
+from __future__ import annotations
+
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rollout_sync import (
+    BroadcastCommandChannel,
+    BroadcastWeightPusher,
+    CommandKind,
+    TimerClock,
+    TrainerCallbacks,
+    WeightBroadcastCallback,
+    WeightBroadcastError,
+    weight_sync_bracket,
+)
+from rollout_sync.testing import EventLog, RecordingRollout
+
+TIMEOUT_S = 20.0
+SILENT_TIMEOUT_S = 0.5
+GATHER_FLOOR_S = 0.02
+ROLLOUT_METRICS = {
+    "rollout_sync/time_to_park_ms",
+    "rollout_sync/egress_drain_ms",
+    "rollout_sync/handler_ms",
+    "rollout_sync/fence_ms",
+    "rollout_sync/sync_total_ms",
+}
+
+
+def _plain(weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Nested lists: tensors sent through a Queue would share memory with an exiting child."""
+    return {k: v.tolist() for k, v in weights.items()}
+
+
+def _model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+
+
+def _trainer(channel: BroadcastCommandChannel, pusher: BroadcastWeightPusher,
+             rollout_done: Any) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs, targets = torch.randn(32, 8), torch.randn(32, 2)
+    pushed: dict[int, dict[str, Any]] = {}
+
+    def gather() -> dict[str, torch.Tensor]:
+        # Stands in for a ZeRO gather; sleeps on purpose so the timed bracket has a known floor.
+        time.sleep(GATHER_FLOOR_S)
+        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        pushed[broadcast.version + 1] = _plain(weights)
+        return weights
+
+    broadcast = WeightBroadcastCallback(gather, pusher=pusher, channel=channel,
+                                        timeout=TIMEOUT_S)
+    callbacks = TrainerCallbacks([broadcast])
+    callbacks.run_begin(0)
+    logged: dict[int, dict[str, Any] | None] = {}
+    for step in range(1, 6):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(inputs), targets)
+        loss.backward()
+        update_successful = step != 3  # step 3 plays an update the optimizer skipped
+        if update_successful:
+            optimizer.step()
+        train_metrics = None if step == 4 else {"loss": loss.item()}
+        logged[step] = callbacks.step_end(step, {"loss": loss.item()}, update_successful,
+                                          train_metrics)
+    callbacks.train_end(5)
+    # Stay in the group, silent, while the rollout side waits for a command that never comes.
+    assert rollout_done.wait(TIMEOUT_S), "the rollout side never finished"
+    assert broadcast.timer is not None
+    return {
+        "clock": broadcast.timer.clock,
+        "logged": logged,
+        "pushed": pushed,
+        "final": _plain(model.state_dict()),
+        "nbytes": sum(t.numel() * t.element_size() for t in model.state_dict().values()),
+    }
+
+
+def _rollout(channel: BroadcastCommandChannel, pusher: BroadcastWeightPusher,
+             rollout_done: Any) -> dict[str, Any]:
+    torch.manual_seed(1)
+    served = {k: v.detach().clone() for k, v in _model().state_dict().items()}
+    rollout = RecordingRollout(EventLog(), weights=served)
+    received: list[tuple[int, int, dict[str, Any]]] = []
+    metrics: list[dict[str, float]] = []
+    while True:
+        command = channel.receive(TIMEOUT_S)
+        if command.kind is CommandKind.STOP:
+            break
+        with weight_sync_bracket(rollout, name="receive_weights_p2r",
+                                 timeout=TIMEOUT_S) as bracket:
+            pusher.receive_weights(rollout.served_weights(), command, TIMEOUT_S)
+        rollout.commit_weight_version(command.version)
+        assert bracket.report is not None
+        metrics.append(bracket.report.to_metrics())
+        received.append((command.step, command.version, _plain(served)))
+    # The trainer is alive but announces nothing more: the wait is bounded and says so.
+    started = time.monotonic()
+    try:
+        channel.receive(SILENT_TIMEOUT_S)
+        silent_error = "no error"
+    except WeightBroadcastError as exc:
+        silent_error = str(exc)
+    silent_s = time.monotonic() - started
+    rollout_done.set()
+    return {"silent_error": silent_error, "silent_s": silent_s,"received": received, "metrics": metrics, "version": rollout.weight_version,
+            "pauses": rollout.log.events}
+
+
+def _rank_main(rank: int, port: int, results: Any, rollout_done: Any) -> None:
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=2, timeout=timedelta(seconds=TIMEOUT_S))
+        try:
+            channel = BroadcastCommandChannel(src=0)
+            pusher = BroadcastWeightPusher(src=0)
+            role = _trainer if rank == 0 else _rollout
+            result = role(channel, pusher, rollout_done)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - reported to the parent, readable
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run_two_ranks() -> dict[int, Any]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    rollout_done = ctx.Event()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(rank, port, results, rollout_done), daemon=True)
+             for rank in range(2)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        deadline = time.monotonic() + 60.0
+        while len(out) + len(errors) < 2:
+            try:
+                rank, status, payload = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"ranks {sorted(set(range(2)) - set(out))} reported "
+                                     "nothing within 60 s") from None
+            if status == "ok":
+                out[rank] = payload
+            else:
+                errors.append(f"rank {rank} failed:\n{payload}")
+        for p in procs:
+            p.join(TIMEOUT_S)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(90)
+def test_trainer_broadcast_over_gloo_is_timed_and_merged() -> None:
+    out = _run_two_ranks()
+    trainer, rollout = out[0], out[1]
+    nbytes = trainer["nbytes"]
+    logged = trainer["logged"]
+
+    # gloo moves CPU tensors synchronously: the perf_counter clock, no deferral.
+    assert trainer["clock"] is TimerClock.PERF_COUNTER
+
+    # Step 1: run_begin's push and step 1's, merged beside the training loss.
+    step1 = logged[1]
+    assert set(step1) == {"loss", "weight_sync_time_ms", "weight_sync_time_ms_max",
+                          "weight_sync_count", "weight_sync_bytes", "weight_sync_version"}
+    assert (step1["weight_sync_count"], step1["weight_sync_bytes"],
+            step1["weight_sync_version"]) == (2, 2 * nbytes, 2)
+    # The timer measured real wall time: each bracket includes the gather's floor.
+    assert GATHER_FLOOR_S * 1e3 <= step1["weight_sync_time_ms"] < TIMEOUT_S * 1e3
+    assert step1["weight_sync_time_ms"] <= step1["weight_sync_time_ms_max"]
+    assert logged[2]["weight_sync_count"] == 1
+    # Step 3 skipped its update: nothing pushed, nothing added.
+    assert set(logged[3]) == {"loss"}
+    # Step 4 was not logged; its push is reported with step 5's.
+    assert logged[4] is None
+    assert (logged[5]["weight_sync_count"], logged[5]["weight_sync_version"]) == (2, 5)
+    assert logged[5]["weight_sync_time_ms"] >= GATHER_FLOOR_S * 1e3
+
+    # The rollout side heard every announcement and received exactly what was pushed.
+    assert [(step, version) for step, version, _ in rollout["received"]] == [
+        (0, 1), (1, 2), (2, 3), (4, 4), (5, 5)
+    ]
+    for _, version, weights in rollout["received"]:
+        assert weights == trainer["pushed"][version]
+    assert rollout["received"][-1][2] == trainer["final"]
+    assert trainer["pushed"][1] != trainer["final"]
+    assert rollout["version"] == 5
+
+    # Each receive ran under the guard and produced the documented rollout-side metrics.
+    assert rollout["pauses"] == ["pause:enter", "pause:exit"] * 5
+    assert all(set(m) == ROLLOUT_METRICS for m in rollout["metrics"])
+    assert all(m["rollout_sync/handler_ms"] >= 0.0 for m in rollout["metrics"])
+
+    # A receive with nothing announced gave a clear error within its limit.
+    assert "receiving a command from rank 0 failed" in rollout["silent_error"]
+    assert "limit 0.5 s" in rollout["silent_error"]
+    assert rollout["silent_s"] < TIMEOUT_S
