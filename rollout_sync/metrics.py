@@ -160,7 +160,7 @@ class _Pending:
 
 def cuda_timing_event() -> TimingEvent:
     """The default event factory: ``torch.cuda.Event(enable_timing=True)``."""
-    event: TimingEvent = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    event: TimingEvent = torch.cuda.Event(enable_timing=True)
     return event
 
 

@@ -90,7 +90,7 @@ def _import_wandb() -> ModuleType | None:
         return None
     try:
         return importlib.import_module("wandb")
-    except Exception as exc:  # noqa: BLE001 - a broken install must not break training
+    except Exception as exc:
         _log.warning("wandb is installed but failed to import (%s); metrics go to logging only",
                      exc)
         return None

@@ -196,7 +196,7 @@ class TrainerCallbacks:
         for callback in self.callbacks:
             try:
                 callback.train_end(step)
-            except BaseException as exc:  # noqa: BLE001 - the others still get their call
+            except BaseException as exc:
                 if first_error is None:
                     first_error = exc
         if first_error is not None:

@@ -117,8 +117,8 @@ def _rollout(channel: BroadcastCommandChannel, pusher: BroadcastWeightPusher,
         silent_error = str(exc)
     silent_s = time.monotonic() - started
     rollout_done.set()
-    return {"silent_error": silent_error, "silent_s": silent_s,"received": received, "metrics": metrics, "version": rollout.weight_version,
-            "pauses": rollout.log.events}
+    return {"silent_error": silent_error, "silent_s": silent_s, "received": received,
+            "metrics": metrics, "version": rollout.weight_version, "pauses": rollout.log.events}
 
 
 def _rank_main(rank: int, port: int, results: Any, rollout_done: Any) -> None:
@@ -133,7 +133,7 @@ def _rank_main(rank: int, port: int, results: Any, rollout_done: Any) -> None:
         finally:
             dist.destroy_process_group()
         results.put((rank, "ok", result))
-    except BaseException:  # noqa: BLE001 - reported to the parent, readable
+    except BaseException:
         results.put((rank, "error", traceback.format_exc()))
 
 

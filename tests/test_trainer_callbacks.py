@@ -110,7 +110,7 @@ def test_a_key_collision_between_two_callbacks_names_both() -> None:
 
 
 def test_non_scalar_metrics_are_refused() -> None:
-    with pytest.raises(TypeError, match="tensor.*synchronize"):
+    with pytest.raises(TypeError, match=r"tensor.*synchronize"):
         merge_step_metrics({}, [("cb", {"t": torch.tensor(1.0)})])
     with pytest.raises(TypeError, match="list"):
         merge_step_metrics({}, [("cb", {"t": [1, 2]})])
@@ -283,7 +283,8 @@ def test_a_receiver_checks_the_announcement_before_taking_part() -> None:
     before = {k: v.clone() for k, v in into.items()}
     command = WeightSyncCommand(CommandKind.WEIGHTS, step=3, version=2, num_tensors=2,
                                 nbytes=WEIGHT_BYTES + 8)
-    with pytest.raises(WeightMismatchError, match=r"(?s)weights v2 \(step 3\).*announced 2 tensors"):
+    with pytest.raises(WeightMismatchError,
+                       match=r"(?s)weights v2 \(step 3\).*announced 2 tensors"):
         BroadcastWeightPusher().receive_weights(into, command, timeout=1.0)
     assert all(torch.equal(into[k], before[k]) for k in into)
 

@@ -61,7 +61,7 @@ def test_a_lagging_harvest_loses_no_sample_on_a_real_device() -> None:
         for step in range(12):
             with timer.measure(step):
                 torch.cuda._sleep(BUSY_CYCLES // 10)
-                for w, b in zip(weights, buffers):
+                for w, b in zip(weights, buffers, strict=True):
                     b.copy_(w)
             harvested += timer.harvest()
         harvested += timer.drain(timeout=60.0)
