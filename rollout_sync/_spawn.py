@@ -58,7 +58,7 @@ def _child(
         finally:
             dist.destroy_process_group()
         results.put((rank, "ok", value))
-    except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
+    except BaseException:  # reported to the parent, which raises it
         results.put((rank, "error", traceback.format_exc()))
 
 
@@ -100,7 +100,8 @@ def run_ranks(
             try:
                 rank, status, value = results.get(timeout=min(remaining, 0.5))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in values and p.exitcode is not None]
+                dead = [r for r, p in enumerate(procs)
+                        if r not in values and p.exitcode is not None]
                 if not dead:
                     continue
                 # A dead rank's result may still be in the pipe: look once more before failing.

@@ -51,7 +51,7 @@ from .errors import (
 )
 from .gate import Gate
 from .trace import SpanKind, Timeline
-from .transport import PayloadGroups
+from .transport import PayloadGroups, _use_device
 
 __all__ = ["PayloadReceiver", "ReceivedPayload", "ReceiverStatistics"]
 
@@ -125,6 +125,7 @@ class _Accepted:
     first_seq: int
     sizes: tuple[int, ...]
     request_ids: tuple[int, ...]
+    coalesced: bool
 
 
 class _ReceiverState:
@@ -200,7 +201,7 @@ class _ReceiverState:
         Raises:
             PayloadTransportError: the offer breaks the protocol (beyond credit, out of order).
         """
-        _, _, first_seq, count, first_request_id = words[:5]
+        _, _, first_seq, count, first_request_id, coalesced = words[:6]
         peer = self.peers[rank]
         problem = None
         if peer.announced is not None:
@@ -232,7 +233,7 @@ class _ReceiverState:
         self._next_ticket += 1
         self.in_flight.add(self._next_ticket)
         return _Accepted(self._next_ticket, first_seq, tuple(offer_sizes(words, count)),
-                         tuple(request_ids))
+                         tuple(request_ids), bool(coalesced))
 
     def on_received(self, accepted: _Accepted, payloads: list[ReceivedPayload]) -> None:
         self.in_flight.discard(accepted.ticket)
@@ -341,7 +342,8 @@ class PayloadReceiver:
         self.device = device_for_group(groups.data, device)
         self.timeline = timeline
         self.default_timeout = default_timeout
-        self.ingress_gate = Gate(
+        # Private: the bookkeeping counts every hold, so a hold must come through hold_receives.
+        self._gate = Gate(
             "payload ingress",
             section_noun="payload transfer",
             close_verb="hold",
@@ -439,14 +441,14 @@ class PayloadReceiver:
         with self._lock:
             self._state.begin_hold()
         try:
-            self.ingress_gate.acquire_exclusive(timeout)
+            self._gate.acquire_exclusive(timeout)
         except BaseException:
             self._end_hold()
             raise
         try:
             yield
         finally:
-            self.ingress_gate.release_exclusive()
+            self._gate.release_exclusive()
             self._end_hold()
 
     def _end_hold(self) -> None:
@@ -457,7 +459,7 @@ class PayloadReceiver:
             try:
                 with self._send_locks[rank]:
                     self._send_frame(rank, make_frame(FrameKind.RESUME))
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:
                 self._fail(exc)
 
     def flush_pending_receives(self, timeout: float | None = None) -> None:
@@ -499,8 +501,8 @@ class PayloadReceiver:
         deadline = time.monotonic() + limit
         with self._lock:
             while self._state.closed_readers < len(self._readers):
-                if self._state.error is not None:
-                    break
+                # After a failure the other readers may wait for ever on a dead peer: go now.
+                self._raise_if_failed("close the payload receiver")
                 remaining = _remaining(deadline)
                 if remaining is not None and remaining <= 0:
                     open_ranks = [p.rank for p in self._state.peers.values()
@@ -552,6 +554,7 @@ class PayloadReceiver:
     def _read_loop(self, rank: int) -> None:
         frame = torch.empty(FRAME_WORDS, dtype=torch.int64)
         try:
+            _use_device(self.device)
             self._top_up(rank)
             while True:
                 dist.recv(frame, src=rank, group=self.groups.control)
@@ -570,7 +573,7 @@ class PayloadReceiver:
                     return
                 else:
                     raise PayloadTransportError(f"rank {rank} sent {kind.name} to a receiver")
-        except BaseException as exc:  # noqa: BLE001 - kept, re-raised by every later call
+        except BaseException as exc:  # kept: every later call re-raises it
             self._fail(exc)
         finally:
             with self._lock:
@@ -585,7 +588,7 @@ class PayloadReceiver:
                 can_accept = False
                 if not self._state.holds:
                     try:
-                        self.ingress_gate.enter_section_nowait()
+                        self._gate.enter_section_nowait()
                         can_accept = True
                     except WouldBlock:
                         pass
@@ -593,7 +596,7 @@ class PayloadReceiver:
                     accepted = self._state.on_offer(rank, words, can_accept=can_accept)
                 except BaseException:
                     if can_accept:
-                        self.ingress_gate.exit_section()
+                        self._gate.exit_section()
                     raise
             start = time.monotonic_ns()
             kind = FrameKind.DEFER if accepted is None else FrameKind.ACCEPT
@@ -601,7 +604,7 @@ class PayloadReceiver:
                 self._send_frame(rank, make_frame(kind, words[1]))
             except BaseException:
                 if accepted is not None:
-                    self.ingress_gate.exit_section()
+                    self._gate.exit_section()
                 raise
         if accepted is None:
             return
@@ -624,17 +627,23 @@ class PayloadReceiver:
                 self._arrived.notify_all()
                 self._progress.notify_all()
         finally:
-            self.ingress_gate.exit_section()
+            self._gate.exit_section()
 
     def _receive_transfer(self, rank: int, accepted: _Accepted) -> list[torch.Tensor]:
         """Receive an accepted transfer's buffers on the data group (inside its section)."""
-        buffers = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in accepted.sizes]
+        if accepted.coalesced:
+            messages = [torch.empty(sum(accepted.sizes), dtype=torch.uint8, device=self.device)]
+        else:
+            messages = [torch.empty(n, dtype=torch.uint8, device=self.device)
+                        for n in accepted.sizes]
         with self._data_lock:
-            ops = [dist.P2POp(dist.irecv, b, rank, group=self.groups.data) for b in buffers]
+            ops = [dist.P2POp(dist.irecv, m, rank, group=self.groups.data) for m in messages]
             works = dist.batch_isend_irecv(ops)
             wait_works(works, self.device, self.default_timeout,
-                       f"receiving {len(buffers)} payloads from rank {rank}")
-        return buffers
+                       f"receiving {len(accepted.sizes)} payloads from rank {rank}")
+        if accepted.coalesced:
+            return list(torch.split(messages[0], list(accepted.sizes)))
+        return messages
 
     def _top_up(self, rank: int) -> None:
         """Grant ``rank`` the credit there is room for (requests go out in grant order)."""

@@ -58,6 +58,7 @@ from ._payload_wire import (
     FRAME_WORDS,
     MAX_BATCH,
     FrameKind,
+    coalesce,
     default_data_backend,
     device_for_group,
     make_frame,
@@ -475,7 +476,7 @@ class PayloadSender:
         receiver_rank: int,
         *,
         capacity: int = 64,
-        max_in_flight: int = 16,
+        max_in_flight: int = 32,
         device: torch.device | str | None = None,
         timeline: Timeline | None = None,
         default_timeout: float = 60.0,
@@ -493,7 +494,8 @@ class PayloadSender:
         self.device = device_for_group(groups.data, device)
         self.timeline = timeline
         self.default_timeout = default_timeout
-        self.egress_gate = Gate(
+        # Private: the bookkeeping counts every hold, so a hold must come through hold_sends.
+        self._gate = Gate(
             f"payload egress to rank {receiver_rank}",
             section_noun="payload transfer",
             close_verb="hold",
@@ -603,14 +605,14 @@ class PayloadSender:
         with self._lock:
             self._state.begin_hold(time.monotonic_ns())
         try:
-            self.egress_gate.acquire_exclusive(timeout)
+            self._gate.acquire_exclusive(timeout)
         except BaseException:
             self._end_hold()
             raise
         try:
             yield
         finally:
-            self.egress_gate.release_exclusive()
+            self._gate.release_exclusive()
             self._end_hold()
 
     def _end_hold(self) -> None:
@@ -814,6 +816,7 @@ class PayloadSender:
 
     def _launch_loop(self) -> None:
         try:
+            _use_device(self.device)
             while True:
                 with self._lock:
                     while True:
@@ -829,13 +832,13 @@ class PayloadSender:
                         self._send_frame(make_frame(FrameKind.EXPIRED, request_id, credits))
                 else:
                     self._run_offer(work)
-        except BaseException as exc:  # noqa: BLE001 - kept, re-raised by every later call
+        except BaseException as exc:  # kept: every later call re-raises it
             self._fail(exc)
 
     def _run_offer(self, offer: _Offer) -> None:
         """Offer ``offer`` and, if accepted, send it; all inside one egress section."""
         try:
-            self.egress_gate.enter_section_nowait()
+            self._gate.enter_section_nowait()
         except WouldBlock:
             # A hold began after the pick; the payloads wait at the head for its end.
             with self._lock:
@@ -844,16 +847,18 @@ class PayloadSender:
             return
         start = time.monotonic_ns()
         try:
+            message = coalesce([e.buffer for e in offer.entries])
             self._send_frame(make_frame(FrameKind.OFFER, offer.offer_id, offer.first_seq,
                                         offer.count, offer.first_request_id,
-                                        sizes=offer.sizes))
+                                        int(message is not None), sizes=offer.sizes))
             reply = self._await_reply(offer)
             if reply is FrameKind.DEFER:
                 with self._lock:
                     self._state.offer_deferred(offer)
                 return
-            ops = [dist.P2POp(dist.isend, e.buffer, self.receiver_rank, group=self.groups.data)
-                   for e in offer.entries]
+            buffers = [e.buffer for e in offer.entries] if message is None else [message]
+            ops = [dist.P2POp(dist.isend, b, self.receiver_rank, group=self.groups.data)
+                   for b in buffers]
             works = dist.batch_isend_irecv(ops)
             wait_works(works, self.device, self.default_timeout,
                        f"sending {offer.count} payloads to rank {self.receiver_rank}")
@@ -865,7 +870,7 @@ class PayloadSender:
             with self._lock:
                 self._state.offer_completed(offer)
         finally:
-            self.egress_gate.exit_section()
+            self._gate.exit_section()
             with self._lock:
                 self._progress.notify_all()
                 self._space.notify_all()
@@ -891,6 +896,7 @@ class PayloadSender:
     def _read_loop(self) -> None:
         frame = torch.empty(FRAME_WORDS, dtype=torch.int64)
         try:
+            _use_device(self.device)
             while True:
                 dist.recv(frame, src=self.receiver_rank, group=self.groups.control)
                 kind, words = read_frame(frame, self.receiver_rank)
@@ -914,7 +920,7 @@ class PayloadSender:
                         raise PayloadTransportError(
                             f"rank {self.receiver_rank} sent {kind.name} to a payload sender"
                         )
-        except BaseException as exc:  # noqa: BLE001 - kept, re-raised by every later call
+        except BaseException as exc:  # kept: every later call re-raises it
             self._fail(exc)
 
     def _send_frame(
@@ -988,6 +994,13 @@ class PayloadSender:
         if not limit >= 0:
             raise ValueError(f"timeout must be >= 0 seconds (or math.inf), got {timeout!r}")
         return limit
+
+
+def _use_device(device: torch.device) -> None:
+    """Make ``device`` current on the calling thread: NCCL works on the thread's current
+    device, and a new thread starts on device 0 whatever the process set."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def _remaining(deadline: float) -> float | None:

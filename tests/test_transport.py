@@ -96,7 +96,7 @@ def _consume_in_background(receiver: PayloadReceiver, collector: _Collector
         try:
             for payload in receiver.iter_payloads(timeout=30):
                 collector.add(payload)
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the rank function
+        except BaseException as exc:  # re-raised by the rank function
             errors.append(exc)
 
     thread = threading.Thread(target=consume, name="trainer-consumer", daemon=True)
@@ -169,7 +169,7 @@ def _ten_thousand_rank(rank: int, world_size: int) -> dict[str, Any]:
                     checks["sync_holds"] += 1
                     checks["violations"] += (first.in_flight != 0 or last.in_flight != 0
                                              or last.sent != first.sent)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
+        except BaseException as exc:  # re-raised by the rank function
             errors.append(exc)
 
     syncer = threading.Thread(target=weight_sync_thread, name="weight-sync")
@@ -328,9 +328,10 @@ def _syncs_rank(rank: int, world_size: int, guarded: bool) -> dict[str, Any]:
     options = {"capacity": 16, "max_in_flight": 8, "timeline": timeline}
     if rank == 1:
         worker = _SyncWorker(rank, weight_group, timeline)
-        backend: _Producer = _MixinProducer(rank, timeline=timeline)
-        worker.sender = backend.init_payload_transport(groups, TRAINER, **options)
-        backend.sink = backend
+        mixed = _MixinProducer(rank, timeline=timeline)
+        worker.sender = mixed.init_payload_transport(groups, TRAINER, **options)
+        mixed.sink = mixed
+        backend: _Producer = mixed
     else:
         worker = _MixinWorker(rank, weight_group, timeline)
         backend = _Producer(rank, timeline=timeline)
@@ -456,7 +457,7 @@ def _full_registry_rank(rank: int, world_size: int) -> dict[str, Any]:
             try:
                 worker.receive_weights(1)
                 outcome.append(None)
-            except BaseException as exc:  # noqa: BLE001 - reported below
+            except BaseException as exc:  # asserted on below
                 outcome.append(exc)
 
         syncer = threading.Thread(target=sync, name="weight-sync")

@@ -7,21 +7,32 @@ clock the test owns.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rollout_sync import (
+    NCCLRolloutMixin,
+    SupportsHoldSends,
+    SyncReport,
+    weight_sync_handler,
+)
 from rollout_sync._payload_wire import (
+    COALESCE_BYTES,
     MAX_BATCH,
     FrameKind,
+    coalesce,
     make_frame,
     pack_payload,
     read_frame,
     unpack_payload,
 )
 from rollout_sync.errors import PayloadTransportError
-from rollout_sync.receiver import _ReceiverState
+from rollout_sync.receiver import ReceivedPayload, _ReceiverState
+from rollout_sync.testing import EventLog, RecordingRollout
 from rollout_sync.transport import _Expire, _Offer, _SendPoolState
 
 S = 1_000_000_000  # one second in ns
@@ -179,7 +190,7 @@ _ops = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(ops=_ops, capacity=st.integers(1, 6), max_in_flight=st.integers(1, 4))
 def test_random_schedules_keep_order_and_lose_nothing(
-    ops: list[tuple[object, ...]], capacity: int, max_in_flight: int
+    ops: list[tuple[Any, ...]], capacity: int, max_in_flight: int
 ) -> None:
     state = _SendPoolState(capacity, max_in_flight)
     now = 0
@@ -191,13 +202,13 @@ def test_random_schedules_keep_order_and_lose_nothing(
     for op in ops:
         kind = op[0]
         if kind == "register":
-            for _ in range(int(op[1])):  # type: ignore[call-overload]
+            for _ in range(int(op[1])):
                 if state.try_reserve():
                     state.commit(torch.zeros(1, dtype=torch.uint8))
                     registered += 1
         elif kind == "request":
-            state.add_request(next_request, int(op[1]), int(op[2]) * S, now)  # type: ignore[call-overload]
-            deadlines[next_request] = state.request_clock(now) + int(op[2]) * S  # type: ignore[call-overload]
+            state.add_request(next_request, int(op[1]), int(op[2]) * S, now)
+            deadlines[next_request] = state.request_clock(now) + int(op[2]) * S
             next_request += 1
         elif kind == "hold":
             state.begin_hold(now)
@@ -208,7 +219,7 @@ def test_random_schedules_keep_order_and_lose_nothing(
         elif kind == "resume":
             state.receiver_resumed(now)
         elif kind == "tick":
-            now += int(op[1]) * S // 2  # type: ignore[call-overload]
+            now += int(op[1]) * S // 2
         elif kind == "launch":
             work = state.next_work(now)
             if holds or state.receiver_deferred:
@@ -255,9 +266,7 @@ def test_receiver_grants_only_room_it_has_in_chunks() -> None:
     assert state.grant(1) == (1, 2)  # a quarter window freed: granted in one request
 
 
-def _payload(rank: int, seq: int) -> object:
-    from rollout_sync.receiver import ReceivedPayload
-
+def _payload(rank: int, seq: int) -> ReceivedPayload:
     return ReceivedPayload(rank, seq, {}, {}, 0, 10)
 
 
@@ -323,7 +332,7 @@ def test_payload_round_trips_every_dtype_and_shape() -> None:
 
 
 def test_pack_rejects_bad_input_with_a_clear_error() -> None:
-    with pytest.raises(TypeError, match="dense torch.Tensor"):
+    with pytest.raises(TypeError, match=r"dense torch\.Tensor"):
         pack_payload({"x": [1, 2]}, None, CPU)  # type: ignore[dict-item]
     with pytest.raises(TypeError, match="names must be str"):
         pack_payload({1: torch.zeros(1)}, None, CPU)  # type: ignore[dict-item]
@@ -336,9 +345,79 @@ def test_pack_rejects_bad_input_with_a_clear_error() -> None:
 def test_frames_round_trip_and_reject_other_protocols() -> None:
     frame = make_frame(FrameKind.OFFER, 4, 10, 3, 2, sizes=[100, 200, 300])
     kind, words = read_frame(frame, peer=1)
-    assert kind is FrameKind.OFFER and words[1:5] == [4, 10, 3, 2] and words[8:11] == [100, 200, 300]
+    assert kind is FrameKind.OFFER and words[1:5] == [4, 10, 3, 2]
+    assert words[8:11] == [100, 200, 300]
     frame[7] = 99
     with pytest.raises(PayloadTransportError, match="protocol version 99"):
         read_frame(frame, peer=1)
     with pytest.raises(ValueError):
         make_frame(FrameKind.OFFER, sizes=[1] * (MAX_BATCH + 1))
+
+
+def test_coalesced_payloads_split_back_into_aligned_views() -> None:
+    payloads = [
+        ({"tokens": torch.arange(n, dtype=torch.int64), "logprobs": torch.randn(n).double(),
+          "flag": torch.tensor(n % 2 == 0)}, {"n": n})
+        for n in (1, 3, 7, 0, 12)
+    ]
+    buffers = [pack_payload(t, m, CPU) for t, m in payloads]
+    message = coalesce(buffers)
+    assert message is not None and message.numel() == sum(b.numel() for b in buffers)
+    parts = torch.split(message.clone(), [b.numel() for b in buffers])
+    for part, (tensors, meta) in zip(parts, payloads, strict=True):
+        out, out_meta = unpack_payload(part)
+        assert out_meta == meta
+        assert all(torch.equal(out[k], v) for k, v in tensors.items())
+    assert coalesce(buffers[:1]) is None  # nothing to gain from one payload
+    assert coalesce([torch.zeros(COALESCE_BYTES, dtype=torch.uint8)] * 2) is None
+
+
+# -- the mixin, where the guard looks for it ---------------------------------------------------
+
+
+class _MixedRollout(NCCLRolloutMixin, RecordingRollout):
+    """A backend that mixes in the transport."""
+
+
+class _Worker:
+    weight_sync_fence = None
+
+    def __init__(self, rollout: RecordingRollout) -> None:
+        self.rollout = rollout
+        self.reports: list[SyncReport] = []
+
+    def on_weight_sync_report(self, report: SyncReport) -> None:
+        self.reports.append(report)
+
+    @weight_sync_handler
+    def receive_weights(self) -> None:
+        pass
+
+
+class _MixedWorker(NCCLRolloutMixin, _Worker):
+    """A worker that mixes in the transport."""
+
+
+@pytest.mark.parametrize(
+    ("rollout_mixed", "worker_mixed", "held"),
+    [(True, False, 1), (False, True, 1), (True, True, 2), (False, False, 0)],
+)
+def test_the_guard_finds_the_mixin_on_the_backend_or_the_worker(
+    rollout_mixed: bool, worker_mixed: bool, held: int
+) -> None:
+    log = EventLog()
+    rollout = _MixedRollout(log) if rollout_mixed else RecordingRollout(log)
+    worker = _MixedWorker(rollout) if worker_mixed else _Worker(rollout)
+    worker.receive_weights()
+    (report,) = worker.reports
+    assert report.egress_held == held and report.egress_flushed == 0
+    assert isinstance(rollout, SupportsHoldSends) == rollout_mixed
+
+
+def test_the_mixin_before_its_transport_exists_holds_nothing_and_says_what_to_do() -> None:
+    mixed = _MixedRollout(EventLog())
+    with mixed.hold_sends(timeout=0.1):
+        mixed.flush_pending_sends(timeout=0.1)
+    with pytest.raises(RuntimeError, match="init_payload_transport"):
+        mixed.register_payload({"x": torch.zeros(1)})
+    mixed.close_payload_transport()  # nothing to close: no error
