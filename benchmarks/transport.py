@@ -5,8 +5,9 @@ payloads as fast as it can through a :class:`~rollout_sync.PayloadSender`; rank 
 taking them off a :class:`~rollout_sync.PayloadReceiver`. For each payload size it runs the
 same traffic twice, side by side in one run: without holds, and with a "weight-sync" thread
 taking ``hold_sends`` every ``--hold-every-ms`` for ``--hold-ms``. It reports payloads/s and
-MB/s (from the first registration until every payload was sent), and the drain latency: how
-long ``hold_sends`` took to take effect (wait out the transfer in flight), p50/p99.
+MB/s (from the first registration until every payload was sent), payloads per transfer, and
+the drain latency: how long ``hold_sends`` took to take effect (wait out the transfer in
+flight), p50/p99.
 
     python benchmarks/transport.py                 # short default run (~15 s)
     python benchmarks/transport.py --seconds 5 --sizes 1024,65536,1048576
@@ -53,6 +54,7 @@ class CaseResult:
     payloads: int
     elapsed_s: float
     bytes: int
+    transfers: int
     drains_s: tuple[float, ...]
 
     @property
@@ -100,7 +102,7 @@ def _run_case(sender: PayloadSender, config: Config, size: int, holds: bool) -> 
         syncer.join(30)
     after = sender.statistics()
     return CaseResult(size, holds, count, elapsed, after.bytes_sent - before.bytes_sent,
-                      tuple(drains))
+                      after.transfers - before.transfers, tuple(drains))
 
 
 def _bench_rank(rank: int, world_size: int, config: Config) -> Any:
@@ -151,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
           f"capacity {config.capacity}, max_in_flight {config.max_in_flight}, "
           f"window {config.window}, {config.seconds:g} s per case")
     header = (f"{'payload':>9}  {'holds':>16}  {'payloads':>8}  {'payloads/s':>10}  "
-              f"{'MB/s':>8}  {'holds':>5}  {'drain p50 ms':>12}  {'drain p99 ms':>12}")
+              f"{'MB/s':>8}  {'per xfer':>8}  {'holds':>5}  {'drain p50 ms':>12}  "
+              f"{'drain p99 ms':>12}")
     print(header)
     print("-" * len(header))
     by_key: dict[tuple[int, bool], CaseResult] = {}
@@ -162,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         p99 = f"{drain.p99_ms:.3f}" if r.drains_s else "-"
         print(f"{_fmt_size(r.size):>9}  {hold_label if r.holds else 'none':>16}  "
               f"{r.payloads:>8}  {r.payloads_per_s:>10.0f}  {r.mb_per_s:>8.1f}  "
-              f"{len(r.drains_s):>5}  {p50:>12}  {p99:>12}")
+              f"{r.payloads / max(1, r.transfers):>8.1f}  {len(r.drains_s):>5}  {p50:>12}  "
+              f"{p99:>12}")
     held_fraction = config.hold_ms / config.hold_every_ms
     print(f"\nthroughput with holds / without (holds keep egress shut "
           f"{held_fraction:.0%} of the time):")

@@ -398,7 +398,7 @@ class PayloadReceiver:
                         operation="receive a payload", timeout=limit,
                     )
                 self._arrived.wait(remaining)
-        self._top_up(payload.source)
+        self._top_up_after_take(payload.source)
         return payload
 
     def iter_payloads(self, timeout: float | None = None) -> Iterator[ReceivedPayload]:
@@ -420,7 +420,7 @@ class PayloadReceiver:
             if payload is None:
                 self._raise_if_failed("receive a payload")
                 raise WouldBlock("no payload is queued")
-        self._top_up(payload.source)
+        self._top_up_after_take(payload.source)
         return payload
 
     # -- the mirror hold -----------------------------------------------------------------------
@@ -644,6 +644,14 @@ class PayloadReceiver:
         if accepted.coalesced:
             return list(torch.split(messages[0], list(accepted.sizes)))
         return messages
+
+    def _top_up_after_take(self, rank: int) -> None:
+        """Grant the room a take freed. The payload is already the caller's: a failure here
+        must not lose it, so it is kept and raised by the next call instead."""
+        try:
+            self._top_up(rank)
+        except BaseException as exc:  # kept: every later call re-raises it
+            self._fail(exc)
 
     def _top_up(self, rank: int) -> None:
         """Grant ``rank`` the credit there is room for (requests go out in grant order)."""

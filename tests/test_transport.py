@@ -316,7 +316,7 @@ def _syncs_rank(rank: int, world_size: int, guarded: bool) -> dict[str, Any]:
             with hold, timeline.span(SpanKind.WEIGHT_COLLECTIVE, f"weights v{version}"):
                 # Widen the window on purpose: the rollouts already wait in the collective,
                 # and unguarded their payloads keep arriving meanwhile.
-                time.sleep(0.03)
+                time.sleep(0.05)
                 dist.broadcast(weights.fill_(version), src=TRAINER, group=weight_group)
         consumer.join(60)
         if errors:
