@@ -14,8 +14,13 @@ from .errors import EgressHoldTimeout as EgressHoldTimeout
 from .errors import FenceTimeout as FenceTimeout
 from .errors import GateTimeout as GateTimeout
 from .errors import HarvestTimeout as HarvestTimeout
+from .errors import IngressHoldTimeout as IngressHoldTimeout
 from .errors import MetricKeyCollisionError as MetricKeyCollisionError
 from .errors import PauseTimeout as PauseTimeout
+from .errors import PayloadBackpressureTimeout as PayloadBackpressureTimeout
+from .errors import PayloadsExhausted as PayloadsExhausted
+from .errors import PayloadTimeout as PayloadTimeout
+from .errors import PayloadTransportError as PayloadTransportError
 from .errors import RolloutSyncError as RolloutSyncError
 from .errors import TornWeightsError as TornWeightsError
 from .errors import WeightBroadcastError as WeightBroadcastError
@@ -42,6 +47,9 @@ from .metrics import percentile as percentile
 from .metrics import summarize as summarize
 from .metrics_logging import MetricsLogger as MetricsLogger
 from .metrics_logging import log_metrics as log_metrics
+from .receiver import PayloadReceiver as PayloadReceiver
+from .receiver import ReceivedPayload as ReceivedPayload
+from .receiver import ReceiverStatistics as ReceiverStatistics
 from .trace import Overlap as Overlap
 from .trace import Span as Span
 from .trace import SpanKind as SpanKind
@@ -59,6 +67,11 @@ from .trainer import WeightBroadcastStatistics as WeightBroadcastStatistics
 from .trainer import WeightPusher as WeightPusher
 from .trainer import WeightSyncCommand as WeightSyncCommand
 from .trainer import merge_step_metrics as merge_step_metrics
+from .transport import NCCLRolloutMixin as NCCLRolloutMixin
+from .transport import PayloadGroups as PayloadGroups
+from .transport import PayloadSender as PayloadSender
+from .transport import SenderStatistics as SenderStatistics
+from .transport import new_payload_groups as new_payload_groups
 from .weights import WeightMismatchError as WeightMismatchError
 from .weights import WeightSpec as WeightSpec
 from .weights import check_weights_match as check_weights_match
@@ -79,14 +92,26 @@ __all__ = [
     "GateStatistics",
     "GateTimeout",
     "HarvestTimeout",
+    "IngressHoldTimeout",
     "Measurement",
     "MetricKeyCollisionError",
     "MetricsLogger",
+    "NCCLRolloutMixin",
     "Overlap",
     "PauseTimeout",
+    "PayloadBackpressureTimeout",
+    "PayloadGroups",
+    "PayloadReceiver",
+    "PayloadSender",
+    "PayloadTimeout",
+    "PayloadTransportError",
+    "PayloadsExhausted",
     "QueueCommandChannel",
+    "ReceivedPayload",
+    "ReceiverStatistics",
     "RolloutBase",
     "RolloutSyncError",
+    "SenderStatistics",
     "Span",
     "SpanKind",
     "SupportsFlushPendingSends",
@@ -119,6 +144,7 @@ __all__ = [
     "holds_payload_egress",
     "log_metrics",
     "merge_step_metrics",
+    "new_payload_groups",
     "pauses_generation",
     "payload_egress_held",
     "percentile",

@@ -11,8 +11,13 @@ __all__ = [
     "FenceTimeout",
     "GateTimeout",
     "HarvestTimeout",
+    "IngressHoldTimeout",
     "MetricKeyCollisionError",
     "PauseTimeout",
+    "PayloadBackpressureTimeout",
+    "PayloadTimeout",
+    "PayloadTransportError",
+    "PayloadsExhausted",
     "RolloutSyncError",
     "TornWeightsError",
     "WeightBroadcastError",
@@ -50,6 +55,39 @@ class PauseTimeout(GateTimeout):
 
 class EgressHoldTimeout(GateTimeout):
     """Payload egress could not be held or flushed within the limit (a send kept running)."""
+
+
+class IngressHoldTimeout(GateTimeout):
+    """Payload receives could not be held or flushed within the limit (a receive kept running)."""
+
+
+class PayloadTimeout(RolloutSyncError, TimeoutError):
+    """A payload transport wait ran past its limit (a receive, a drain, a close).
+
+    Attributes:
+        operation: what was being waited for, in words.
+        timeout: the limit, in seconds.
+    """
+
+    def __init__(self, message: str, *, operation: str, timeout: float) -> None:
+        super().__init__(message)
+        self.operation = operation
+        self.timeout = timeout
+
+
+class PayloadBackpressureTimeout(PayloadTimeout):
+    """A payload could not be registered: the sender's registry stayed full past the limit.
+
+    Nothing was evicted to make room; the payload was not registered and may be retried.
+    """
+
+
+class PayloadTransportError(RolloutSyncError):
+    """The payload transport broke (a peer went away, the protocol was violated) or is closed."""
+
+
+class PayloadsExhausted(PayloadTransportError):
+    """Every payload sender has closed and every payload it sent was taken: the stream ended."""
 
 
 class FenceTimeout(RolloutSyncError, TimeoutError):

@@ -1,0 +1,257 @@
+"""The payload transport's wire: control frames, the payload buffer format, waiting on work.
+
+Two process groups carry a transport (see :class:`~rollout_sync.PayloadGroups`):
+
+* the **control** group (always gloo, CPU) carries fixed-size int64 *frames*: credit requests,
+  offers and their answers, resume notices, goodbyes. Nothing on it touches the device, so it
+  may be used while a weight collective runs.
+* the **data** group (NCCL on GPU, gloo on CPU) carries only payload buffers, and only after
+  both ends agreed on the transfer over the control group.
+
+A payload buffer is one flat ``uint8`` tensor: an 8-byte little-endian manifest length, the
+manifest (JSON: tensor names, dtypes, shapes, offsets, plus the caller's metadata), padding to
+16 bytes, then each tensor's bytes at a 16-byte aligned offset (so the receiver can view them
+in place as their dtype).
+
+Private: the public names are in :mod:`rollout_sync.transport` and :mod:`rollout_sync.receiver`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import json
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import PayloadTransportError
+
+FRAME_WORDS = 64
+"""Every control frame is this many int64 words (512 bytes)."""
+_HEADER_WORDS = 8
+MAX_BATCH = FRAME_WORDS - _HEADER_WORDS
+"""The most payloads one offer (one transfer) can carry: one size word each."""
+PROTOCOL_VERSION = 1
+_VERSION_WORD = 7
+_ALIGN = 16
+
+
+class FrameKind(enum.IntEnum):
+    """What a control frame says. Words 1.. depend on the kind (see each member)."""
+
+    REQUEST = 1
+    """receiver -> sender: [request_id, credits, timeout_us]. Credit for ``credits`` payloads."""
+    EXPIRED = 2
+    """sender -> receiver: [request_id, credits_left]. The request ran out unserved."""
+    OFFER = 3
+    """sender -> receiver: [offer_id, first_seq, count, first_request_id, coalesced], sizes
+    from word 8. ``coalesced``: 1 if the payloads travel as one concatenated message."""
+    ACCEPT = 4
+    """receiver -> sender: [offer_id]. Receives are posted; send now."""
+    DEFER = 5
+    """receiver -> sender: [offer_id]. Receives are held; offer again after RESUME."""
+    RESUME = 6
+    """receiver -> sender: []. The receive hold that deferred an offer has ended."""
+    BYE = 7
+    """sender -> receiver: [total_registered]. The sender is closing; nothing more will come."""
+    BYE_ACK = 8
+    """receiver -> sender: []. The last frame on this pair."""
+
+
+def make_frame(kind: FrameKind, *words: int, sizes: Sequence[int] = ()) -> torch.Tensor:
+    """A control frame of ``kind`` with ``words`` from word 1 and ``sizes`` from word 8."""
+    if len(words) > _HEADER_WORDS - 2 or len(sizes) > MAX_BATCH:
+        raise ValueError(f"frame too long: {len(words)} words, {len(sizes)} sizes")
+    frame = torch.zeros(FRAME_WORDS, dtype=torch.int64)
+    frame[0] = int(kind)
+    if words:
+        frame[1 : 1 + len(words)] = torch.tensor(words, dtype=torch.int64)
+    frame[_VERSION_WORD] = PROTOCOL_VERSION
+    if sizes:
+        frame[_HEADER_WORDS : _HEADER_WORDS + len(sizes)] = torch.tensor(sizes, dtype=torch.int64)
+    return frame
+
+
+def read_frame(frame: torch.Tensor, peer: int) -> tuple[FrameKind, list[int]]:
+    """Decode a received frame into its kind and all its words (word 0 is the kind).
+
+    Raises:
+        PayloadTransportError: the frame is not one this version of the protocol sends.
+    """
+    words: list[int] = frame.tolist()
+    if words[_VERSION_WORD] != PROTOCOL_VERSION:
+        raise PayloadTransportError(
+            f"rank {peer} sent a control frame of protocol version {words[_VERSION_WORD]}, "
+            f"this process speaks version {PROTOCOL_VERSION}: are both ends running the same "
+            "rollout_sync, and is the control group used by anything else?"
+        )
+    try:
+        return FrameKind(words[0]), words
+    except ValueError:
+        raise PayloadTransportError(
+            f"rank {peer} sent an unknown control frame kind {words[0]}"
+        ) from None
+
+
+def offer_sizes(words: list[int], count: int) -> list[int]:
+    return words[_HEADER_WORDS : _HEADER_WORDS + count]
+
+
+COALESCE_BYTES = 1 << 20
+"""A transfer of at most this many bytes travels as one message: one concatenated buffer
+instead of one per payload. Per-message cost dominates small payloads (gloo: tens of
+microseconds each); the copy this costs is small at this size."""
+
+
+def coalesce(buffers: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One message for ``buffers`` if they are worth coalescing, else None.
+
+    Every payload buffer's size is a multiple of the alignment, so each one starts aligned in
+    the concatenation and the receiver can split it into views.
+    """
+    if len(buffers) < 2 or sum(b.numel() for b in buffers) > COALESCE_BYTES:
+        return None
+    return torch.cat(list(buffers))
+
+
+# -- the payload buffer ------------------------------------------------------------------------
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16,
+        torch.complex64, torch.complex128,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    )
+}
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def pack_payload(
+    tensors: Mapping[str, torch.Tensor],
+    meta: Mapping[str, Any] | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """Copy ``tensors`` and ``meta`` into one new flat ``uint8`` buffer on ``device``.
+
+    Raises:
+        TypeError / ValueError: a name is not a string, a value is not a dense tensor of a
+            supported dtype, or ``meta`` is not JSON-serialisable. Nothing is allocated then.
+    """
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"payload tensors must be a mapping of name to tensor, got "
+                        f"{type(tensors).__name__}")
+    entries: list[list[Any]] = []
+    offset = 0
+    for name, tensor in tensors.items():
+        if not isinstance(name, str):
+            raise TypeError(f"payload tensor names must be str, got {name!r}")
+        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+            raise TypeError(f"payload entry {name!r} must be a dense torch.Tensor, got "
+                            f"{type(tensor).__name__}")
+        dtype_name = str(tensor.dtype).removeprefix("torch.")
+        if dtype_name not in _DTYPES:
+            raise ValueError(f"payload entry {name!r} has unsupported dtype {tensor.dtype}; "
+                             f"supported: {', '.join(sorted(_DTYPES))}")
+        nbytes = tensor.numel() * tensor.element_size()
+        entries.append([name, dtype_name, list(tensor.shape), offset, nbytes])
+        offset = _aligned(offset + nbytes)
+    try:
+        manifest = json.dumps({"meta": dict(meta or {}), "tensors": entries},
+                              separators=(",", ":"), allow_nan=True).encode()
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"payload metadata must be JSON-serialisable (small scalars, strings, "
+                         f"lists, dicts; send arrays as tensors): {exc}") from exc
+    data_start = _aligned(8 + len(manifest))
+    # offset is aligned after every tensor, so the whole buffer's size is aligned too.
+    head = bytearray(data_start)
+    head[:8] = len(manifest).to_bytes(8, "little")
+    head[8 : 8 + len(manifest)] = manifest
+    buffer = torch.empty(data_start + offset, dtype=torch.uint8, device=device)
+    buffer[:data_start].copy_(torch.frombuffer(head, dtype=torch.uint8))
+    for (_, _, _, start, nbytes), tensor in zip(entries, tensors.values(), strict=True):
+        if nbytes:
+            flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            buffer[data_start + start : data_start + start + nbytes].copy_(flat)
+    return buffer
+
+
+def unpack_payload(buffer: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The tensors (views into ``buffer``, no copy) and metadata packed by :func:`pack_payload`.
+
+    Raises:
+        PayloadTransportError: the buffer is not a well-formed payload (a protocol bug).
+    """
+    try:
+        length = int.from_bytes(buffer[:8].cpu().numpy().tobytes(), "little")
+        manifest = json.loads(buffer[8 : 8 + length].cpu().numpy().tobytes())
+        data_start = _aligned(8 + length)
+        tensors: dict[str, torch.Tensor] = {}
+        for name, dtype_name, shape, start, nbytes in manifest["tensors"]:
+            raw = buffer[data_start + start : data_start + start + nbytes]
+            tensors[name] = raw.view(_DTYPES[dtype_name]).reshape(shape)
+        meta: dict[str, Any] = manifest["meta"]
+    except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+        raise PayloadTransportError(f"received a malformed payload buffer of "
+                                    f"{buffer.numel()} bytes: {exc}") from exc
+    return tensors, meta
+
+
+# -- groups and work ---------------------------------------------------------------------------
+
+
+def default_data_backend() -> str:
+    """NCCL where CUDA and NCCL are there, gloo otherwise: one code path, two transports."""
+    if torch.cuda.is_available() and dist.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def device_for_group(group: dist.ProcessGroup, device: torch.device | str | None) -> torch.device:
+    """The device payload buffers live on: as given, else CUDA's current device for NCCL."""
+    if device is not None:
+        return torch.device(device)
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def timedelta_s(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(seconds, 1e-3))
+
+
+def wait_works(
+    works: Sequence[dist.Work], device: torch.device, timeout: float, what: str
+) -> None:
+    """Wait until ``works`` have *completed* (not merely been enqueued), within ``timeout`` s.
+
+    On gloo ``wait`` returns on completion. On NCCL it only makes the current stream wait, so
+    an event recorded after it is polled: the transfer is complete when the event is.
+
+    Raises:
+        PayloadTransportError: the work failed or did not complete in time. The data group is
+            unusable afterwards (a timed-out gloo pair is closed; an NCCL op is stuck).
+    """
+    deadline = time.monotonic() + timeout
+    try:
+        for work in works:
+            work.wait(timedelta_s(deadline - time.monotonic()))
+        if device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            while not event.query():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"device work still running after {timeout:.1f} s")
+                time.sleep(20e-6)
+    except (RuntimeError, TimeoutError) as exc:
+        raise PayloadTransportError(
+            f"{what} did not complete within {timeout:.1f} s: {exc}. The peer process likely "
+            "died or stopped serving its transport; the data group is unusable now."
+        ) from exc
