@@ -6,6 +6,13 @@ The public API is flat: everything a user needs is importable from here.
 from .backend import BackendStatistics as BackendStatistics
 from .backend import RolloutBase as RolloutBase
 from .backend import ThreadedRolloutBackend as ThreadedRolloutBackend
+from .backends import KVCachePolicy as KVCachePolicy
+from .backends import TinyCausalLM as TinyCausalLM
+from .backends import TinyLMConfig as TinyLMConfig
+from .backends import TorchLMBackend as TorchLMBackend
+from .backends import TorchLMStatistics as TorchLMStatistics
+from .backends import TorchLMStreamBackend as TorchLMStreamBackend
+from .backends import tiny_lm_weights as tiny_lm_weights
 from .egress import EgressHoldReport as EgressHoldReport
 from .egress import SupportsFlushPendingSends as SupportsFlushPendingSends
 from .egress import SupportsHoldSends as SupportsHoldSends
@@ -30,6 +37,17 @@ from .guard import weight_sync_handler as weight_sync_handler
 from .metrics import DurationSummary as DurationSummary
 from .metrics import percentile as percentile
 from .metrics import summarize as summarize
+from .scheduler import DecodeEngine as DecodeEngine
+from .scheduler import FinishReason as FinishReason
+from .scheduler import GenerationRequest as GenerationRequest
+from .scheduler import GenerationResult as GenerationResult
+from .scheduler import ParkReport as ParkReport
+from .scheduler import RolloutTaskScheduler as RolloutTaskScheduler
+from .scheduler import SamplingParams as SamplingParams
+from .scheduler import SchedulerStatistics as SchedulerStatistics
+from .scheduler import SchedulerTimeout as SchedulerTimeout
+from .scheduler import SequenceState as SequenceState
+from .scheduler import StepReport as StepReport
 from .trace import Overlap as Overlap
 from .trace import Span as Span
 from .trace import SpanKind as SpanKind
@@ -43,25 +61,42 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackendStatistics",
+    "DecodeEngine",
     "DurationSummary",
     "EgressHoldReport",
     "EgressHoldTimeout",
     "FenceTimeout",
+    "FinishReason",
     "Gate",
     "GateStatistics",
     "GateTimeout",
+    "GenerationRequest",
+    "GenerationResult",
+    "KVCachePolicy",
     "Overlap",
+    "ParkReport",
     "PauseTimeout",
     "RolloutBase",
     "RolloutSyncError",
+    "RolloutTaskScheduler",
+    "SamplingParams",
+    "SchedulerStatistics",
+    "SchedulerTimeout",
+    "SequenceState",
     "Span",
     "SpanKind",
+    "StepReport",
     "SupportsFlushPendingSends",
     "SupportsHoldSends",
     "SyncMode",
     "SyncReport",
     "ThreadedRolloutBackend",
     "Timeline",
+    "TinyCausalLM",
+    "TinyLMConfig",
+    "TorchLMBackend",
+    "TorchLMStatistics",
+    "TorchLMStreamBackend",
     "TornWeightsError",
     "WeightMismatchError",
     "WeightSpec",
@@ -75,6 +110,7 @@ __all__ = [
     "payload_egress_held",
     "percentile",
     "summarize",
+    "tiny_lm_weights",
     "weight_sync_bracket",
     "weight_sync_handler",
 ]
