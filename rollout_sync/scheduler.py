@@ -49,6 +49,7 @@ from .gate import Gate
 from .trace import SpanKind, Timeline
 
 __all__ = [
+    "SCHEDULER_STEP_SPAN",
     "DecodeEngine",
     "FinishReason",
     "GenerationRequest",
@@ -61,6 +62,10 @@ __all__ = [
     "SequenceState",
     "StepReport",
 ]
+
+SCHEDULER_STEP_SPAN = "scheduler_step"
+"""Timeline span kind of one scheduling iteration inside its gate section (admission, the
+decode step, retirement): what a step-boundary pause may have to wait for."""
 
 LogitsProcessor = Callable[[Sequence[int], torch.Tensor], torch.Tensor]
 """``(tokens so far, prompt included; next-token logits) -> logits``; may raise to fail a task."""
@@ -403,7 +408,8 @@ class RolloutTaskScheduler:
         with self._lock:
             if self._thread is not None or self._stopped:
                 raise RuntimeError(
-                    f"{self!r} was already started; a scheduler runs once (make a new one)"
+                    f"the {self.name!r} scheduler was already started; a scheduler runs once "
+                    "(make a new one)"
                 )
             self._thread = threading.Thread(target=self._run, name=f"{self.name}-scheduler",
                                             daemon=True)
@@ -491,7 +497,8 @@ class RolloutTaskScheduler:
         self.engine.validate_request(request)
         with self._changed:
             if self._stopped or self._stopping:
-                raise RuntimeError(f"{self!r} is stopped; it admits no new request")
+                raise RuntimeError(f"the {self.name!r} scheduler is stopped; it admits no new "
+                                   "request")
             self.raise_if_failed()
             request_id = next(self._ids)
             self._queue.append((request_id, request))
@@ -545,8 +552,8 @@ class RolloutTaskScheduler:
                 if not self.running:
                     self.raise_if_failed()
                     raise RuntimeError(
-                        f"{self!r} has work but its thread is not running; call start() "
-                        "or drive it with step()"
+                        f"the {self.name!r} scheduler has work but its thread is not running; "
+                        "call start() or drive it with step()"
                     )
                 if not self._changed.wait(_remaining(deadline)) and (
                     self._queue or self._active or self._admitting
@@ -711,12 +718,14 @@ class RolloutTaskScheduler:
             raise RuntimeError(f"{self!r}: two threads stepping at once")
         started = time.perf_counter()
         admitted = 0
+        guarded = self.guard_steps
         try:
             self._stepping_thread = threading.get_ident()
             if self.unsafe_admission_race:
                 admitted = self._admit_check_then_act()
-            if self.guard_steps:
+            if guarded:
                 self.gate.enter_section(timeout)
+            section_ns = time.monotonic_ns()
             try:
                 if not self.unsafe_admission_race:
                     admitted = self._admit()
@@ -731,8 +740,11 @@ class RolloutTaskScheduler:
                                 state.fail(exc)
                 finished = self._retire(decoded=len(batch))
             finally:
-                if self.guard_steps:
+                if guarded:
                     self.gate.exit_section()
+            if batch and self.timeline is not None:
+                self.timeline.add_span(SCHEDULER_STEP_SPAN, f"{self.name} step", section_ns,
+                                       admitted=admitted, batch=len(batch), finished=finished)
         finally:
             self._stepping_thread = None
             self._stepping.release()
