@@ -23,15 +23,14 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 # Run from a checkout without installing: import this repository's package, not another copy.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from rollout_sync import (  # noqa: E402
+from rollout_sync import (
     Gate,
     RolloutTaskScheduler,
     Timeline,
@@ -40,14 +39,15 @@ from rollout_sync import (  # noqa: E402
     summarize,
     tiny_lm_weights,
 )
-from rollout_sync.scheduler import SCHEDULER_STEP_SPAN  # noqa: E402
+from rollout_sync.scheduler import SCHEDULER_STEP_SPAN
 
 
-def _wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+def _wait_steps(scheduler: RolloutTaskScheduler, steps: int, timeout: float = 30.0) -> None:
+    """Poll until the scheduler has run ``steps`` decode steps in all."""
     deadline = time.monotonic() + timeout
-    while not predicate():
+    while scheduler.statistics().steps < steps:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"benchmark: timed out waiting for {what}")
+            raise TimeoutError(f"benchmark: the scheduler did not reach {steps} steps")
         time.sleep(0.0002)
 
 
@@ -70,9 +70,7 @@ def park_latency(config: TinyLMConfig, *, syncs: int, drain: bool, max_concurren
                 backend.put(prompt, max_new_tokens=rng.randint(min_tokens, max_tokens))
             # Let a few steps run so the pause lands on generation in full flight, at a random
             # point of a step.
-            steps = scheduler.statistics().steps
-            target = steps + rng.randint(2, 4)
-            _wait_for(lambda: scheduler.statistics().steps >= target, 30, "decode steps")
+            _wait_steps(scheduler, scheduler.statistics().steps + rng.randint(2, 4))
             time.sleep(rng.uniform(0, 1e-3))  # a random phase within the step, on purpose
             with scheduler.paused(timeout=60, wait_for_active_tasks=drain) as park:
                 backend.load_weights(weight_sets[version % 2])
@@ -82,12 +80,12 @@ def park_latency(config: TinyLMConfig, *, syncs: int, drain: bool, max_concurren
     finally:
         backend.stop(timeout=60)
     steps_s = [s.duration_s for s in timeline.spans(SCHEDULER_STEP_SPAN)]
-    park = summarize(park_s)
+    parks = summarize(park_s)
     step = summarize(steps_s)
     return {
-        "park_p50_ms": park.p50_ms,
-        "park_p99_ms": park.p99_ms,
-        "park_max_ms": park.max_ms,
+        "park_p50_ms": parks.p50_ms,
+        "park_p99_ms": parks.p99_ms,
+        "park_max_ms": parks.max_ms,
         "step_p50_ms": step.p50_ms,
         "step_p99_ms": step.p99_ms,
         "in_flight_mean": statistics.fmean(in_flight),

@@ -444,14 +444,7 @@ class RolloutTaskScheduler:
                 )
         with self._changed:
             self._stopped = True
-            leftovers = list(self._active) + [self._new_state(rid, req)
-                                              for rid, req in self._queue]
-            self._active.clear()
-            self._queue.clear()
-            for state in leftovers:
-                if not state.finished:
-                    state.cancel()
-            self._publish_locked(leftovers)
+            self._end_unfinished_locked(None)
         self.raise_if_failed()
 
     @property
@@ -686,6 +679,9 @@ class RolloutTaskScheduler:
                     while not self._stopping and not self._runnable_locked():
                         self._changed.wait()
                     if self._stopping:
+                        # Published here too, so that a stop() that gave up waiting for a
+                        # parked thread strands nothing once the pause ends.
+                        self._end_unfinished_locked(None)
                         return
                 if self.engine.weights_torn:
                     # Torn weights serve nothing; a complete sync clears them. Poll, since the
@@ -695,27 +691,36 @@ class RolloutTaskScheduler:
                     continue
                 # A sync holds the gate for as long as its transfer takes, and the transfer is
                 # bounded by its own timeouts, so this wait is too.
-                self._iterate(math.inf)
+                self._iterate(math.inf, blocking=True)
         except BaseException as exc:  # noqa: BLE001 - kept; stop() and put() re-raise it
             self._error = exc
             with self._changed:
-                dead = list(self._active) + [self._new_state(rid, req)
-                                             for rid, req in self._queue]
-                self._active.clear()
-                self._queue.clear()
-                for state in dead:
-                    if not state.finished:
-                        state.fail(exc)
-                self._publish_locked(dead)
+                self._end_unfinished_locked(exc)
+
+    def _end_unfinished_locked(self, error: BaseException | None) -> None:
+        """Turn every queued and active request into a result: cancelled, or failed with
+        ``error``."""
+        unfinished = list(self._active) + [self._new_state(rid, req)
+                                           for rid, req in self._queue]
+        self._active.clear()
+        self._queue.clear()
+        for state in unfinished:
+            if state.finished:
+                continue
+            if error is None:
+                state.cancel()
+            else:
+                state.fail(error)
+        self._publish_locked(unfinished)
 
     def _runnable_locked(self) -> bool:
         if self._active:
             return True
         return bool(self._queue) and not self._drainers
 
-    def _iterate(self, timeout: float) -> StepReport:
-        if not self._stepping.acquire(blocking=False):
-            raise RuntimeError(f"{self!r}: two threads stepping at once")
+    def _iterate(self, timeout: float, *, blocking: bool = False) -> StepReport:
+        if not self._stepping.acquire(blocking=blocking):
+            raise RuntimeError(f"{self!r}: another thread is stepping it right now")
         started = time.perf_counter()
         admitted = 0
         guarded = self.guard_steps

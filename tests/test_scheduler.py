@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 
 import pytest
+import torch
 from torch_lm_helpers import (  # noqa: F401 - one_torch_thread is an autouse fixture
     Runner,
     SyncWorker,
@@ -28,6 +29,7 @@ from rollout_sync import (
     PauseTimeout,
     RolloutTaskScheduler,
     SamplingParams,
+    SchedulerStatistics,
     SchedulerTimeout,
     SequenceState,
     SpanKind,
@@ -257,9 +259,9 @@ def test_step_boundary_pause_times_out_clearly_and_leaves_nothing_held() -> None
     try:
         assert blocker.holding.wait(10)
         with pytest.raises(PauseTimeout,
-                           match=r"did not park within 0\.2 s \(1 decode step still running\)"):
-            with backend.paused(timeout=0.2):
-                pytest.fail("the body of a timed-out pause ran")
+                           match=r"did not park within 0\.2 s \(1 decode step still running\)"),\
+                backend.paused(timeout=0.2):
+            pytest.fail("the body of a timed-out pause ran")
         gate = backend.generation_gate.statistics()
         assert (gate.holders, gate.exclusive_waiting) == (0, 0)
         blocker.release.set()
@@ -281,9 +283,9 @@ def test_drain_times_out_clearly_and_reopens_admission() -> None:
     backend.start()
     try:
         assert blocker.holding.wait(10)
-        with pytest.raises(PauseTimeout, match=r"did not drain within 0\.2 s \(1 active task"):
-            with backend.paused(timeout=0.2, wait_for_active_tasks=True):
-                pytest.fail("the body of a timed-out drain ran")
+        with pytest.raises(PauseTimeout, match=r"did not drain within 0\.2 s \(1 active task"),\
+                backend.paused(timeout=0.2, wait_for_active_tasks=True):
+            pytest.fail("the body of a timed-out drain ran")
         assert backend.scheduler.statistics().admission_open
         blocker.release.set()
         assert backend.scheduler.get(timeout=20).ok
@@ -303,9 +305,9 @@ def test_pauses_nest_and_a_drain_inside_a_held_pause_is_refused() -> None:
         with scheduler.paused(timeout=1) as inner:
             assert inner.in_flight == 1
         assert scheduler.statistics().parked
-        with pytest.raises(RuntimeError, match="cannot finish while parked"):
-            with scheduler.paused(timeout=1, wait_for_active_tasks=True):
-                pass
+        with pytest.raises(RuntimeError, match="cannot finish while parked"), \
+                scheduler.paused(timeout=1, wait_for_active_tasks=True):
+            pass
     assert not scheduler.statistics().parked
     assert scheduler.statistics().admission_open
 
@@ -421,7 +423,7 @@ def test_pausing_while_nobody_collects_results_completes_and_loses_nothing() -> 
 
 @pytest.mark.timeout(30)
 def test_a_failing_task_is_a_failed_result_and_its_batch_carries_on() -> None:
-    def reward_model_hook(context: Sequence[int], logits: object) -> object:
+    def reward_model_hook(context: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         if len(context) >= 5:
             raise ValueError("logits processor exploded")
         return logits
@@ -505,6 +507,46 @@ def test_stop_with_finish_active_completes_everything_first() -> None:
     assert results.keys() == ids and all(r.ok for r in results.values())
 
 
+@pytest.mark.timeout(30)
+def test_a_stop_that_gives_up_on_a_parked_thread_still_strands_nothing() -> None:
+    backend = TorchLMStreamBackend(tiny_config())
+    scheduler = backend.scheduler
+    rid = backend.put([1, 2], max_new_tokens=50)
+    backend.start()
+    try:
+        wait_until(lambda: scheduler.statistics().tokens >= 1, 20, "decoding")
+        with scheduler.paused(timeout=10), \
+                pytest.raises(SchedulerTimeout, match="parked by a pause"):
+            scheduler.stop(timeout=0.2)
+        result = scheduler.get(timeout=20)
+    finally:
+        scheduler.stop()
+    assert result.request_id == rid and result.finish_reason is FinishReason.CANCELLED
+    assert not scheduler.running
+
+
+@pytest.mark.timeout(30)
+def test_drain_on_pause_makes_the_guard_drain() -> None:
+    config = tiny_config()
+    backend = TorchLMStreamBackend(config, drain_on_pause=True)
+    worker = SyncWorker(backend)
+    first = backend.put([1, 2, 3], max_new_tokens=12)
+    backend.start()
+    try:
+        wait_until(lambda: backend.scheduler.statistics().tokens >= 1, 20, "decoding")
+        inside: list[SchedulerStatistics] = []
+        worker.inside = lambda: inside.append(backend.scheduler.statistics())
+        worker.receive_weights(1, weights_of(config, 1))
+        result = backend.scheduler.get(timeout=20)
+    finally:
+        backend.stop()
+    assert worker.reports[-1].paused
+    assert [s.active for s in inside] == [0]
+    assert result.request_id == first and not result.straddled_sync
+    assert result.token_weight_versions == (0,) * 12
+    assert backend.scheduler.statistics().drains == 1
+
+
 def test_stop_before_start_cancels_the_queue_and_result_waits_are_bounded() -> None:
     scheduler = RolloutTaskScheduler(_FlakyEngine())
     rid = scheduler.put([1])
@@ -544,6 +586,11 @@ def test_statistics_and_repr_summarise_live_state() -> None:
 # -- real threads, guard on and off ------------------------------------------------------------
 
 
+def _wait_for_step_after(backend: TorchLMStreamBackend, steps: int) -> None:
+    wait_until(lambda: backend.scheduler.statistics().steps > steps, 10,
+               "a decode step between two syncs")
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("guarded", [True, False], ids=["guarded", "unguarded"])
 def test_stream_generation_racing_syncs_on_real_threads(guarded: bool) -> None:
@@ -572,8 +619,7 @@ def test_stream_generation_racing_syncs_on_real_threads(guarded: bool) -> None:
                 break
             # Let generation take at least one step before the next sync: back-to-back syncs
             # would otherwise keep the gate closed and the race would never be exercised.
-            wait_until(lambda: backend.scheduler.statistics().steps > steps, 10,
-                       "a decode step between two syncs")
+            _wait_for_step_after(backend, steps)
     finally:
         backend.stop(timeout=30, finish_active=guarded)
     forward_writes = [o for o in timeline.overlaps() if o.first.kind == SpanKind.FORWARD]

@@ -83,7 +83,8 @@ def run_schedule(schedule: Sequence[Op], *, guarded: bool) -> Outcome:
             if not (stats.active or stats.queued):
                 sync(version, weights[version])  # no forward to interleave with
             else:
-                _sync_inside_a_step(backend, op[1], lambda: sync(version, weights[version]))
+                _sync_inside_a_step(backend, op[1],
+                                    lambda v=version: sync(v, weights[v]))
     while scheduler.statistics().active or scheduler.statistics().queued:
         scheduler.step(timeout=10)
     forward_writes = [o for o in timeline.overlaps() if o.first.kind == SpanKind.FORWARD]

@@ -4,6 +4,7 @@ and a torn-read detector that fires on a real unguarded write."""
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -94,14 +95,16 @@ def test_stop_token_ends_a_sequence_and_is_kept() -> None:
 @pytest.mark.parametrize(
     ("request_kwargs", "match"),
     [
-        (dict(prompt=()), "prompt is empty"),
-        (dict(prompt=(1, 999)), "outside the vocabulary"),
-        (dict(prompt=(1,), max_new_tokens=0), "max_new_tokens must be >= 1"),
-        (dict(prompt=(1,) * 60, max_new_tokens=10), "exceeds max_seq_len 64"),
-        (dict(prompt=(1,), sampling=SamplingParams(temperature=-1.0)), "temperature"),
+        ({"prompt": ()}, "prompt is empty"),
+        ({"prompt": (1, 999)}, "outside the vocabulary"),
+        ({"prompt": (1,), "max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+        ({"prompt": (1,) * 60, "max_new_tokens": 10}, "exceeds max_seq_len 64"),
+        ({"prompt": (1,), "sampling": SamplingParams(temperature=-1.0)}, "temperature"),
     ],
 )
-def test_bad_requests_are_refused_before_anything_runs(request_kwargs: dict, match: str) -> None:
+def test_bad_requests_are_refused_before_anything_runs(
+    request_kwargs: dict[str, Any], match: str
+) -> None:
     backend = TorchLMBackend(tiny_config())
     with pytest.raises(ValueError, match=match):
         backend.generate([GenerationRequest(**request_kwargs)])
@@ -212,9 +215,9 @@ def test_paused_parks_a_blocking_generate_running_on_another_thread() -> None:
     backend.layer_hook = hold_second_step
     generating = Runner(lambda: backend.generate([[5, 6, 7]], max_new_tokens=6), "generate")
     assert in_step.wait(10)
-    with pytest.raises(PauseTimeout, match=r"did not park within 0\.2 s \(1 decode step still"):
-        with backend.paused(timeout=0.2):
-            pass
+    with pytest.raises(PauseTimeout, match=r"did not park within 0\.2 s \(1 decode step still"), \
+            backend.paused(timeout=0.2):
+        pass
     pausing = Runner(lambda: _pause_and_write(backend, config), "pause")
     wait_until(lambda: backend.generation_gate.statistics().exclusive_waiting == 1, 10,
                "the pause to wait for the step")

@@ -26,8 +26,8 @@ from rollout_sync import (
 def tiny_config(**overrides: Any) -> TinyLMConfig:
     """A model small enough for many forwards per test; float64 so that greedy references
     computed in a different batch shape cannot flip on a near tie."""
-    fields: dict[str, Any] = dict(vocab_size=48, d_model=32, n_layers=2, n_heads=2, d_ff=64,
-                                  max_seq_len=64, dtype=torch.float64, seed=0)
+    fields: dict[str, Any] = {"vocab_size": 48, "d_model": 32, "n_layers": 2, "n_heads": 2,
+                              "d_ff": 64, "max_seq_len": 64, "dtype": torch.float64, "seed": 0}
     fields.update(overrides)
     return TinyLMConfig(**fields)
 

@@ -118,14 +118,14 @@ class _Block(nn.Module):
 
     def __init__(self, config: TinyLMConfig) -> None:
         super().__init__()
-        d, kw = config.d_model, {"dtype": config.dtype}
+        d, dtype = config.d_model, config.dtype
         self.n_heads = config.n_heads
-        self.ln1 = nn.LayerNorm(d, **kw)
-        self.qkv = nn.Linear(d, 3 * d, **kw)
-        self.proj = nn.Linear(d, d, **kw)
-        self.ln2 = nn.LayerNorm(d, **kw)
-        self.fc1 = nn.Linear(d, config.d_ff, **kw)
-        self.fc2 = nn.Linear(config.d_ff, d, **kw)
+        self.ln1 = nn.LayerNorm(d, dtype=dtype)
+        self.qkv = nn.Linear(d, 3 * d, dtype=dtype)
+        self.proj = nn.Linear(d, d, dtype=dtype)
+        self.ln2 = nn.LayerNorm(d, dtype=dtype)
+        self.fc1 = nn.Linear(d, config.d_ff, dtype=dtype)
+        self.fc2 = nn.Linear(config.d_ff, d, dtype=dtype)
 
     def forward(
         self, x: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, mask: torch.Tensor
@@ -150,13 +150,13 @@ class TinyCausalLM(nn.Module):
 
     def __init__(self, config: TinyLMConfig) -> None:
         super().__init__()
-        kw = {"dtype": config.dtype}
+        dtype = config.dtype
         self.config = config
-        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model, **kw)
-        self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model, **kw)
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model, dtype=dtype)
+        self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model, dtype=dtype)
         self.blocks = nn.ModuleList(_Block(config) for _ in range(config.n_layers))
-        self.ln_f = nn.LayerNorm(config.d_model, **kw)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False, **kw)
+        self.ln_f = nn.LayerNorm(config.d_model, dtype=dtype)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False, dtype=dtype)
 
     @classmethod
     def build(cls, config: TinyLMConfig, seed: int | None = None) -> TinyCausalLM:
@@ -244,7 +244,7 @@ def tiny_lm_weights(config: TinyLMConfig, seed: int) -> dict[str, torch.Tensor]:
 class _KVState:
     """A sequence's cache: preallocated to ``max_seq_len``, ``length`` entries valid."""
 
-    __slots__ = ("k", "v", "length", "epoch", "stale", "generator")
+    __slots__ = ("epoch", "generator", "k", "length", "stale", "v")
 
     def __init__(self, config: TinyLMConfig, epoch: int) -> None:
         shape = (config.n_layers, config.n_heads, config.max_seq_len, config.head_dim)
