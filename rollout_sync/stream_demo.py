@@ -109,6 +109,17 @@ def _request(rng: random.Random, config: StreamDemoConfig) -> GenerationRequest:
                                                                 config.max_new_tokens))
 
 
+def _wait_until_sent(packer: RecordingPacker, count: int, timeout: float) -> None:
+    """Let the packer's sender ship what was submitted before it is stopped (it has no flush
+    of its buffer, only of the send in flight)."""
+    deadline = time.monotonic() + timeout
+    while len(packer.sent) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the packer sent {len(packer.sent)} of {count} payloads in "
+                               f"{timeout:.1f} s")
+        time.sleep(0.001)
+
+
 def run_stream_demo(
     config: StreamDemoConfig, timeline: Timeline | None = None
 ) -> dict[str, Any]:
@@ -163,6 +174,7 @@ def _run_stream_demo(config: StreamDemoConfig, timeline: Timeline) -> dict[str, 
                 ship(backend.generate([_request(rng, config)
                                        for _ in range(config.max_concurrent)]))
                 sync(version, weight_sets[version % 2])
+        _wait_until_sent(packer, len(results), config.timeout_s)
     finally:
         if isinstance(backend, TorchLMStreamBackend) and backend.scheduler.running:
             backend.stop(config.timeout_s)

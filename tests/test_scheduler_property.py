@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, find, given, settings
+from hypothesis import HealthCheck, event, find, given, settings
 from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
 from torch_lm_helpers import (  # noqa: F401 - one_torch_thread is an autouse fixture
     Runner,
     SyncWorker,
@@ -83,6 +84,8 @@ def run_schedule(schedule: Sequence[Op], *, guarded: bool) -> Outcome:
             if not (stats.active or stats.queued):
                 sync(version, weights[version])  # no forward to interleave with
             else:
+                if currently_in_test_context():
+                    event("a sync landed inside a forward with work in flight")
                 _sync_inside_a_step(backend, op[1],
                                     lambda v=version: sync(v, weights[v]))
     while scheduler.statistics().active or scheduler.statistics().queued:
@@ -142,7 +145,7 @@ def check_guarded(outcome: Outcome) -> None:
                         f"request {r.request_id} token {i} is not v{v}'s greedy choice")
 
 
-PROPERTY_SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, database=None,
+PROPERTY_SETTINGS = settings(max_examples=100, deadline=None, derandomize=True, database=None,
                              suppress_health_check=[HealthCheck.too_slow])
 
 

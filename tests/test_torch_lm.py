@@ -234,3 +234,21 @@ def _pause_and_write(backend: TorchLMBackend, config: TinyLMConfig) -> None:
     with backend.paused(timeout=10):
         backend.load_weights(weights_of(config, 1))
         backend.commit_weight_version(1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.timeout(120)
+def test_on_cuda_the_same_engine_matches_the_cpu_one() -> None:
+    cpu, gpu = TorchLMBackend(tiny_config()), TorchLMBackend(tiny_config(device="cuda"))
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    assert [r.tokens for r in gpu.generate(prompts, max_new_tokens=6)] == [
+        r.tokens for r in cpu.generate(prompts, max_new_tokens=6)]
+    new = weights_of(tiny_config(), 1)  # CPU tensors, written into CUDA served weights
+    for backend in (cpu, gpu):
+        with backend.paused():
+            backend.load_weights(new)
+            backend.commit_weight_version(1)
+    sampling = SamplingParams(temperature=0.0)
+    assert gpu.generate(prompts, sampling=sampling)[1].tokens == \
+        cpu.generate(prompts, sampling=sampling)[1].tokens
