@@ -134,14 +134,22 @@ def test_on_the_scheduler_thread_the_guard_parks_at_a_step_boundary() -> None:
     worker = SyncWorker(backend, timeline)
     prompts = {backend.put(p, max_new_tokens=30): tuple(p)
                for p in ([1, 2, 3], [4, 5, 6, 7], [8])}
+    blocker = _Blocker(n=5)
+    backend.layer_hook = blocker
+    in_flight: list[int] = []
+    worker.inside = lambda: in_flight.append(backend.scheduler.statistics().active)
     backend.start()
     try:
-        wait_until(lambda: backend.scheduler.statistics().tokens >= 9, 20, "a few tokens each")
-        in_flight: list[int] = []
-        worker.inside = lambda: in_flight.append(backend.scheduler.statistics().active)
-        worker.receive_weights(1, weights_of(config, 1))
+        # The sync arrives while the 5th decode step is inside its forward.
+        assert blocker.holding.wait(10)
+        syncing = Runner(lambda: worker.receive_weights(1, weights_of(config, 1)), "sync")
+        wait_until(lambda: backend.generation_gate.statistics().exclusive_waiting == 1, 10,
+                   "the sync to wait for the step in progress")
+        blocker.release.set()
+        syncing.join()
         backend.scheduler.wait_idle(30)
     finally:
+        blocker.release.set()
         backend.stop()
     report = worker.reports[-1]
     assert report.paused and report.error is None
@@ -151,7 +159,7 @@ def test_on_the_scheduler_thread_the_guard_parks_at_a_step_boundary() -> None:
         r = results[rid]
         assert r.ok and len(r.tokens) == 30 and r.straddled_sync
         n_old = r.token_weight_versions.count(0)
-        assert 3 <= n_old < 30
+        assert n_old == 5, "parked right after the step in progress, not later"
         assert r.token_weight_versions == (0,) * n_old + (1,) * (30 - n_old)
         assert r.tokens[:n_old] == greedy_continuation(config, weights_of(config, 0), prompt,
                                                        n_old)
@@ -197,9 +205,13 @@ def test_drain_stops_admission_waits_out_active_tasks_then_parks() -> None:
     backend = TorchLMStreamBackend(config, max_concurrent=4)
     scheduler = backend.scheduler
     first = {backend.put([1, 2], max_new_tokens=10), backend.put([3, 4, 5], max_new_tokens=20)}
+    # Both tasks are held in their second step until the late request is in, so the drain
+    # cannot finish before admission is seen closed.
+    blocker = _Blocker(n=2)
+    backend.layer_hook = blocker
     backend.start()
     try:
-        wait_until(lambda: scheduler.statistics().tokens >= 2, 20, "both tasks to be running")
+        assert blocker.holding.wait(10)
         inside: dict[str, object] = {}
 
         def drain_and_sync() -> None:
@@ -211,12 +223,14 @@ def test_drain_stops_admission_waits_out_active_tasks_then_parks() -> None:
                 backend.commit_weight_version(1)
 
         draining = Runner(drain_and_sync, "drain")
-        wait_until(lambda: not scheduler.statistics().admission_open or draining.done.is_set(),
-                   20, "admission to close")
+        wait_until(lambda: not scheduler.statistics().admission_open, 20,
+                   "admission to close")
         late = backend.put([6, 7], max_new_tokens=3)
+        blocker.release.set()
         draining.join(30)
         late_result = scheduler.get(timeout=20)
     finally:
+        blocker.release.set()
         backend.stop()
     park = inside["park"]
     assert park.drained and park.in_flight == 0  # type: ignore[attr-defined]
@@ -483,9 +497,14 @@ def test_a_batch_wide_failure_fails_each_task_with_the_error() -> None:
 def test_stop_turns_unfinished_work_into_cancelled_results() -> None:
     backend = TorchLMStreamBackend(tiny_config(), max_concurrent=2)
     ids = {backend.put([1, 2], max_new_tokens=50) for _ in range(3)}
+    blocker = _Blocker(n=3)
+    backend.layer_hook = blocker
     backend.start()
-    wait_until(lambda: backend.scheduler.statistics().tokens >= 2, 20, "some decoding")
-    backend.stop()
+    assert blocker.holding.wait(10)
+    stopping = Runner(backend.stop, "stop")
+    wait_until(lambda: not backend.scheduler.statistics().admission_open, 10, "stop to begin")
+    blocker.release.set()
+    stopping.join(30)
     results = _by_id(backend.get_all())
     assert results.keys() == ids
     cancelled = [r for r in results.values() if r.finish_reason is FinishReason.CANCELLED]
