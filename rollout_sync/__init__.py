@@ -6,6 +6,13 @@ The public API is flat: everything a user needs is importable from here.
 from .backend import BackendStatistics as BackendStatistics
 from .backend import RolloutBase as RolloutBase
 from .backend import ThreadedRolloutBackend as ThreadedRolloutBackend
+from .backends import KVCachePolicy as KVCachePolicy
+from .backends import TinyCausalLM as TinyCausalLM
+from .backends import TinyLMConfig as TinyLMConfig
+from .backends import TorchLMBackend as TorchLMBackend
+from .backends import TorchLMStatistics as TorchLMStatistics
+from .backends import TorchLMStreamBackend as TorchLMStreamBackend
+from .backends import tiny_lm_weights as tiny_lm_weights
 from .egress import EgressHoldReport as EgressHoldReport
 from .egress import SupportsFlushPendingSends as SupportsFlushPendingSends
 from .egress import SupportsHoldSends as SupportsHoldSends
@@ -50,6 +57,17 @@ from .metrics_logging import log_metrics as log_metrics
 from .receiver import PayloadReceiver as PayloadReceiver
 from .receiver import ReceivedPayload as ReceivedPayload
 from .receiver import ReceiverStatistics as ReceiverStatistics
+from .scheduler import DecodeEngine as DecodeEngine
+from .scheduler import FinishReason as FinishReason
+from .scheduler import GenerationRequest as GenerationRequest
+from .scheduler import GenerationResult as GenerationResult
+from .scheduler import ParkReport as ParkReport
+from .scheduler import RolloutTaskScheduler as RolloutTaskScheduler
+from .scheduler import SamplingParams as SamplingParams
+from .scheduler import SchedulerStatistics as SchedulerStatistics
+from .scheduler import SchedulerTimeout as SchedulerTimeout
+from .scheduler import SequenceState as SequenceState
+from .scheduler import StepReport as StepReport
 from .trace import Overlap as Overlap
 from .trace import Span as Span
 from .trace import SpanKind as SpanKind
@@ -84,20 +102,26 @@ __all__ = [
     "BroadcastWeightPusher",
     "CommandChannel",
     "CommandKind",
+    "DecodeEngine",
     "DurationSummary",
     "EgressHoldReport",
     "EgressHoldTimeout",
     "FenceTimeout",
+    "FinishReason",
     "Gate",
     "GateStatistics",
     "GateTimeout",
+    "GenerationRequest",
+    "GenerationResult",
     "HarvestTimeout",
     "IngressHoldTimeout",
+    "KVCachePolicy",
     "Measurement",
     "MetricKeyCollisionError",
     "MetricsLogger",
     "NCCLRolloutMixin",
     "Overlap",
+    "ParkReport",
     "PauseTimeout",
     "PayloadBackpressureTimeout",
     "PayloadGroups",
@@ -111,9 +135,15 @@ __all__ = [
     "ReceiverStatistics",
     "RolloutBase",
     "RolloutSyncError",
+    "RolloutTaskScheduler",
+    "SamplingParams",
+    "SchedulerStatistics",
+    "SchedulerTimeout",
     "SenderStatistics",
+    "SequenceState",
     "Span",
     "SpanKind",
+    "StepReport",
     "SupportsFlushPendingSends",
     "SupportsHoldSends",
     "SyncMode",
@@ -124,6 +154,11 @@ __all__ = [
     "TimerClock",
     "TimerStatistics",
     "TimingEvent",
+    "TinyCausalLM",
+    "TinyLMConfig",
+    "TorchLMBackend",
+    "TorchLMStatistics",
+    "TorchLMStreamBackend",
     "TornWeightsError",
     "TrainerCallback",
     "TrainerCallbacks",
@@ -149,6 +184,7 @@ __all__ = [
     "payload_egress_held",
     "percentile",
     "summarize",
+    "tiny_lm_weights",
     "weight_sync_bracket",
     "weight_sync_handler",
 ]

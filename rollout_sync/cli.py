@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .demo import InProcessDemoConfig, run_in_process_demo
+from .stream_demo import StreamDemoConfig, run_stream_demo
 from .trace import Timeline
 
 __all__ = ["main"]
@@ -27,6 +28,12 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--syncs", type=int, default=200, help="weight syncs to run (default 200)")
     demo.add_argument("--unguarded", action="store_true",
                       help="run without the guard: expect torn reads and egress overlaps")
+    demo.add_argument("--backend", choices=("fake", "torch_lm"), default="fake",
+                      help="fake: a version-stamped fake model (default); torch_lm: the tiny "
+                      "torch LM, its parameters written in place by every sync")
+    demo.add_argument("--stream", action="store_true",
+                      help="with --backend torch_lm: stream generation on the scheduler thread "
+                      "(without it, blocking generate and syncs alternate on one thread)")
     demo.add_argument("--trace", metavar="PATH",
                       help="write the timeline as Chrome/Perfetto trace JSON")
     demo.add_argument("--json", action="store_true",
@@ -46,8 +53,13 @@ def _format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _hazards(report: dict[str, Any]) -> int:
+    return int(report["torn_reads"] + report["egress_overlaps"]
+               + report.get("forward_write_overlaps", 0))
+
+
 def _verdict(report: dict[str, Any]) -> str:
-    hazards = report["torn_reads"] + report["egress_overlaps"]
+    hazards = _hazards(report)
     if report["guarded"]:
         return ("OK: no forward read torn weights and no payload send overlapped a sync."
                 if hazards == 0 else f"FAIL: {hazards} hazards observed while guarded.")
@@ -59,9 +71,17 @@ def _run_demo(args: argparse.Namespace) -> int:
     if args.syncs < 1:
         raise SystemExit("--syncs must be at least 1")
     timeline = Timeline()
-    report = run_in_process_demo(
-        InProcessDemoConfig(syncs=args.syncs, guarded=not args.unguarded), timeline
-    )
+    if args.backend == "torch_lm":
+        report = run_stream_demo(
+            StreamDemoConfig(syncs=args.syncs, guarded=not args.unguarded, stream=args.stream),
+            timeline,
+        )
+    elif args.stream:
+        raise SystemExit("--stream needs --backend torch_lm")
+    else:
+        report = run_in_process_demo(
+            InProcessDemoConfig(syncs=args.syncs, guarded=not args.unguarded), timeline
+        )
     print(_format_report(report))
     if args.trace:
         path = timeline.write_chrome_trace(args.trace)
@@ -69,7 +89,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     print(_verdict(report))
     if args.json:
         print(json.dumps(report))
-    failed = report["guarded"] and (report["torn_reads"] or report["egress_overlaps"])
+    failed = report["guarded"] and _hazards(report) > 0
     return 1 if failed else 0
 
 

@@ -1,0 +1,719 @@
+"""The embedded engine: a tiny causal language model in plain torch, served for real.
+
+:class:`TorchLMBackend` is a small GPT-style transformer (token and position embeddings, a few
+pre-norm attention + MLP blocks, a head) with a per-sequence KV cache and batched, step-wise
+decoding, greedy or sampled. Its parameters *are* the served tensors: a weight sync writes them
+in place through :meth:`~rollout_sync.RolloutBase.load_weights`, so the hazards this package
+guards against are real here, not simulated. It decodes either as a blocking call
+(:meth:`TorchLMBackend.generate`, on the caller's thread) or under a
+:class:`~rollout_sync.RolloutTaskScheduler` on a thread of its own
+(:class:`TorchLMStreamBackend`, whose ``paused()`` parks that scheduler at a step boundary).
+
+**What a sync does to a sequence in flight** is an explicit policy, :class:`KVCachePolicy`:
+
+* ``RECOMPUTE`` (default): at its next step after a sync, a sequence's cache is dropped and
+  rebuilt from the prompt and the tokens so far under the new weights. Its continuation is then
+  exactly what the new weights produce from that context; the price is one prefill.
+* ``KEEP_STALE``: the cache is kept. New tokens attend to keys and values computed under the old
+  weights: cheaper, but a mix of two versions (counted in ``stale_cache_tokens``).
+
+**Torn reads are detected, not assumed away.** Every weight write is bracketed by a sequence
+counter (odd while writing, seqlock-style); every forward reads it before, between its blocks
+and after. A forward that saw an odd value or two different values read tensors from two
+versions: it is counted in ``torn_forwards``. With a :class:`~rollout_sync.Timeline`, each
+decode step is a ``forward`` span and each write a ``weight_write`` span, so
+:meth:`~rollout_sync.Timeline.overlaps` checks the same thing from the timeline.
+
+Deterministic: the weights come from a seed (:func:`tiny_lm_weights`), and sampling draws from a
+per-sequence generator seeded from the request, whatever the batch it runs in.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..backend import RolloutBase
+from ..errors import PauseTimeout
+from ..gate import Gate
+from ..scheduler import (
+    GenerationRequest,
+    GenerationResult,
+    RolloutTaskScheduler,
+    SamplingParams,
+    SequenceState,
+)
+from ..trace import SpanKind, Timeline
+from ..weights import check_weights_match, specs_of
+
+__all__ = [
+    "KVCachePolicy",
+    "TinyCausalLM",
+    "TinyLMConfig",
+    "TorchLMBackend",
+    "TorchLMStatistics",
+    "TorchLMStreamBackend",
+    "tiny_lm_weights",
+]
+
+LayerHook = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class TinyLMConfig:
+    """The shape of a :class:`TinyCausalLM`, and the seed of its initial weights."""
+
+    vocab_size: int = 128
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    d_ff: int = 256
+    max_seq_len: int = 256
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    seed: int = 0
+    """Seed of the initial weights (version 0) and of sampling without a request seed."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.d_model % max(self.n_heads, 1):
+            problems.append(f"d_model ({self.d_model}) must be divisible by n_heads "
+                            f"({self.n_heads})")
+        if not self.dtype.is_floating_point:
+            problems.append(f"dtype must be a floating point dtype, got {self.dtype}")
+        if problems:
+            raise ValueError("invalid TinyLMConfig: " + "; ".join(problems))
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+class KVCachePolicy(enum.Enum):
+    """What happens to a sequence's cached keys and values when the weights change under it."""
+
+    RECOMPUTE = "recompute"
+    """Rebuild the cache under the new weights at the sequence's next step (exact)."""
+    KEEP_STALE = "keep_stale"
+    """Keep the cache computed under the old weights (cheaper, a mix of versions)."""
+
+
+# -- the model ---------------------------------------------------------------------------------
+
+
+class _Block(nn.Module):
+    """Pre-norm self-attention (reading a KV cache) and MLP."""
+
+    def __init__(self, config: TinyLMConfig) -> None:
+        super().__init__()
+        d, dtype = config.d_model, config.dtype
+        self.n_heads = config.n_heads
+        self.ln1 = nn.LayerNorm(d, dtype=dtype)
+        self.qkv = nn.Linear(d, 3 * d, dtype=dtype)
+        self.proj = nn.Linear(d, d, dtype=dtype)
+        self.ln2 = nn.LayerNorm(d, dtype=dtype)
+        self.fc1 = nn.Linear(d, config.d_ff, dtype=dtype)
+        self.fc2 = nn.Linear(config.d_ff, d, dtype=dtype)
+
+    def forward(
+        self, x: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, p, d = x.shape
+        h = self.n_heads
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (t.view(b, p, h, d // h).transpose(1, 2) for t in (q, k, v))
+        attn = F.scaled_dot_product_attention(
+            q, torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2), attn_mask=mask
+        )
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, p, d))
+        x = x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return x, k, v
+
+
+class TinyCausalLM(nn.Module):
+    """A small GPT-style causal LM whose forward extends per-sequence KV caches.
+
+    Build it with :meth:`build` (deterministic weights from a seed, the global RNG untouched).
+    """
+
+    def __init__(self, config: TinyLMConfig) -> None:
+        super().__init__()
+        dtype = config.dtype
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model, dtype=dtype)
+        self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model, dtype=dtype)
+        self.blocks = nn.ModuleList(_Block(config) for _ in range(config.n_layers))
+        self.ln_f = nn.LayerNorm(config.d_model, dtype=dtype)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False, dtype=dtype)
+
+    @classmethod
+    def build(cls, config: TinyLMConfig, seed: int | None = None) -> TinyCausalLM:
+        """A model with weights drawn from ``seed`` (default ``config.seed``), on its device."""
+        # The modules' own initialization draws from the global RNG; fork it so that building
+        # a model never changes the caller's random stream (init_weights overwrites it all).
+        with torch.random.fork_rng(devices=[]):
+            model = cls(config)
+        model = model.to(config.device)
+        model.init_weights(config.seed if seed is None else seed)
+        return model.eval()
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Draw every parameter from a generator seeded with ``seed``.
+
+        Every tensor, norms included, depends on the seed, so weights of two seeds differ
+        everywhere and a torn read is visible in any tensor.
+        """
+        gen = torch.Generator().manual_seed(seed)
+        for name, param in self.named_parameters():
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float64)
+            if name.startswith(("tok_emb", "pos_emb")):
+                value = noise
+            elif ".ln" in name or name.startswith("ln_f"):
+                value = (1.0 + 0.1 * noise) if name.endswith("weight") else 0.1 * noise
+            elif name.endswith("bias"):
+                value = 0.02 * noise
+            else:
+                value = noise / math.sqrt(param.shape[-1])
+            param.copy_(value.to(param.dtype))
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        past_k: torch.Tensor,
+        past_v: torch.Tensor,
+        past_mask: torch.Tensor,
+        new_mask: torch.Tensor,
+        on_layer: LayerHook | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One batched step over the new tokens of each sequence.
+
+        Args:
+            tokens, positions: ``[B, P]`` new tokens (left-aligned, padded) and their positions.
+            past_k, past_v: ``[n_layers, B, H, C, Dh]`` cached keys and values (padded).
+            past_mask: ``[B, C]`` which cache entries are real.
+            new_mask: ``[B, P]`` which new tokens are real.
+            on_layer: called with ``i`` before block ``i``, and with ``n_layers`` before the
+                head.
+
+        Returns:
+            ``(logits [B, P, V], new_k, new_v [n_layers, B, H, P, Dh])``.
+        """
+        b, p = tokens.shape
+        c = past_mask.shape[1]
+        causal = torch.ones(p, p, dtype=torch.bool, device=tokens.device).tril()
+        new_allowed = causal.unsqueeze(0) & new_mask.unsqueeze(1)
+        mask = torch.cat([past_mask.unsqueeze(1).expand(b, p, c), new_allowed], dim=2)
+        mask = mask.unsqueeze(1)
+        x = self.tok_emb(tokens) + self.pos_emb(positions)
+        new_k, new_v = [], []
+        for i, block in enumerate(self.blocks):
+            if on_layer is not None:
+                on_layer(i)
+            x, k, v = block(x, past_k[i], past_v[i], mask)
+            new_k.append(k)
+            new_v.append(v)
+        if on_layer is not None:
+            on_layer(len(self.blocks))
+        logits = self.lm_head(self.ln_f(x))
+        return logits, torch.stack(new_k), torch.stack(new_v)
+
+
+def tiny_lm_weights(config: TinyLMConfig, seed: int) -> dict[str, torch.Tensor]:
+    """A full set of weights for ``config`` drawn from ``seed``: what a trainer would send."""
+    model = TinyCausalLM.build(config, seed)
+    return {name: param.detach() for name, param in model.named_parameters()}
+
+
+# -- the backend -------------------------------------------------------------------------------
+
+
+class _KVState:
+    """A sequence's cache: preallocated to ``max_seq_len``, ``length`` entries valid."""
+
+    __slots__ = ("epoch", "generator", "k", "length", "stale", "v")
+
+    def __init__(self, config: TinyLMConfig, epoch: int) -> None:
+        shape = (config.n_layers, config.n_heads, config.max_seq_len, config.head_dim)
+        self.k = torch.zeros(shape, dtype=config.dtype, device=config.device)
+        self.v = torch.zeros(shape, dtype=config.dtype, device=config.device)
+        self.length = 0
+        self.epoch = epoch
+        self.stale = False
+        self.generator: torch.Generator | None = None
+
+
+@dataclass(frozen=True)
+class TorchLMStatistics:
+    """A snapshot of a :class:`TorchLMBackend`."""
+
+    initialized: bool
+    forwards: int
+    torn_forwards: int
+    """Forwards that read weights from two versions (or during a write): must stay 0."""
+    tokens_processed: int
+    """Token positions run through the model (prefill, recompute and decode)."""
+    recomputed_tokens: int
+    """Of those, positions recomputed under new weights (the recompute policy's cost)."""
+    weight_writes: int
+    weights_epoch: int
+    weight_version: int
+    weights_torn: bool
+    parked: bool
+
+
+class TorchLMBackend(RolloutBase):
+    """The tiny torch LM as a rollout backend; blocking :meth:`generate` on the caller's thread.
+
+    Every decode step is a section of :attr:`generation_gate`, and :meth:`paused` closes it, so
+    a weight write inside ``paused()`` never meets a forward, from whichever thread
+    :meth:`generate` is called. The model is built lazily by :meth:`ensure_initialized` (a
+    worker calls it inside the sync bracket; :meth:`served_weights` and :meth:`generate` call it
+    too).
+
+    Args:
+        config: model shape and seed; defaults to ``TinyLMConfig()``.
+        kv_policy: what a sync does to cached state (module docstring).
+        pause_timeout: default limit, in seconds, of ``paused()`` and of a step's wait.
+        timeline: records ``forward`` and ``weight_write`` spans.
+
+    Attributes:
+        layer_hook: ``None`` or a callable run inside every forward, before each block
+            (index ``i``) and before the head (index ``n_layers``), on the decoding thread.
+            For tests that need an exact interleaving, or a deliberately widened race window.
+    """
+
+    def __init__(
+        self,
+        config: TinyLMConfig | None = None,
+        *,
+        kv_policy: KVCachePolicy = KVCachePolicy.RECOMPUTE,
+        pause_timeout: float = 60.0,
+        timeline: Timeline | None = None,
+        name: str = "generation",
+    ) -> None:
+        super().__init__()
+        self.config = config if config is not None else TinyLMConfig()
+        self.kv_policy = KVCachePolicy(kv_policy)
+        self.pause_timeout = pause_timeout
+        self.timeline = timeline
+        self.name = name
+        self.generation_gate = Gate(
+            name,
+            section_noun="decode step",
+            close_verb="park",
+            default_timeout=pause_timeout,
+            timeout_error=PauseTimeout,
+        )
+        self.layer_hook: LayerHook | None = None
+        self._model: TinyCausalLM | None = None
+        self._served: dict[str, torch.Tensor] = {}
+        self._write_lock = threading.Lock()
+        self._write_seq = 0
+        self._weights_epoch = 0
+        self._weight_writes = 0
+        self._forwards = 0
+        self._torn_forwards = 0
+        self._tokens_processed = 0
+        self._recomputed_tokens = 0
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def initialize(self) -> None:
+        """Build the model with the config's seed (weight version 0)."""
+        model = TinyCausalLM.build(self.config)
+        for param in model.parameters():
+            param.requires_grad_(False)
+        self._served = dict(model.named_parameters())
+        self._model = model
+
+    @property
+    def model(self) -> TinyCausalLM:
+        """The served model (built on first use)."""
+        if self._model is None:
+            self.ensure_initialized()
+        assert self._model is not None
+        return self._model
+
+    # -- the pause -----------------------------------------------------------------------------
+
+    @contextmanager
+    def paused(self, timeout: float | None = None) -> Iterator[None]:
+        """Park decoding between two steps for the ``with`` body (see :class:`RolloutBase`).
+
+        Returns once the decode step in progress (if any) has finished; no step starts until
+        the body exits. Re-entrant; before any decoding it returns at once.
+
+        Raises:
+            PauseTimeout: a step was still running after ``timeout`` seconds.
+        """
+        with self.generation_gate.exclusive(timeout):
+            yield
+
+    # -- weights -------------------------------------------------------------------------------
+
+    def served_weights(self) -> Mapping[str, torch.Tensor]:
+        """The model's parameters by name; syncs write them in place."""
+        if self._model is None:
+            self.ensure_initialized()
+        return self._served
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor], *, require_all: bool = True) -> None:
+        """Validate ``weights`` against the served tensors, then copy them in, in place.
+
+        Call inside :meth:`paused` (the guard does). The write is recorded as a
+        ``weight_write`` span and bracketed by the torn-read counter; it moves
+        :attr:`weights_epoch`, so cached state is handled by the KV policy at each sequence's
+        next step.
+
+        Raises:
+            WeightMismatchError: a name, shape or dtype does not fit; nothing was written.
+            Whatever the copy raises part-way; the weights are then marked torn (generation
+            refuses to run until a complete sync lands).
+        """
+        served = self.served_weights()
+        check_weights_match(specs_of(weights), served, require_all=require_all)
+        start = time.monotonic_ns()
+        with self._write_lock:
+            self._write_seq += 1
+            try:
+                super().load_weights(weights, require_all=require_all)
+            except BaseException as exc:
+                self.mark_weights_torn(f"load_weights failed part-way: {type(exc).__name__}: "
+                                       f"{exc}")
+                raise
+            finally:
+                self._write_seq += 1
+                self._weights_epoch += 1
+                self._weight_writes += 1
+        if self.timeline is not None:
+            self.timeline.add_span(SpanKind.WEIGHT_WRITE, f"{self.name} load_weights", start,
+                                   tensors=len(weights), epoch=self._weights_epoch)
+
+    def commit_weight_version(self, version: int) -> None:
+        """Record that a complete sync of ``version`` landed (it also moves the epoch).
+
+        The epoch moves here too so that a transfer writing the served tensors directly (not
+        through :meth:`load_weights`) still invalidates cached state.
+        """
+        with self._write_lock:
+            self._weights_epoch += 1
+            super().commit_weight_version(version)
+
+    @property
+    def weights_epoch(self) -> int:
+        """Changes whenever the served weights may have changed; not a count of syncs."""
+        return self._weights_epoch
+
+    # -- decoding ------------------------------------------------------------------------------
+
+    def validate_request(self, request: GenerationRequest) -> None:
+        """Raise ``ValueError`` naming every problem that would stop ``request`` being served."""
+        cfg = self.config
+        problems = []
+        if not request.prompt:
+            problems.append("the prompt is empty (at least one token is needed)")
+        bad = [t for t in request.prompt if not 0 <= t < cfg.vocab_size]
+        if bad:
+            problems.append(f"prompt token ids {bad[:8]} are outside the vocabulary "
+                            f"[0, {cfg.vocab_size})")
+        if request.max_new_tokens < 1:
+            problems.append(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        if len(request.prompt) + request.max_new_tokens > cfg.max_seq_len:
+            problems.append(f"prompt ({len(request.prompt)} tokens) + max_new_tokens "
+                            f"({request.max_new_tokens}) exceeds max_seq_len {cfg.max_seq_len}")
+        sampling = request.sampling
+        if not sampling.temperature >= 0:
+            problems.append(f"temperature must be >= 0, got {sampling.temperature!r}")
+        if sampling.top_k is not None and sampling.top_k < 1:
+            problems.append(f"top_k must be >= 1 or None, got {sampling.top_k!r}")
+        bad_stop = [t for t in request.stop_token_ids if not 0 <= t < cfg.vocab_size]
+        if bad_stop:
+            problems.append(f"stop_token_ids {bad_stop[:8]} are outside the vocabulary")
+        if problems:
+            raise ValueError(f"{type(self).__name__} cannot serve this request: "
+                             + "; ".join(problems))
+
+    def decode_step(self, sequences: Sequence[SequenceState]) -> None:
+        """One batched forward: advance every unfinished sequence by one token.
+
+        New sequences are prefilled in the same forward; a sequence whose cache predates the
+        current weights is handled by :attr:`kv_policy`. A per-sequence failure (its logits
+        processor raised) fails that sequence only; its cache is left as it was.
+        Call inside a section of :attr:`generation_gate` (the scheduler does).
+
+        Raises:
+            TornWeightsError: the served weights are torn.
+        """
+        self.check_servable()
+        model = self.model
+        cfg = self.config
+        live = [s for s in sequences if not s.finished]
+        if not live:
+            return
+        epoch = self._weights_epoch
+        version = self.weight_version
+        caches = [self._cache_for(s, epoch) for s in live]
+        pending = [s.context()[kv.length:] for s, kv in zip(live, caches)]
+
+        batch = len(live)
+        width = max(len(p) for p in pending)
+        past = max(kv.length for kv in caches)
+        device = cfg.device
+        tokens = torch.zeros(batch, width, dtype=torch.long)
+        positions = torch.zeros(batch, width, dtype=torch.long)
+        new_mask = torch.zeros(batch, width, dtype=torch.bool)
+        offsets = torch.arange(width)
+        for b, (new, kv) in enumerate(zip(pending, caches)):
+            tokens[b, : len(new)] = torch.tensor(new, dtype=torch.long)
+            positions[b] = (kv.length + offsets).clamp_(max=cfg.max_seq_len - 1)
+            new_mask[b, : len(new)] = True
+        lengths = torch.tensor([kv.length for kv in caches])
+        past_mask = torch.arange(past).unsqueeze(0) < lengths.unsqueeze(1)
+        past_k = torch.stack([kv.k[:, :, :past] for kv in caches], dim=1)
+        past_v = torch.stack([kv.v[:, :, :past] for kv in caches], dim=1)
+
+        seen = [self._write_seq]
+        hook = self.layer_hook
+
+        def on_layer(index: int) -> None:
+            seen.append(self._write_seq)
+            if hook is not None:
+                hook(index)
+
+        start = time.monotonic_ns()
+        with torch.no_grad():
+            logits, new_k, new_v = model(
+                tokens.to(device), positions.to(device), past_k, past_v,
+                past_mask.to(device), new_mask.to(device), on_layer,
+            )
+        seen.append(self._write_seq)
+        torn = any(s % 2 for s in seen) or len(set(seen)) > 1
+        n_tokens = sum(len(p) for p in pending)
+        self._forwards += 1
+        self._torn_forwards += torn
+        self._tokens_processed += n_tokens
+        if self.timeline is not None:
+            self.timeline.add_span(SpanKind.FORWARD, f"{self.name} decode step", start,
+                                   batch=batch, tokens=n_tokens, epoch=epoch, torn=torn)
+
+        last = torch.tensor([len(p) - 1 for p in pending], device=device)
+        next_logits = logits[torch.arange(batch, device=device), last]
+        for b, (seq, kv) in enumerate(zip(live, caches)):
+            try:
+                token, logprob = self._choose(seq, kv, next_logits[b])
+            except Exception as exc:  # noqa: BLE001 - a per-sequence failure, on its result
+                seq.fail(exc)
+                continue
+            n = len(pending[b])
+            kv.k[:, :, kv.length : kv.length + n] = new_k[:, b, :, :n]
+            kv.v[:, :, kv.length : kv.length + n] = new_v[:, b, :, :n]
+            kv.length += n
+            if kv.stale:
+                seq.stale_cache_tokens += 1
+            seq.append_token(token, logprob, version)
+            if seq.finished:
+                seq.engine_state = None
+
+    def _cache_for(self, seq: SequenceState, epoch: int) -> _KVState:
+        kv = seq.engine_state
+        if kv is None:
+            kv = _KVState(self.config, epoch)
+            seq.engine_state = kv
+        if not isinstance(kv, _KVState):
+            raise TypeError(f"request {seq.request_id} carries engine state of another engine "
+                            f"({type(kv).__name__})")
+        if kv.length and kv.epoch != epoch:
+            if self.kv_policy is KVCachePolicy.RECOMPUTE:
+                self._recomputed_tokens += kv.length
+                kv.length = 0
+                seq.recomputes += 1
+            else:
+                kv.stale = True
+        kv.epoch = epoch
+        return kv
+
+    def _choose(self, seq: SequenceState, kv: _KVState, logits: torch.Tensor) -> tuple[int, float]:
+        """Pick the next token (greedy or sampled); returns it and its log-probability."""
+        params = seq.request.sampling
+        if params.logits_processor is not None:
+            logits = params.logits_processor(seq.context(), logits)
+        if params.temperature == 0:
+            token = int(torch.argmax(logits))
+            return token, float(torch.log_softmax(logits, dim=-1)[token])
+        scaled = logits / params.temperature
+        if params.top_k is not None and params.top_k < scaled.numel():
+            kth = torch.topk(scaled, params.top_k).values[-1]
+            scaled = scaled.masked_fill(scaled < kth, -math.inf)
+        logp = torch.log_softmax(scaled, dim=-1)
+        if kv.generator is None:
+            seed = params.seed if params.seed is not None else (
+                self.config.seed * 1_000_003 + seq.request_id
+            )
+            kv.generator = torch.Generator(device=logits.device).manual_seed(seed % (1 << 63))
+        token = int(torch.multinomial(logp.exp(), 1, generator=kv.generator))
+        return token, float(logp[token])
+
+    def generate(
+        self,
+        prompts: Sequence[GenerationRequest | Sequence[int]],
+        *,
+        max_new_tokens: int = 16,
+        sampling: SamplingParams | None = None,
+        stop_token_ids: Sequence[int] = (),
+        max_concurrent: int | None = None,
+        timeout: float | None = None,
+    ) -> list[GenerationResult]:
+        """Decode ``prompts`` to completion on the calling thread, batched; results in order.
+
+        Each step is a gate section: a ``paused()`` from another thread parks this call between
+        two steps, and the sequences continue afterwards under the kv policy.
+
+        Raises:
+            ValueError: a request cannot be served (before anything runs).
+            TornWeightsError: the served weights are torn.
+            PauseTimeout: a pause held the gate for more than ``timeout`` seconds at a step.
+        """
+        self.ensure_initialized()
+        self.check_servable()
+        requests = [
+            p if isinstance(p, GenerationRequest) else GenerationRequest(
+                tuple(p), max_new_tokens=max_new_tokens,
+                sampling=sampling if sampling is not None else SamplingParams(),
+                stop_token_ids=tuple(stop_token_ids),
+            )
+            for p in prompts
+        ]
+        if not requests:
+            return []
+        scheduler = RolloutTaskScheduler(
+            self,
+            max_concurrent=max_concurrent or len(requests),
+            gate=self.generation_gate,
+            pause_timeout=self.pause_timeout,
+            name=f"{self.name} generate",
+        )
+        ids = [scheduler.put(r) for r in requests]
+        done: dict[int, GenerationResult] = {}
+        while len(done) < len(ids):
+            scheduler.step(timeout)
+            done.update((r.request_id, r) for r in scheduler.get_all())
+        return [done[i] for i in ids]
+
+    # -- introspection -------------------------------------------------------------------------
+
+    @property
+    def torn_forwards(self) -> int:
+        """Forwards that read weights of two versions; must stay 0 under the guard."""
+        return self._torn_forwards
+
+    def statistics(self) -> TorchLMStatistics:
+        return TorchLMStatistics(
+            initialized=self.is_initialized,
+            forwards=self._forwards,
+            torn_forwards=self._torn_forwards,
+            tokens_processed=self._tokens_processed,
+            recomputed_tokens=self._recomputed_tokens,
+            weight_writes=self._weight_writes,
+            weights_epoch=self._weights_epoch,
+            weight_version=self.weight_version,
+            weights_torn=self.weights_torn,
+            parked=self.generation_gate.held,
+        )
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"<{type(self).__name__} {c.n_layers}x{c.d_model} vocab {c.vocab_size}, "
+                f"v{self.weight_version}, {self.kv_policy.value}, {self._forwards} forwards>")
+
+
+class TorchLMStreamBackend(TorchLMBackend):
+    """The tiny torch LM under a :class:`~rollout_sync.RolloutTaskScheduler`: stream generation.
+
+    The scheduler decodes on its own thread; :meth:`paused` parks it at a decode-step boundary
+    (or drains it, with ``wait_for_active_tasks``), so the guard decorators park it with no
+    special casing: a worker sets ``rollout = TorchLMStreamBackend(...)`` and decorates its
+    handlers. Requests go in with :meth:`put`, results come out of :meth:`get_all`.
+
+    Args:
+        max_concurrent: sequences decoded together.
+        drain_on_pause: what ``paused()`` does when the caller (the guard) does not say:
+            ``False`` parks at a step boundary (the default), ``True`` drains.
+        Others: as :class:`TorchLMBackend`.
+    """
+
+    def __init__(
+        self,
+        config: TinyLMConfig | None = None,
+        *,
+        max_concurrent: int = 8,
+        kv_policy: KVCachePolicy = KVCachePolicy.RECOMPUTE,
+        pause_timeout: float = 60.0,
+        drain_on_pause: bool = False,
+        timeline: Timeline | None = None,
+        name: str = "generation",
+    ) -> None:
+        super().__init__(config, kv_policy=kv_policy, pause_timeout=pause_timeout,
+                         timeline=timeline, name=name)
+        self.drain_on_pause = drain_on_pause
+        self.scheduler = RolloutTaskScheduler(
+            self,
+            max_concurrent=max_concurrent,
+            gate=self.generation_gate,
+            pause_timeout=pause_timeout,
+            timeline=timeline,
+            name=name,
+        )
+
+    def start(self) -> None:
+        """Build the model if needed and start the scheduler thread."""
+        self.ensure_initialized()
+        self.scheduler.start()
+
+    def stop(self, timeout: float = 30.0, *, finish_active: bool = False) -> None:
+        """Stop the scheduler (see :meth:`RolloutTaskScheduler.stop`) and shut down."""
+        try:
+            self.scheduler.stop(timeout, finish_active=finish_active)
+        finally:
+            self.shutdown()
+
+    def put(
+        self,
+        request: GenerationRequest | Sequence[int],
+        *,
+        max_new_tokens: int = 16,
+        sampling: SamplingParams | None = None,
+        stop_token_ids: Sequence[int] = (),
+    ) -> int:
+        """Queue a request; see :meth:`RolloutTaskScheduler.put`."""
+        return self.scheduler.put(request, max_new_tokens=max_new_tokens, sampling=sampling,
+                                  stop_token_ids=stop_token_ids)
+
+    def get_all(self) -> list[GenerationResult]:
+        """Take every result waiting now; see :meth:`RolloutTaskScheduler.get_all`."""
+        return self.scheduler.get_all()
+
+    @contextmanager
+    def paused(
+        self, timeout: float | None = None, *, wait_for_active_tasks: bool | None = None
+    ) -> Iterator[None]:
+        """Park the scheduler for the ``with`` body; see :meth:`RolloutTaskScheduler.paused`.
+
+        ``wait_for_active_tasks=None`` follows ``drain_on_pause``.
+        """
+        drain = self.drain_on_pause if wait_for_active_tasks is None else wait_for_active_tasks
+        with self.scheduler.paused(timeout, wait_for_active_tasks=drain):
+            yield
