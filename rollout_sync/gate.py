@@ -9,6 +9,9 @@ Rules, in the order they matter:
 * **Writer preference.** Once anybody waits for the exclusive hold, no new section starts, so a
   stream of sections cannot starve a sync. The wait for the hold is bounded by the longest
   section already running: one decode step, one send.
+* **Hand-off on release.** When the last hold is released, every section that waited through
+  it is admitted at once, before any later hold can start. So back-to-back syncs cannot starve
+  generation either: between two holds, each waiting section gets its turn.
 * **Exclusive is shared among holders.** Several threads may hold it at once (the weight-sync
   thread and the main loop both holding payload egress, say): they all want the same thing, no
   sections, so letting them overlap cannot break anything and cannot deadlock. It is re-entrant
@@ -88,6 +91,8 @@ class Gate:
         self._exclusive_waiting = 0
         self._idle_waiting = 0
         self._holder_depth: dict[int, int] = {}
+        self._handoffs = 0
+        """Counts releases that admitted the waiting sections; a waiter compares it to its own."""
         self._sections_entered = 0
         self._exclusive_acquired = 0
         self._timeouts = 0
@@ -140,10 +145,15 @@ class Gate:
             )
         limit = self._limit(timeout)
         deadline = time.monotonic() + limit
+        handoff = self._handoffs
         self._sections_waiting += 1
         try:
             while self._holder_depth or self._exclusive_waiting:
+                if self._handoffs != handoff:
+                    return  # admitted (and counted) by the release we waited through
                 if not self._opened.wait(_remaining(deadline)):
+                    if self._handoffs != handoff:
+                        return
                     if self._holder_depth or self._exclusive_waiting:
                         self._timeouts += 1
                         raise self.timeout_error(
@@ -154,8 +164,9 @@ class Gate:
                             timeout=limit,
                             sections_running=self._sections,
                         )
-            self._sections += 1
-            self._sections_entered += 1
+            if self._handoffs == handoff:
+                self._sections += 1
+                self._sections_entered += 1
         finally:
             self._sections_waiting -= 1
 
@@ -194,6 +205,7 @@ class Gate:
             finally:
                 self._exclusive_waiting -= 1
                 if not self._exclusive_waiting and not self._holder_depth:
+                    self._hand_off_to_waiting_sections()
                     self._opened.notify_all()
 
     def acquire_exclusive_nowait(self) -> None:
@@ -218,11 +230,19 @@ class Gate:
                 return
             del self._holder_depth[me]
             if not self._holder_depth and not self._exclusive_waiting:
+                self._hand_off_to_waiting_sections()
                 self._opened.notify_all()
 
     def exclusive(self, timeout: float | None = None) -> _ExclusiveContext:
         """Context-manager form of :meth:`acquire_exclusive` / :meth:`release_exclusive`."""
         return _ExclusiveContext(self, timeout)
+
+    def _hand_off_to_waiting_sections(self) -> None:
+        """Admit every waiting section now, so a hold taken right after cannot overtake them."""
+        if self._sections_waiting:
+            self._sections += self._sections_waiting
+            self._sections_entered += self._sections_waiting
+            self._handoffs += 1
 
     def _admit_holder_now(self, me: int) -> bool:
         """Admit ``me`` at once if the gate is already held (re-entrant or shared)."""
@@ -241,7 +261,10 @@ class Gate:
         """Wait until no section is running, without keeping new ones out.
 
         This is a *flush*: it proves that the sections running at the call have finished, not
-        that none starts afterwards. Use :meth:`exclusive` for that.
+        that none starts afterwards. Use :meth:`exclusive` for that. Sections are anonymous, so
+        under back-to-back overlapping sections the gate may never be idle and this waits until
+        ``timeout``; a component that needs "the sends in flight at the call" exactly keeps
+        tickets of its own (the payload transport does).
         """
         with self._lock:
             if not self._sections:

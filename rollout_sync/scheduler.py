@@ -692,7 +692,7 @@ class RolloutTaskScheduler:
                 # A sync holds the gate for as long as its transfer takes, and the transfer is
                 # bounded by its own timeouts, so this wait is too.
                 self._iterate(math.inf, blocking=True)
-        except BaseException as exc:  # noqa: BLE001 - kept; stop() and put() re-raise it
+        except BaseException as exc:
             self._error = exc
             with self._changed:
                 self._end_unfinished_locked(exc)
@@ -739,7 +739,7 @@ class RolloutTaskScheduler:
                 if batch:
                     try:
                         self.engine.decode_step(batch)
-                    except Exception as exc:  # noqa: BLE001 - reported on each task's result
+                    except Exception as exc:
                         for state in batch:
                             if not state.finished:
                                 state.fail(exc)

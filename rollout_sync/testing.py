@@ -287,6 +287,7 @@ class RecordingPacker:
         return self
 
     def stop(self, timeout: float = 30.0) -> None:
+        """Send what is buffered, then stop the sender thread (bounded by ``timeout``)."""
         self._stopping.set()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -297,7 +298,8 @@ class RecordingPacker:
 
     def _send_forever(self) -> None:
         try:
-            while not self._stopping.is_set():
+            # On stop, what is already buffered is still sent: stopping loses nothing.
+            while not (self._stopping.is_set() and self._buffer.empty()):
                 try:
                     payload = self._buffer.get(timeout=0.05)
                 except queue.Empty:

@@ -90,6 +90,30 @@ def test_section_waits_out_the_hold() -> None:
     assert not errors
 
 
+def test_back_to_back_holds_cannot_starve_a_waiting_section() -> None:
+    """The release hands the gate to the sections that waited through the hold, so a holder
+    that re-acquires at once must wait for them (one section), not overtake them."""
+    gate = Gate()
+    gate.acquire_exclusive()
+    ran = threading.Event()
+
+    def forward() -> None:
+        with gate.section(timeout=10):
+            ran.set()
+
+    t, errors = in_thread(forward)
+    wait_until(lambda: gate.statistics().sections_waiting == 1)
+    gate.release_exclusive()
+    with pytest.raises(WouldBlock):
+        gate.acquire_exclusive_nowait()  # the waiting forward was admitted by the release
+    gate.acquire_exclusive(timeout=10)  # ...and a blocking re-acquire waits it out
+    assert ran.is_set()
+    gate.release_exclusive()
+    t.join(10)
+    assert not errors
+    assert gate.statistics().sections_entered == 1
+
+
 def test_exclusive_is_reentrant_and_shared_between_threads() -> None:
     gate = Gate()
     with gate.exclusive():

@@ -139,7 +139,7 @@ def check_guarded(outcome: Outcome) -> None:
         context = [*r.prompt, *r.tokens]
         for version in set(versions):
             predicted = full_forward_argmax(CONFIG, version, context)
-            for i, (token, v) in enumerate(zip(r.tokens, versions)):
+            for i, (token, v) in enumerate(zip(r.tokens, versions, strict=True)):
                 if v == version:
                     assert token == predicted[len(r.prompt) + i - 1], (
                         f"request {r.request_id} token {i} is not v{v}'s greedy choice")

@@ -58,7 +58,7 @@ def test_greedy_generate_matches_an_uncached_forward_and_is_batch_independent() 
     backend = TorchLMBackend(config)
     prompts = [[1, 2, 3], [7, 8, 9, 10, 11, 12], [5]]
     batched = backend.generate(prompts, max_new_tokens=8)
-    for prompt, result in zip(prompts, batched):
+    for prompt, result in zip(prompts, batched, strict=True):
         assert result.ok and result.finish_reason is FinishReason.LENGTH
         (alone,) = backend.generate([prompt], max_new_tokens=8)
         assert alone.tokens == result.tokens

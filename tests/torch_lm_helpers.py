@@ -145,7 +145,7 @@ class Runner:
     def _run(self, fn: Callable[[], Any]) -> None:
         try:
             self.result = fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised by join()
+        except BaseException as exc:
             self.error = exc
         finally:
             self.done.set()

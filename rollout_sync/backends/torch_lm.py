@@ -371,7 +371,9 @@ class TorchLMBackend(RolloutBase):
             self.ensure_initialized()
         return self._served
 
-    def load_weights(self, weights: Mapping[str, torch.Tensor], *, require_all: bool = True) -> None:
+    def load_weights(
+        self, weights: Mapping[str, torch.Tensor], *, require_all: bool = True
+    ) -> None:
         """Validate ``weights`` against the served tensors, then copy them in, in place.
 
         Call inside :meth:`paused` (the guard does). The write is recorded as a
@@ -467,7 +469,7 @@ class TorchLMBackend(RolloutBase):
         epoch = self._weights_epoch
         version = self.weight_version
         caches = [self._cache_for(s, epoch) for s in live]
-        pending = [s.context()[kv.length:] for s, kv in zip(live, caches)]
+        pending = [s.context()[kv.length:] for s, kv in zip(live, caches, strict=True)]
 
         batch = len(live)
         width = max(len(p) for p in pending)
@@ -477,7 +479,7 @@ class TorchLMBackend(RolloutBase):
         positions = torch.zeros(batch, width, dtype=torch.long)
         new_mask = torch.zeros(batch, width, dtype=torch.bool)
         offsets = torch.arange(width)
-        for b, (new, kv) in enumerate(zip(pending, caches)):
+        for b, (new, kv) in enumerate(zip(pending, caches, strict=True)):
             tokens[b, : len(new)] = torch.tensor(new, dtype=torch.long)
             positions[b] = (kv.length + offsets).clamp_(max=cfg.max_seq_len - 1)
             new_mask[b, : len(new)] = True
@@ -512,10 +514,10 @@ class TorchLMBackend(RolloutBase):
 
         last = torch.tensor([len(p) - 1 for p in pending], device=device)
         next_logits = logits[torch.arange(batch, device=device), last]
-        for b, (seq, kv) in enumerate(zip(live, caches)):
+        for b, (seq, kv) in enumerate(zip(live, caches, strict=True)):
             try:
                 token, logprob = self._choose(seq, kv, next_logits[b])
-            except Exception as exc:  # noqa: BLE001 - a per-sequence failure, on its result
+            except Exception as exc:
                 seq.fail(exc)
                 continue
             n = len(pending[b])
