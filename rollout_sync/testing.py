@@ -32,12 +32,11 @@ from typing import Any
 import torch
 
 from .backend import RolloutBase, ThreadedRolloutBackend
-from .errors import EgressHoldTimeout, RolloutSyncError
+from .errors import EgressHoldTimeout, PayloadBackpressureTimeout
 from .gate import Gate
 from .trace import SpanKind, Timeline
 
 __all__ = [
-    "BackpressureTimeout",
     "EventLog",
     "FakeCudaEvent",
     "FakeCudaStream",
@@ -199,10 +198,6 @@ class RecordingRollout(RolloutBase):
 # -- packers -----------------------------------------------------------------------------------
 
 
-class BackpressureTimeout(RolloutSyncError, TimeoutError):
-    """A payload could not be buffered: the send buffer stayed full past the limit."""
-
-
 class RecordingPacker:
     """A payload packer with a bounded send buffer, a sender thread and both egress hooks.
 
@@ -244,14 +239,17 @@ class RecordingPacker:
     # -- producer side -------------------------------------------------------------------------
 
     def submit(self, payload: Any, timeout: float | None = None) -> None:
-        """Buffer ``payload`` for sending; raise :class:`BackpressureTimeout` if it stays full."""
+        """Buffer ``payload`` for sending; raise :class:`PayloadBackpressureTimeout` if it stays
+        full."""
         limit = self.default_timeout if timeout is None else timeout
         try:
             self._buffer.put(payload, timeout=limit)
         except queue.Full:
-            raise BackpressureTimeout(
+            raise PayloadBackpressureTimeout(
                 f"payload send buffer stayed full ({self.capacity} payloads) for {limit:.1f} s; "
-                "sends are held or too slow"
+                "sends are held or too slow",
+                operation="buffer a payload",
+                timeout=limit,
             ) from None
 
     @property
