@@ -6,6 +6,22 @@ The public API is flat: everything a user needs is importable from here.
 from .backend import BackendStatistics as BackendStatistics
 from .backend import RolloutBase as RolloutBase
 from .backend import ThreadedRolloutBackend as ThreadedRolloutBackend
+from .buffer import BufferStatistics as BufferStatistics
+from .buffer import InstallReport as InstallReport
+from .buffer import SupportsWeightBuffer as SupportsWeightBuffer
+from .buffer import WeightBuffer as WeightBuffer
+from .buffer import WeightSyncThread as WeightSyncThread
+from .buffer import WeightSyncThreadError as WeightSyncThreadError
+from .buffer import install_inference_sync as install_inference_sync
+from .distributed import ChildFailure as ChildFailure
+from .distributed import CollectiveError as CollectiveError
+from .distributed import CollectiveTimeout as CollectiveTimeout
+from .distributed import GroupProcessError as GroupProcessError
+from .distributed import find_free_port as find_free_port
+from .distributed import init_process_group as init_process_group
+from .distributed import new_group as new_group
+from .distributed import run_processes as run_processes
+from .distributed import wait_work as wait_work
 from .egress import EgressHoldReport as EgressHoldReport
 from .egress import SupportsFlushPendingSends as SupportsFlushPendingSends
 from .egress import SupportsHoldSends as SupportsHoldSends
@@ -35,14 +51,46 @@ from .trace import Span as Span
 from .trace import SpanKind as SpanKind
 from .trace import Timeline as Timeline
 from .trace import find_overlaps as find_overlaps
+from .transfer import ChecksumMismatchError as ChecksumMismatchError
+from .transfer import ManifestError as ManifestError
+from .transfer import ManifestRejected as ManifestRejected
+from .transfer import OriginChecksums as OriginChecksums
+from .transfer import TransferConfig as TransferConfig
+from .transfer import TransferHooks as TransferHooks
+from .transfer import TransferStats as TransferStats
+from .transfer import WeightManifest as WeightManifest
+from .transfer import WeightTransfer as WeightTransfer
+from .transfer import WeightTransferError as WeightTransferError
+from .transfer import WeightTransferTimeout as WeightTransferTimeout
+from .transfer import named_weights as named_weights
 from .weights import WeightMismatchError as WeightMismatchError
 from .weights import WeightSpec as WeightSpec
 from .weights import check_weights_match as check_weights_match
+from .worker import P2R as P2R
+from .worker import R2R as R2R
+from .worker import BackgroundEngine as BackgroundEngine
+from .worker import CommandResult as CommandResult
+from .worker import CommandSource as CommandSource
+from .worker import RolloutWorker as RolloutWorker
+from .worker import Stop as Stop
+from .worker import SyncGroups as SyncGroups
+from .worker import WorkerStatistics as WorkerStatistics
+from .worker import build_sync_groups as build_sync_groups
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "P2R",
+    "R2R",
     "BackendStatistics",
+    "BackgroundEngine",
+    "BufferStatistics",
+    "ChecksumMismatchError",
+    "ChildFailure",
+    "CollectiveError",
+    "CollectiveTimeout",
+    "CommandResult",
+    "CommandSource",
     "DurationSummary",
     "EgressHoldReport",
     "EgressHoldTimeout",
@@ -50,31 +98,59 @@ __all__ = [
     "Gate",
     "GateStatistics",
     "GateTimeout",
+    "GroupProcessError",
+    "InstallReport",
+    "ManifestError",
+    "ManifestRejected",
+    "OriginChecksums",
     "Overlap",
     "PauseTimeout",
     "RolloutBase",
     "RolloutSyncError",
+    "RolloutWorker",
     "Span",
     "SpanKind",
+    "Stop",
     "SupportsFlushPendingSends",
     "SupportsHoldSends",
+    "SupportsWeightBuffer",
+    "SyncGroups",
     "SyncMode",
     "SyncReport",
     "ThreadedRolloutBackend",
     "Timeline",
     "TornWeightsError",
+    "TransferConfig",
+    "TransferHooks",
+    "TransferStats",
+    "WeightBuffer",
+    "WeightManifest",
     "WeightMismatchError",
     "WeightSpec",
     "WeightSyncBracket",
+    "WeightSyncThread",
+    "WeightSyncThreadError",
+    "WeightTransfer",
+    "WeightTransferError",
+    "WeightTransferTimeout",
+    "WorkerStatistics",
     "WouldBlock",
+    "build_sync_groups",
     "check_weights_match",
     "device_fence",
+    "find_free_port",
     "find_overlaps",
     "holds_payload_egress",
+    "init_process_group",
+    "install_inference_sync",
+    "named_weights",
+    "new_group",
     "pauses_generation",
     "payload_egress_held",
     "percentile",
+    "run_processes",
     "summarize",
+    "wait_work",
     "weight_sync_bracket",
     "weight_sync_handler",
 ]
