@@ -499,7 +499,7 @@ class RolloutWorker:
             if exc.complete and exc.version is not None:
                 # Every byte landed here intact; the failure was another rank's. These weights
                 # are the version whole, so serve them, and still report the failure.
-                self.rollout.load_weights(served, require_all=False)
+                self._reload(served)
                 self.rollout.commit_weight_version(exc.version)
                 self._start_engine()
             elif exc.targets_torn:
@@ -507,12 +507,17 @@ class RolloutWorker:
                     f"{exc.tensors_written} tensor(s) of version {exc.version} were written "
                     f"before the transfer failed: {type(exc).__name__}")
             raise
-        # An engine that cannot serve the tensors it exposes reloads them here; the default
-        # load_weights sees the same storage and copies nothing.
-        self.rollout.load_weights(served, require_all=False)
+        self._reload(served)
         self.rollout.commit_weight_version(stats.version)
         self._start_engine()
         return stats
+
+    def _reload(self, served: Mapping[str, torch.Tensor]) -> None:
+        """Hand the received tensors to an engine that overrides ``load_weights`` (one that
+        cannot serve the tensors it exposes). The default would find the same storage and copy
+        nothing, after re-checking what the transfer already checked, so it is skipped."""
+        if type(self.rollout).load_weights is not RolloutBase.load_weights:
+            self.rollout.load_weights(served, require_all=False)
 
     def _send(self, transfer: WeightTransfer, weights: Mapping[str, torch.Tensor],
               version: int) -> TransferStats:

@@ -466,3 +466,38 @@ def test_a_hung_peer_times_out_with_a_clear_error() -> None:
     assert "did not complete within 1.0 s" in rep["text"]
     assert 0.9 < rep["elapsed"] < 2.5
     assert rep["written"] > 0  # buckets 0 and 1 had landed: the targets are torn
+
+
+# -- CUDA (skipped cleanly without a GPU; the same code path as gloo above) ---------------------
+
+
+def _cuda_child(rank: int, port: int, backend: str) -> bool:
+    torch.cuda.set_device(rank if backend == "nccl" else 0)
+    init_process_group(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
+                       backend=backend, timeout_s=30)
+    transfer = WeightTransfer(None, 0, config=TransferConfig(bucket_bytes=4096, timeout_s=30,
+                                                             checksums=True))
+    weights = {k: v.cuda() for k, v in _model(3).items()}
+    if rank == 0:
+        transfer.send(weights, version=3)
+        return True
+    served = {k: torch.zeros_like(v) for k, v in weights.items()}
+    transfer.receive(served)
+    torch.cuda.synchronize()
+    return all(torch.equal(served[k], weights[k]) for k in weights)
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gloo_transfer_into_cuda_targets() -> None:
+    assert _run(_cuda_child, 2, "gloo") == {0: True, 1: True}
+
+
+@pytest.mark.cuda
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2
+                         and torch.distributed.is_nccl_available()),
+                    reason="needs two CUDA devices and NCCL")
+def test_nccl_transfer_between_two_gpus() -> None:
+    assert _run(_cuda_child, 2, "nccl") == {0: True, 1: True}

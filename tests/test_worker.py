@@ -314,3 +314,20 @@ def test_async_syncs_run_on_the_sync_thread_and_install_at_safe_points() -> None
     assert model.torn_reads == 0 and timeline.overlaps() == []
     assert worker.weight_buffer is not None
     assert worker.weight_buffer.statistics().writes == 5
+
+
+class _ReloadingRollout(RecordingRollout):
+    """An engine that cannot serve the tensors it exposes: it reloads them after a sync."""
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor], *,
+                     require_all: bool = True) -> None:
+        self.log.add(f"reload:{float(weights['w'][0])}")
+
+
+def test_an_engine_that_overrides_load_weights_gets_the_received_tensors() -> None:
+    log = EventLog()
+    rollout = _ReloadingRollout(log, {"w": torch.zeros(4)})
+    transfer = FakeTransfer(lambda: (2, {"w": torch.full((4,), 2.0)}), log=log)
+    worker = RolloutWorker(rollout, p2r=transfer)  # type: ignore[arg-type]
+    assert worker.handle(P2R()).ok
+    assert log.events == ["pause:enter", "init", "transfer", "reload:2.0", "pause:exit"]
