@@ -58,7 +58,9 @@ __all__ = [
     "BUFFER_WRITE",
     "ChecksumMismatchError",
     "ManifestEntry",
+    "ManifestError",
     "ManifestRejected",
+    "OriginChecksums",
     "TransferConfig",
     "TransferHooks",
     "TransferStats",
@@ -175,7 +177,9 @@ class TransferHooks:
 
     ``after_pack(bucket_index, flat)`` runs on the source after a bucket is packed and
     checksummed, before it is sent; ``after_receive(bucket_index, flat)`` on a receiver after a
-    bucket arrived, before it is verified and unpacked.
+    bucket arrived, before it is verified and unpacked. Both see staged buckets only: a bucket
+    sent straight from (or received straight into) its one tensor has no staging buffer. With
+    checksums on, every bucket is staged.
     """
 
     after_pack: Callable[[int, torch.Tensor], None] | None = None
@@ -449,9 +453,12 @@ def bucket_checksum(data: torch.Tensor) -> torch.Tensor:
     row_w = torch.arange(1, rows + 1, dtype=torch.int64, device=device)
     tail_w = torch.arange(1, tail.numel() + 1, dtype=torch.int64, device=device)
     plain = col_sum.sum() + tail.sum(dtype=torch.int64)
-    weighted = ((col_sum.remainder(_CHECKSUM_PRIME) * col_w).sum()
-                + (row_sum.remainder(_CHECKSUM_PRIME) * row_w).sum()
-                + (tail.to(torch.int64) * tail_w).sum() * 7)
+    # Every term is reduced below 2**31 before summing, so no sum can overflow int64 for any
+    # bucket up to 2**32 words.
+    p = _CHECKSUM_PRIME
+    weighted = (((col_sum.remainder(p) * col_w).remainder(p)).sum()
+                + ((row_sum.remainder(p) * row_w.remainder(p)).remainder(p)).sum()
+                + ((tail.to(torch.int64).remainder(p) * tail_w).remainder(p)).sum() * 7)
     return torch.stack([plain, weighted])
 
 
