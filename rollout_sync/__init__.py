@@ -13,6 +13,22 @@ from .backends import TorchLMBackend as TorchLMBackend
 from .backends import TorchLMStatistics as TorchLMStatistics
 from .backends import TorchLMStreamBackend as TorchLMStreamBackend
 from .backends import tiny_lm_weights as tiny_lm_weights
+from .buffer import BufferStatistics as BufferStatistics
+from .buffer import InstallReport as InstallReport
+from .buffer import SupportsWeightBuffer as SupportsWeightBuffer
+from .buffer import WeightBuffer as WeightBuffer
+from .buffer import WeightSyncThread as WeightSyncThread
+from .buffer import WeightSyncThreadError as WeightSyncThreadError
+from .buffer import install_inference_sync as install_inference_sync
+from .distributed import ChildFailure as ChildFailure
+from .distributed import CollectiveError as CollectiveError
+from .distributed import CollectiveTimeout as CollectiveTimeout
+from .distributed import GroupProcessError as GroupProcessError
+from .distributed import find_free_port as find_free_port
+from .distributed import init_process_group as init_process_group
+from .distributed import new_group as new_group
+from .distributed import run_processes as run_processes
+from .distributed import wait_work as wait_work
 from .egress import EgressHoldReport as EgressHoldReport
 from .egress import SupportsFlushPendingSends as SupportsFlushPendingSends
 from .egress import SupportsHoldSends as SupportsHoldSends
@@ -85,6 +101,18 @@ from .trainer import WeightBroadcastStatistics as WeightBroadcastStatistics
 from .trainer import WeightPusher as WeightPusher
 from .trainer import WeightSyncCommand as WeightSyncCommand
 from .trainer import merge_step_metrics as merge_step_metrics
+from .transfer import ChecksumMismatchError as ChecksumMismatchError
+from .transfer import ManifestError as ManifestError
+from .transfer import ManifestRejected as ManifestRejected
+from .transfer import OriginChecksums as OriginChecksums
+from .transfer import TransferConfig as TransferConfig
+from .transfer import TransferHooks as TransferHooks
+from .transfer import TransferStats as TransferStats
+from .transfer import WeightManifest as WeightManifest
+from .transfer import WeightTransfer as WeightTransfer
+from .transfer import WeightTransferError as WeightTransferError
+from .transfer import WeightTransferTimeout as WeightTransferTimeout
+from .transfer import named_weights as named_weights
 from .transport import NCCLRolloutMixin as NCCLRolloutMixin
 from .transport import PayloadGroups as PayloadGroups
 from .transport import PayloadSender as PayloadSender
@@ -93,15 +121,35 @@ from .transport import new_payload_groups as new_payload_groups
 from .weights import WeightMismatchError as WeightMismatchError
 from .weights import WeightSpec as WeightSpec
 from .weights import check_weights_match as check_weights_match
+from .worker import P2R as P2R
+from .worker import R2R as R2R
+from .worker import BackgroundEngine as BackgroundEngine
+from .worker import CommandResult as CommandResult
+from .worker import CommandSource as CommandSource
+from .worker import RolloutWorker as RolloutWorker
+from .worker import Stop as Stop
+from .worker import SyncGroups as SyncGroups
+from .worker import WorkerStatistics as WorkerStatistics
+from .worker import build_sync_groups as build_sync_groups
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "P2R",
+    "R2R",
     "BackendStatistics",
+    "BackgroundEngine",
     "BroadcastCommandChannel",
     "BroadcastWeightPusher",
+    "BufferStatistics",
+    "ChecksumMismatchError",
+    "ChildFailure",
+    "CollectiveError",
+    "CollectiveTimeout",
     "CommandChannel",
     "CommandKind",
+    "CommandResult",
+    "CommandSource",
     "DecodeEngine",
     "DurationSummary",
     "EgressHoldReport",
@@ -113,13 +161,18 @@ __all__ = [
     "GateTimeout",
     "GenerationRequest",
     "GenerationResult",
+    "GroupProcessError",
     "HarvestTimeout",
     "IngressHoldTimeout",
+    "InstallReport",
     "KVCachePolicy",
+    "ManifestError",
+    "ManifestRejected",
     "Measurement",
     "MetricKeyCollisionError",
     "MetricsLogger",
     "NCCLRolloutMixin",
+    "OriginChecksums",
     "Overlap",
     "ParkReport",
     "PauseTimeout",
@@ -136,6 +189,7 @@ __all__ = [
     "RolloutBase",
     "RolloutSyncError",
     "RolloutTaskScheduler",
+    "RolloutWorker",
     "SamplingParams",
     "SchedulerStatistics",
     "SchedulerTimeout",
@@ -144,8 +198,11 @@ __all__ = [
     "Span",
     "SpanKind",
     "StepReport",
+    "Stop",
     "SupportsFlushPendingSends",
     "SupportsHoldSends",
+    "SupportsWeightBuffer",
+    "SyncGroups",
     "SyncMode",
     "SyncReport",
     "ThreadedRolloutBackend",
@@ -162,29 +219,48 @@ __all__ = [
     "TornWeightsError",
     "TrainerCallback",
     "TrainerCallbacks",
+    "TransferConfig",
+    "TransferHooks",
+    "TransferStats",
     "WeightBroadcastCallback",
     "WeightBroadcastError",
     "WeightBroadcastStatistics",
+    "WeightBuffer",
+    "WeightManifest",
     "WeightMismatchError",
     "WeightPusher",
     "WeightSpec",
     "WeightSyncBracket",
     "WeightSyncCommand",
+    "WeightSyncThread",
+    "WeightSyncThreadError",
     "WeightSyncTimer",
+    "WeightTransfer",
+    "WeightTransferError",
+    "WeightTransferTimeout",
+    "WorkerStatistics",
     "WouldBlock",
+    "build_sync_groups",
     "check_weights_match",
     "cuda_timing_event",
     "device_fence",
+    "find_free_port",
     "find_overlaps",
     "holds_payload_egress",
+    "init_process_group",
+    "install_inference_sync",
     "log_metrics",
     "merge_step_metrics",
+    "named_weights",
+    "new_group",
     "new_payload_groups",
     "pauses_generation",
     "payload_egress_held",
     "percentile",
+    "run_processes",
     "summarize",
     "tiny_lm_weights",
+    "wait_work",
     "weight_sync_bracket",
     "weight_sync_handler",
 ]

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from .demo import InProcessDemoConfig, run_in_process_demo
+from .demo_distributed import DEMO_BACKENDS, DistributedDemoConfig, run_distributed_demo
+from .guard import SyncMode
 from .stream_demo import StreamDemoConfig, run_stream_demo
 from .trace import Timeline
 
@@ -22,18 +24,35 @@ def _build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo",
         help="generation, payload egress and weight syncs racing; prints a report",
-        description="Runs generation, payload sends and weight syncs concurrently and reports "
-        "torn reads, payload/sync overlaps and timings. Guarded by default.",
+        description="Runs a trainer process and --replicas rollout replica processes over "
+        "gloo on loopback: every step a P2R to the first replica and an R2R to the others, "
+        "while every replica keeps generating and shipping payloads. Reports torn reads, "
+        "payload/sync overlaps, timings, transfer MB/s and whether every replica ends "
+        "bit-identical to the trainer. Guarded by default; --in-process runs the threads-only "
+        "demo.",
     )
-    demo.add_argument("--syncs", type=int, default=200, help="weight syncs to run (default 200)")
+    demo.add_argument("--replicas", type=int, default=3,
+                      help="rollout replica processes next to the trainer process (default 3)")
+    demo.add_argument("--steps", type=int, default=30,
+                      help="training steps, each a P2R plus an R2R (default 30)")
+    demo.add_argument("--backend", default="torn_read",
+                      help="rollout engine of the replicas, by name (default torn_read)")
+    demo.add_argument("--mode", choices=[m.value for m in SyncMode], default="sync",
+                      help="weight sync mode (default sync: pause generation, write in place)")
+    demo.add_argument("--model-mb", type=float, default=8.0,
+                      help="size of the synced model in MiB (default 8)")
+    demo.add_argument("--bucket-mb", type=float, default=4.0,
+                      help="transfer bucket size in MiB (default 4)")
+    demo.add_argument("--checksums", action="store_true", help="checksum every bucket")
+    demo.add_argument("--in-process", action="store_true",
+                      help="run the single-process demo instead (threads, no torch.distributed)")
+    demo.add_argument("--syncs", type=int, default=200,
+                      help="weight syncs of the --in-process demo (default 200)")
+    demo.add_argument("--stream", action="store_true",
+                      help="with --in-process --backend torch_lm: stream generation on the "
+                      "scheduler thread (without it, blocking generate and syncs alternate)")
     demo.add_argument("--unguarded", action="store_true",
                       help="run without the guard: expect torn reads and egress overlaps")
-    demo.add_argument("--backend", choices=("fake", "torch_lm"), default="fake",
-                      help="fake: a version-stamped fake model (default); torch_lm: the tiny "
-                      "torch LM, its parameters written in place by every sync")
-    demo.add_argument("--stream", action="store_true",
-                      help="with --backend torch_lm: stream generation on the scheduler thread "
-                      "(without it, blocking generate and syncs alternate on one thread)")
     demo.add_argument("--trace", metavar="PATH",
                       help="write the timeline as Chrome/Perfetto trace JSON")
     demo.add_argument("--json", action="store_true",
@@ -60,6 +79,10 @@ def _hazards(report: dict[str, Any]) -> int:
 
 def _verdict(report: dict[str, Any]) -> str:
     hazards = _hazards(report)
+    if report.get("failed_commands"):
+        return f"FAIL: {report['failed_commands']} weight-sync command(s) failed."
+    if report.get("bit_identical") is False:
+        return "FAIL: a replica's weights differ from the trainer's."
     if report["guarded"]:
         return ("OK: no forward read torn weights and no payload send overlapped a sync."
                 if hazards == 0 else f"FAIL: {hazards} hazards observed while guarded.")
@@ -68,19 +91,37 @@ def _verdict(report: dict[str, Any]) -> str:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    if args.syncs < 1:
-        raise SystemExit("--syncs must be at least 1")
     timeline = Timeline()
-    if args.backend == "torch_lm":
-        report = run_stream_demo(
-            StreamDemoConfig(syncs=args.syncs, guarded=not args.unguarded, stream=args.stream),
-            timeline,
-        )
-    elif args.stream:
-        raise SystemExit("--stream needs --backend torch_lm")
+    if args.stream and not (args.in_process and args.backend == "torch_lm"):
+        raise SystemExit("--stream needs --backend torch_lm (with --in-process)")
+    if args.in_process:
+        if args.syncs < 1:
+            raise SystemExit("--syncs must be at least 1")
+        if args.backend == "torch_lm":
+            report = run_stream_demo(
+                StreamDemoConfig(syncs=args.syncs, guarded=not args.unguarded,
+                                 stream=args.stream),
+                timeline,
+            )
+        else:
+            report = run_in_process_demo(
+                InProcessDemoConfig(syncs=args.syncs, guarded=not args.unguarded), timeline
+            )
     else:
-        report = run_in_process_demo(
-            InProcessDemoConfig(syncs=args.syncs, guarded=not args.unguarded), timeline
+        if args.replicas < 1 or args.steps < 1:
+            raise SystemExit("--replicas and --steps must be at least 1")
+        if args.backend not in DEMO_BACKENDS:
+            raise SystemExit(f"unknown --backend {args.backend!r}; known: {sorted(DEMO_BACKENDS)}")
+        defaults = DistributedDemoConfig()
+        numel = max(1, int(args.model_mb * (1 << 20) / 4 / defaults.num_tensors))
+        report = run_distributed_demo(
+            DistributedDemoConfig(
+                replicas=args.replicas, steps=args.steps, backend=args.backend,
+                mode=SyncMode(args.mode), guarded=not args.unguarded, numel=numel,
+                bucket_bytes=max(64, int(args.bucket_mb * (1 << 20))),
+                checksums=args.checksums,
+            ),
+            timeline,
         )
     print(_format_report(report))
     if args.trace:
@@ -89,7 +130,9 @@ def _run_demo(args: argparse.Namespace) -> int:
     print(_verdict(report))
     if args.json:
         print(json.dumps(report))
-    failed = report["guarded"] and _hazards(report) > 0
+    failed = bool(report["guarded"] and _hazards(report) > 0)
+    if report.get("bit_identical") is False or report.get("failed_commands"):
+        failed = True
     return 1 if failed else 0
 
 

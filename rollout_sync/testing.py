@@ -8,6 +8,8 @@
 * :class:`RecordingPacker` - a packer with ``hold_sends`` and ``flush_pending_sends``, a bounded
   send buffer and (once started) a sender thread; :class:`FlushOnlyPacker` has only the flush,
   :class:`PlainPacker` neither.
+* :class:`AsyncTornReadBackend` - a TornReadBackend that installs an async-mode weight buffer at
+  its safe points (before each generation, before each forward) and records every install.
 * :class:`RecordingRollout` - a blocking-style backend that logs its pause.
 * :class:`EventLog` - one thread-safe, ordered log the fakes share, for order assertions.
 * :class:`FakeCudaStream` / :class:`FakeCudaEvent` - a device whose events complete only when the
@@ -32,17 +34,21 @@ from typing import Any
 import torch
 
 from .backend import RolloutBase, ThreadedRolloutBackend
+from .buffer import WeightBuffer, install_inference_sync
 from .errors import EgressHoldTimeout, PayloadBackpressureTimeout
 from .gate import Gate
+from .guard import SyncMode
 from .trace import SpanKind, Timeline
 
 __all__ = [
+    "AsyncTornReadBackend",
     "EventLog",
     "FakeCudaEvent",
     "FakeCudaStream",
     "FlushOnlyPacker",
     "ForwardResult",
     "HostSyncCount",
+    "InstallRecord",
     "PlainPacker",
     "RecordingPacker",
     "RecordingRollout",
@@ -165,6 +171,62 @@ class TornReadBackend(ThreadedRolloutBackend):
         result = self.model.forward()
         if self.packer is not None:
             self.packer.submit({"versions": result.versions_seen}, timeout=self.pause_timeout)
+
+
+@dataclass(frozen=True)
+class InstallRecord:
+    """One install an :class:`AsyncTornReadBackend` made at a safe point."""
+
+    version: int
+    forward_index: int
+    """The index of the forward it preceded (0-based)."""
+    at: SyncMode
+    thread_ident: int
+
+
+class AsyncTornReadBackend(TornReadBackend):
+    """A :class:`TornReadBackend` for the async modes: it installs a buffer at safe points.
+
+    A *generation* is ``forwards_per_generation`` consecutive forwards. Before each generation
+    the backend calls :func:`~rollout_sync.install_inference_sync` with
+    ``at=SyncMode.ASYNC_PER_GENERATION``, before each forward with ``at=ASYNC_PER_FORWARD``;
+    the attached buffer's mode decides which of them installs. Both run on the serving thread,
+    between forwards, so an install never overlaps a forward. Every install is recorded in
+    :attr:`installs`.
+    """
+
+    def __init__(
+        self,
+        model: VersionStampedModel,
+        *,
+        forwards_per_generation: int = 4,
+        packer: RecordingPacker | None = None,
+        pause_timeout: float = 30.0,
+        timeline: Timeline | None = None,
+    ) -> None:
+        super().__init__(model, packer=packer, pause_timeout=pause_timeout, timeline=timeline)
+        if forwards_per_generation < 1:
+            raise ValueError("forwards_per_generation must be >= 1")
+        self.forwards_per_generation = forwards_per_generation
+        self.weight_buffer: WeightBuffer | None = None
+        self.installs: list[InstallRecord] = []
+        self._forward_index = 0
+
+    def attach_weight_buffer(self, buffer: WeightBuffer) -> None:
+        self.weight_buffer = buffer
+
+    def serve_step(self) -> None:
+        if self._forward_index % self.forwards_per_generation == 0:
+            self._install_at(SyncMode.ASYNC_PER_GENERATION)
+        self._install_at(SyncMode.ASYNC_PER_FORWARD)
+        super().serve_step()
+        self._forward_index += 1
+
+    def _install_at(self, at: SyncMode) -> None:
+        report = install_inference_sync(self, self.weight_buffer, at=at)
+        if report is not None:
+            self.installs.append(InstallRecord(report.version, self._forward_index, at,
+                                               threading.get_ident()))
 
 
 class RecordingRollout(RolloutBase):

@@ -17,7 +17,7 @@ REPORT_KEYS = {"syncs", "forwards", "torn_reads", "egress_overlaps", "time_to_pa
 
 def test_demo_json_report(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     trace = tmp_path / "out.json"
-    assert main(["demo", "--syncs", "20", "--json", "--trace", str(trace)]) == 0
+    assert main(["demo", "--in-process", "--syncs", "20", "--json", "--trace", str(trace)]) == 0
     out = capsys.readouterr().out
     report = json.loads(out.strip().splitlines()[-1])
     assert REPORT_KEYS <= report.keys()
@@ -27,6 +27,6 @@ def test_demo_json_report(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
 
 
 def test_demo_unguarded_shows_torn_reads(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--syncs", "40", "--unguarded", "--json"]) == 0
+    assert main(["demo", "--in-process", "--syncs", "40", "--unguarded", "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["torn_reads"] > 0

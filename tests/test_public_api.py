@@ -15,6 +15,3 @@ def test_all_matches_the_names_the_package_exports() -> None:
     for name in rollout_sync.__all__:
         assert getattr(rollout_sync, name) is not None
 
-
-def test_all_is_sorted_for_readable_diffs() -> None:
-    assert list(rollout_sync.__all__) == sorted(rollout_sync.__all__)

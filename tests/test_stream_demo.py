@@ -13,7 +13,7 @@ from rollout_sync.cli import main
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "blocking"])
 def test_torch_lm_demo_is_clean_when_guarded(stream: bool,
                                              capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["demo", "--backend", "torch_lm", "--syncs", "25", "--json"]
+    argv = ["demo", "--in-process", "--backend", "torch_lm", "--syncs", "25", "--json"]
     assert main([*argv, "--stream"] if stream else argv) == 0
     out = capsys.readouterr().out
     report = json.loads(out.strip().splitlines()[-1])

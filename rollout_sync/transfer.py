@@ -1,0 +1,955 @@
+"""Weight transfer over torch.distributed: P2R and R2R as one validated, bucketed broadcast.
+
+Both commands are the same operation on different groups. **P2R** is a broadcast from the
+trainer to a rollout replica (the group ``{trainer, replica}``); **R2R** is a broadcast from the
+replica that received to the other replicas of its group. :class:`WeightTransfer` does either;
+the code path is the same for gloo (CPU tensors) and NCCL (CUDA tensors).
+
+One transfer, in order:
+
+1. **Manifest.** The source broadcasts a :class:`WeightManifest`: every tensor's name, shape,
+   dtype, bucket and byte offset, the weight version, whether it is a full sync or a subset,
+   and whether buckets carry checksums. A source that cannot even build one broadcasts an
+   abort instead, so its peers fail fast rather than time out.
+2. **Vote.** Every receiver checks the manifest against its targets with
+   :func:`~rollout_sync.check_weights_match` *before touching any of them*, then every rank
+   contributes an ok flag to an all-gather. If any rank said no, every rank raises (the
+   rejecting one its :class:`~rollout_sync.WeightMismatchError`, the others
+   :class:`ManifestRejected` naming it) and nothing is written anywhere. The group stays usable.
+3. **Buckets.** Tensors are packed into flat byte buffers of at most ``bucket_bytes`` (a tensor
+   larger than that gets a bucket of its own), so thousands of small parameters cost a few
+   collectives. Two buffers alternate: the source packs bucket ``k + 1`` while bucket ``k`` is
+   on the wire, a receiver unpacks bucket ``k`` while bucket ``k + 1`` arrives. Unpacking is
+   ``target.copy_(view)``, so non-contiguous targets are fine.
+4. **Checksums** (optional). The source appends a checksum to each bucket; a receiver checks it
+   before unpacking that bucket. A mismatch stops all further writes on that receiver, which
+   keeps receiving (so the group is not left hanging) and votes no at the end.
+5. **Commit vote.** Every rank all-gathers whether its side succeeded. Only then does
+   :meth:`WeightTransfer.receive` return; the caller commits the version.
+
+Every collective is waited for with a timeout (:func:`~rollout_sync.distributed.wait_work`). A
+peer that dies mid-transfer is a :class:`WeightTransferError` in bounded time, whose
+``tensors_written`` tells the caller whether its targets are now torn (a mix of versions).
+
+With a :class:`~rollout_sync.Timeline`, every collective is a ``weight_collective`` span and
+every write into target tensors a ``weight_write`` span (or the kind the caller names, e.g.
+:data:`BUFFER_WRITE` for an async-mode buffer, which generation may legitimately overlap).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .distributed import CollectiveError, CollectiveTimeout, group_ranks, wait_work
+from .errors import RolloutSyncError
+from .trace import SpanKind, Timeline
+from .weights import WeightSpec, check_weights_match
+
+__all__ = [
+    "BUFFER_WRITE",
+    "ChecksumMismatchError",
+    "ManifestEntry",
+    "ManifestError",
+    "ManifestRejected",
+    "OriginChecksums",
+    "TransferConfig",
+    "TransferHooks",
+    "TransferStats",
+    "WeightManifest",
+    "WeightTransfer",
+    "WeightTransferError",
+    "WeightTransferTimeout",
+    "bucket_checksum",
+    "named_weights",
+]
+
+BUFFER_WRITE = "weight_buffer_write"
+"""Span kind of a write into an async-mode weight buffer (not a served tensor)."""
+
+ALIGN_BYTES = 64
+"""Every tensor starts at a multiple of this in its bucket, so a byte slice views as any dtype."""
+
+CHECKSUM_BYTES = 16
+"""Two int64 words appended to a bucket when checksums are on."""
+
+_MANIFEST_FORMAT = 1
+_CHECKSUM_COLS = 1024
+_CHECKSUM_PRIME = 2_147_483_629
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+class WeightTransferError(RolloutSyncError):
+    """A weight transfer failed.
+
+    Attributes:
+        operation: what was being done ("receive bucket 3/12 of version 7 from rank 0").
+        version: the weight version being transferred, if the manifest got that far.
+        tensors_written: target tensors this rank had (partly) written when it failed. Zero
+            means the targets are exactly as before.
+        complete: this rank received and wrote every tensor intact; the transfer failed
+            elsewhere in the group (another rank's checksum). Its targets hold ``version``
+            whole.
+    """
+
+    def __init__(self, message: str, *, operation: str, version: int | None = None,
+                 tensors_written: int = 0, complete: bool = False) -> None:
+        super().__init__(message)
+        self.operation = operation
+        self.version = version
+        self.tensors_written = tensors_written
+        self.complete = complete
+
+    @property
+    def targets_torn(self) -> bool:
+        """Whether this rank's targets now mix two versions (written, but not completely)."""
+        return self.tensors_written > 0 and not self.complete
+
+
+class WeightTransferTimeout(WeightTransferError, TimeoutError):
+    """A collective of the transfer did not complete within the limit."""
+
+
+class ManifestRejected(WeightTransferError):
+    """Another rank rejected the manifest (or the source aborted); nothing was written.
+
+    Attributes:
+        rejected_by: global ranks that said no.
+    """
+
+    def __init__(self, message: str, *, operation: str, version: int | None,
+                 rejected_by: Sequence[int]) -> None:
+        super().__init__(message, operation=operation, version=version)
+        self.rejected_by = tuple(rejected_by)
+
+
+class ChecksumMismatchError(WeightTransferError):
+    """A bucket's bytes differ from what its source (or the original sender) checksummed.
+
+    Attributes:
+        buckets: indices of the buckets that failed, on this rank.
+        failed_ranks: global ranks that reported a failure in the commit vote.
+    """
+
+    def __init__(self, message: str, *, operation: str, version: int | None,
+                 tensors_written: int, buckets: Sequence[int],
+                 failed_ranks: Sequence[int], complete: bool = False) -> None:
+        super().__init__(message, operation=operation, version=version,
+                         tensors_written=tensors_written, complete=complete)
+        self.buckets = tuple(buckets)
+        self.failed_ranks = tuple(failed_ranks)
+
+
+# -- configuration and results -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """How a :class:`WeightTransfer` moves bytes."""
+
+    bucket_bytes: int = 32 << 20
+    """Target size of one flat bucket; a larger tensor gets a bucket of its own."""
+    checksums: bool = False
+    """Append a checksum to every bucket and verify it on every receiver."""
+    timeout_s: float = 60.0
+    """Limit of each collective (manifest, each bucket, each vote)."""
+
+    def __post_init__(self) -> None:
+        if self.bucket_bytes < ALIGN_BYTES:
+            raise ValueError(f"bucket_bytes must be >= {ALIGN_BYTES}, got {self.bucket_bytes}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 seconds, got {self.timeout_s!r}")
+
+
+@dataclass
+class TransferHooks:
+    """Fault-injection points for tests (corrupt a bucket, kill a peer mid-transfer).
+
+    ``after_pack(bucket_index, flat)`` runs on the source after a bucket is packed and
+    checksummed, before it is sent; ``after_receive(bucket_index, flat)`` on a receiver after a
+    bucket arrived, before it is verified and unpacked. Both see staged buckets only: a bucket
+    sent straight from (or received straight into) its one tensor has no staging buffer. With
+    checksums on, every bucket is staged.
+    """
+
+    after_pack: Callable[[int, torch.Tensor], None] | None = None
+    after_receive: Callable[[int, torch.Tensor], None] | None = None
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """What one transfer did on this rank. Times in seconds."""
+
+    role: str
+    """``"send"`` or ``"receive"``."""
+    version: int
+    tensors: int
+    buckets: int
+    nbytes: int
+    """Payload bytes (tensor bytes, without padding or checksums)."""
+    manifest_s: float
+    """Manifest broadcast and validation vote."""
+    transfer_s: float
+    """Buckets: packing, collectives, unpacking."""
+    total_s: float
+    tensors_written: int = 0
+    checksums_verified: int = 0
+    bucket_checksums: tuple[tuple[int, int], ...] | None = None
+    """The source's checksums of each bucket, when checksums are on (for R2R's origin check)."""
+    layout: str = ""
+    """Identifies the bucket layout; checksums are comparable only between equal layouts."""
+
+    @property
+    def mb_per_s(self) -> float:
+        """Payload megabytes (1e6 bytes) per second over the whole transfer."""
+        return self.nbytes / 1e6 / self.total_s if self.total_s > 0 else float("nan")
+
+
+@dataclass(frozen=True)
+class OriginChecksums:
+    """Checksums the original sender computed for a version, to carry through an R2R."""
+
+    version: int
+    layout: str
+    checksums: tuple[tuple[int, int], ...]
+
+
+# -- the manifest ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    """Where one tensor lies in the transfer."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    bucket: int
+    offset: int
+    """Bytes from the start of its bucket (a multiple of :data:`ALIGN_BYTES`)."""
+    nbytes: int
+
+    @property
+    def spec(self) -> WeightSpec:
+        return WeightSpec(self.name, self.shape, self.dtype)
+
+
+class ManifestError(RolloutSyncError, ValueError):
+    """A manifest could not be built or decoded."""
+
+
+def _dtype_from_name(name: str) -> torch.dtype:
+    found = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(found, torch.dtype):
+        raise ManifestError(f"manifest names an unknown dtype {name!r}")
+    return found
+
+
+@dataclass(frozen=True)
+class WeightManifest:
+    """Everything a receiver checks before the first byte of a weight is written.
+
+    The manifest describes the layout; the weight version travels next to it, in the header,
+    so that an unchanged layout encodes to the same bytes every sync (and both sides cache it).
+    """
+
+    entries: tuple[ManifestEntry, ...]
+    bucket_nbytes: tuple[int, ...]
+    """Bytes of each bucket's tensor area (padded), without the checksum tail."""
+    require_all: bool
+    """A full sync (every served weight is sent) rather than a subset."""
+    checksums: bool
+    origin: OriginChecksums | None = None
+    """The original sender's per-bucket checksums, when an R2R forwards them."""
+
+    @classmethod
+    def build(
+        cls,
+        weights: Mapping[str, torch.Tensor],
+        *,
+        bucket_bytes: int,
+        require_all: bool = True,
+        checksums: bool = False,
+        origin: OriginChecksums | None = None,
+    ) -> WeightManifest:
+        """Lay ``weights`` out into buckets, in mapping order.
+
+        ``origin`` is kept only if its layout is this manifest's (checksums of other buckets
+        compare nothing).
+
+        Raises:
+            ManifestError: no weights, or a tensor that is not dense (sparse, quantized).
+        """
+        if not weights:
+            raise ManifestError("a weight transfer needs at least one tensor")
+        entries: list[ManifestEntry] = []
+        sizes: list[int] = []
+        bucket, offset = 0, 0
+        for name, tensor in weights.items():
+            if tensor.layout is not torch.strided:
+                raise ManifestError(f"{name}: only dense (strided) tensors can be transferred, "
+                                    f"got layout {tensor.layout}")
+            nbytes = tensor.numel() * tensor.element_size()
+            start = _align(offset)
+            if start + nbytes > bucket_bytes and offset > 0:
+                sizes.append(_align(offset))
+                bucket, start = bucket + 1, 0
+            entries.append(ManifestEntry(name, tuple(tensor.shape), tensor.dtype, bucket, start,
+                                         nbytes))
+            offset = start + nbytes
+        sizes.append(max(_align(offset), ALIGN_BYTES))
+        manifest = cls(tuple(entries), tuple(sizes), require_all, checksums, None)
+        if origin is not None and origin.layout == manifest.layout:
+            manifest = cls(tuple(entries), tuple(sizes), require_all, checksums, origin)
+        return manifest
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.bucket_nbytes)
+
+    @functools.cached_property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+    @functools.cached_property
+    def layout(self) -> str:
+        """A key equal for two manifests exactly when their bucket bytes are comparable."""
+        digest = hashlib.sha1(usedforsecurity=False)
+        for e in self.entries:
+            digest.update(f"{e.name}:{list(e.shape)}:{e.dtype}:{e.bucket}:{e.offset}|".encode())
+        digest.update(repr(self.bucket_nbytes).encode())
+        return f"{digest.hexdigest()[:16]}/{len(self.entries)}"
+
+    @functools.cached_property
+    def specs(self) -> tuple[WeightSpec, ...]:
+        """What each entry would write, for :func:`~rollout_sync.check_weights_match`."""
+        return tuple(e.spec for e in self.entries)
+
+    @functools.cached_property
+    def buckets(self) -> tuple[tuple[ManifestEntry, ...], ...]:
+        """The entries of each bucket, in order."""
+        out: list[list[ManifestEntry]] = [[] for _ in self.bucket_nbytes]
+        for e in self.entries:
+            out[e.bucket].append(e)
+        return tuple(tuple(b) for b in out)
+
+    @functools.cached_property
+    def padding(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Byte ranges of each bucket that no tensor covers (alignment gaps, the end)."""
+        out: list[tuple[tuple[int, int], ...]] = []
+        for k, entries in enumerate(self.buckets):
+            gaps: list[tuple[int, int]] = []
+            end = 0
+            for e in entries:
+                if e.offset > end:
+                    gaps.append((end, e.offset))
+                end = e.offset + e.nbytes
+            if self.bucket_nbytes[k] > end:
+                gaps.append((end, self.bucket_nbytes[k]))
+            out.append(tuple(gaps))
+        return tuple(out)
+
+    def to_bytes(self) -> bytes:
+        doc = {
+            "format": _MANIFEST_FORMAT,
+            "require_all": self.require_all,
+            "checksums": self.checksums,
+            "bucket_nbytes": list(self.bucket_nbytes),
+            "entries": [[e.name, list(e.shape), str(e.dtype), e.bucket, e.offset, e.nbytes]
+                        for e in self.entries],
+            "origin": None if self.origin is None else {
+                "version": self.origin.version,
+                "layout": self.origin.layout,
+                "checksums": [list(c) for c in self.origin.checksums],
+            },
+        }
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> WeightManifest:
+        """Decode and sanity-check a manifest (offsets inside buckets, sizes consistent).
+
+        Raises:
+            ManifestError: it is not a manifest this version of rollout_sync understands.
+        """
+        try:
+            doc = json.loads(data.decode())
+            if doc.get("format") != _MANIFEST_FORMAT:
+                raise ManifestError(f"manifest format {doc.get('format')!r} is not "
+                                    f"{_MANIFEST_FORMAT}; are both sides the same version?")
+            entries = tuple(
+                ManifestEntry(str(name), tuple(int(d) for d in shape), _dtype_from_name(dtype),
+                              int(bucket), int(offset), int(nbytes))
+                for name, shape, dtype, bucket, offset, nbytes in doc["entries"]
+            )
+            origin_doc = doc.get("origin")
+            origin = None if origin_doc is None else OriginChecksums(
+                int(origin_doc["version"]), str(origin_doc["layout"]),
+                tuple((int(a), int(b)) for a, b in origin_doc["checksums"]))
+            manifest = cls(entries, tuple(int(n) for n in doc["bucket_nbytes"]),
+                           bool(doc["require_all"]), bool(doc["checksums"]), origin)
+        except ManifestError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+            raise ManifestError(f"undecodable weight manifest: {exc}") from exc
+        manifest._check_layout()
+        return manifest
+
+    def _check_layout(self) -> None:
+        if not self.entries or not self.bucket_nbytes:
+            raise ManifestError("manifest lists no tensors")
+        if self.origin is not None and len(self.origin.checksums) != len(self.bucket_nbytes):
+            raise ManifestError("manifest origin checksums do not match its buckets")
+        sizes: dict[torch.dtype, int] = {}
+        for e in self.entries:
+            elem = sizes.get(e.dtype)
+            if elem is None:
+                elem = sizes[e.dtype] = torch.empty((), dtype=e.dtype).element_size()
+            numel = 1
+            for d in e.shape:
+                numel *= d
+            if not 0 <= e.bucket < len(self.bucket_nbytes):
+                raise ManifestError(f"{e.name}: bucket {e.bucket} out of range")
+            if (e.offset % ALIGN_BYTES or e.offset < 0 or e.nbytes != numel * elem
+                    or e.offset + e.nbytes > self.bucket_nbytes[e.bucket]):
+                raise ManifestError(f"{e.name}: inconsistent layout (offset {e.offset}, "
+                                    f"{e.nbytes} bytes, bucket of {self.bucket_nbytes[e.bucket]})")
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+
+# -- checksums ---------------------------------------------------------------------------------
+
+
+def bucket_checksum(data: torch.Tensor) -> torch.Tensor:
+    """A position-sensitive checksum of a flat ``uint8`` buffer, as two int64 values.
+
+    Computed on the buffer's device without a host sync: the plain sum of its 32-bit words, and
+    a sum weighted by row and column of those words laid out in rows of 1024 (reduced modulo a
+    prime so nothing overflows). Catches flipped bits and moved words; not cryptographic.
+    ``data.numel()`` must be a multiple of 4.
+    """
+    words = data.view(torch.int32)
+    n = words.numel()
+    rows = n // _CHECKSUM_COLS
+    main = words[: rows * _CHECKSUM_COLS].view(rows, _CHECKSUM_COLS)
+    tail = words[rows * _CHECKSUM_COLS:]
+    device = data.device
+    col_sum = main.sum(0, dtype=torch.int64)
+    row_sum = main.sum(1, dtype=torch.int64)
+    col_w = torch.arange(1, _CHECKSUM_COLS + 1, dtype=torch.int64, device=device)
+    row_w = torch.arange(1, rows + 1, dtype=torch.int64, device=device)
+    tail_w = torch.arange(1, tail.numel() + 1, dtype=torch.int64, device=device)
+    plain = col_sum.sum() + tail.sum(dtype=torch.int64)
+    # Every term is reduced below 2**31 before summing, so no sum can overflow int64 for any
+    # bucket up to 2**32 words.
+    p = _CHECKSUM_PRIME
+    weighted = (((col_sum.remainder(p) * col_w).remainder(p)).sum()
+                + ((row_sum.remainder(p) * row_w.remainder(p)).remainder(p)).sum()
+                + ((tail.to(torch.int64).remainder(p) * tail_w).remainder(p)).sum() * 7)
+    return torch.stack([plain, weighted])
+
+
+# -- picking what to send ----------------------------------------------------------------------
+
+
+def named_weights(
+    source: torch.nn.Module | Mapping[str, torch.Tensor],
+    *,
+    trainable_only: bool = False,
+) -> dict[str, torch.Tensor]:
+    """The tensors a transfer sends, by name.
+
+    For a module: every parameter and persistent buffer (its ``state_dict`` names), or with
+    ``trainable_only`` only the parameters that require grad. For a mapping: the mapping itself
+    (``trainable_only`` keeps the tensors that require grad). Tensors are detached views; nothing
+    is copied.
+    """
+    if isinstance(source, torch.nn.Module):
+        if trainable_only:
+            return {n: p.detach() for n, p in source.named_parameters() if p.requires_grad}
+        return {n: t.detach() for n, t in source.state_dict(keep_vars=True).items()}
+    if trainable_only:
+        return {n: t.detach() for n, t in source.items() if t.requires_grad}
+    return {n: t.detach() for n, t in source.items()}
+
+
+# -- the transfer ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Outcome:
+    """Bookkeeping of one receive, kept apart from the collectives that fill it."""
+
+    tensors_written: int = 0
+    failed_buckets: list[int] = field(default_factory=list)
+    failure: str | None = None
+    checksums_verified: int = 0
+    source_checksums: list[tuple[int, int]] = field(default_factory=list)
+
+
+_HEADER_WORDS = 2
+"""The header broadcast first: (manifest byte count, or -1 for an abort; weight version)."""
+
+
+class WeightTransfer:
+    """Broadcast weights from ``src`` to the rest of ``group``, validated and bucketed.
+
+    One object per (group, source); reuse it across syncs: its bucket buffers, the encoded
+    manifest (source) and the decoded one (receivers) are kept while the layout is unchanged.
+    The source calls :meth:`send`, every other member :meth:`receive`, for each sync, in the
+    same order. Not thread-safe: one transfer at a time per object.
+
+    Args:
+        group: the process group (``None``: the default group). P2R: ``{trainer, replica}``;
+            R2R: the replicas.
+        src: the *global* rank of the source.
+        config: bucket size, checksums, collective timeout.
+        timeline: records collective and write spans.
+        device: where buckets live. Default: CUDA for an NCCL group, CPU otherwise.
+        hooks: fault injection for tests.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        src: int,
+        *,
+        config: TransferConfig | None = None,
+        timeline: Timeline | None = None,
+        device: torch.device | str | None = None,
+        hooks: TransferHooks | None = None,
+    ) -> None:
+        self.group = group
+        self.src = src
+        self.config = config if config is not None else TransferConfig()
+        self.timeline = timeline
+        self.hooks = hooks if hooks is not None else TransferHooks()
+        self.ranks = group_ranks(group)
+        if src not in self.ranks:
+            raise ValueError(f"source rank {src} is not in the group of ranks {list(self.ranks)}")
+        if device is None:
+            nccl = dist.get_backend(group) == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
+        self.device = torch.device(device)
+        self._buffers: list[torch.Tensor] = []
+        self._encoded: tuple[object, WeightManifest, bytes] | None = None
+        self._decoded: tuple[bytes, WeightManifest] | None = None
+        self._views: tuple[WeightManifest, tuple[int, ...], list[list[torch.Tensor]]] | None = None
+
+    def __repr__(self) -> str:
+        return (f"<WeightTransfer src={self.src} group={list(self.ranks)} "
+                f"bucket_bytes={self.config.bucket_bytes} device={self.device}>")
+
+    @property
+    def is_source(self) -> bool:
+        return dist.get_rank() == self.src
+
+    # -- the source ----------------------------------------------------------------------------
+
+    def send(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        *,
+        version: int,
+        require_all: bool = True,
+        origin: OriginChecksums | None = None,
+    ) -> TransferStats:
+        """Broadcast ``weights`` (this rank must be the source); returns when all committed.
+
+        Args:
+            version: the weight version receivers commit.
+            require_all: ``False`` for a deliberate subset (``trainable_only``); receivers then
+                accept a manifest that does not name every served weight.
+            origin: the original sender's checksums of ``version`` (an R2R forwarding what it
+                received), checked by every receiver when the layouts match.
+
+        Raises:
+            ManifestRejected: a receiver rejected the manifest; nothing was written.
+            ChecksumMismatchError: a receiver failed after the vote (see ``failed_ranks``).
+            WeightTransferTimeout / WeightTransferError: a collective timed out or failed.
+        """
+        if not self.is_source:
+            raise RuntimeError(f"send() on rank {dist.get_rank()}, but the source is {self.src}")
+        start = time.perf_counter()
+        op = f"send version {version} from rank {self.src} to ranks {list(self.ranks)}"
+        try:
+            manifest, data = self._encode(weights, require_all, origin)
+        except BaseException as exc:
+            self._broadcast_abort(op, version, f"{type(exc).__name__}: {exc}")
+            raise
+        self._broadcast_manifest(data, version, op)
+        self._vote(ok=True, op=f"{op}: manifest vote", version=version, written=0,
+                   reject_message="rejected the manifest; nothing was written")
+        manifest_done = time.perf_counter()
+        checksums = self._send_buckets(manifest, weights, op, version)
+        failed = self._vote_ranks(ok=True, op=f"{op}: commit vote", version=version, written=0)
+        if failed:
+            raise ChecksumMismatchError(
+                f"{op}: ranks {failed} reported a failure after receiving (a checksum mismatch "
+                "or a failed write); their weights are torn until the next complete sync",
+                operation=op, version=version, tensors_written=0, buckets=(),
+                failed_ranks=failed)
+        end = time.perf_counter()
+        return TransferStats("send", version, len(manifest.entries), manifest.num_buckets,
+                             manifest.nbytes, manifest_done - start, end - manifest_done,
+                             end - start, 0, 0,
+                             tuple(checksums) if checksums else None, manifest.layout)
+
+    def _encode(self, weights: Mapping[str, torch.Tensor], require_all: bool,
+                origin: OriginChecksums | None) -> tuple[WeightManifest, bytes]:
+        """The manifest of ``weights`` and its bytes, reused while the layout is unchanged."""
+        key = (tuple((n, t.shape, t.dtype, t.layout) for n, t in weights.items()),
+               self.config.bucket_bytes, require_all, self.config.checksums, origin)
+        cached = self._encoded
+        if cached is not None and cached[0] == key:
+            return cached[1], cached[2]
+        manifest = WeightManifest.build(
+            weights, bucket_bytes=self.config.bucket_bytes, require_all=require_all,
+            checksums=self.config.checksums, origin=origin)
+        data = manifest.to_bytes()
+        self._encoded = (key, manifest, data)
+        return manifest, data
+
+    def _send_buckets(self, manifest: WeightManifest, weights: Mapping[str, torch.Tensor],
+                      op: str, version: int) -> list[tuple[int, int]]:
+        tail = CHECKSUM_BYTES if manifest.checksums else 0
+        buffers = self._bucket_buffers(manifest, tail)
+        views = self._bucket_views(manifest, buffers, tail)
+        in_flight: list[tuple[dist.Work, int, int]] = []
+        checksum_tensors: list[torch.Tensor] = []
+        n = manifest.num_buckets
+        with torch.no_grad():
+            for k, entries in enumerate(manifest.buckets):
+                # Buffer k % 2 was last used by bucket k - 2: that send must be complete.
+                while in_flight and in_flight[0][1] <= k - len(buffers):
+                    self._finish(in_flight.pop(0), op, n, version, 0)
+                size = manifest.bucket_nbytes[k]
+                direct = None if tail else self._direct(manifest, k, weights)
+                if direct is not None:
+                    # A bucket that is exactly one contiguous tensor goes out as is.
+                    in_flight.append(self._launch(direct, k))
+                    continue
+                flat = buffers[k % len(buffers)][: size + tail]
+                for lo, hi in manifest.padding[k]:
+                    # Padding gets zeros, so equal weights give equal buckets (and checksums)
+                    # whatever the buffer held before.
+                    flat[lo:hi].zero_()
+                torch._foreach_copy_(views[k], [weights[e.name] for e in entries])
+                if tail:
+                    checksum = bucket_checksum(flat[:size])
+                    flat[size:].view(torch.int64).copy_(checksum)
+                    checksum_tensors.append(checksum)
+                if self.hooks.after_pack is not None:
+                    self.hooks.after_pack(k, flat)
+                in_flight.append(self._launch(flat, k))
+            while in_flight:
+                self._finish(in_flight.pop(0), op, n, version, 0)
+        return [(int(c[0]), int(c[1])) for c in checksum_tensors]
+
+    def _broadcast_abort(self, op: str, version: int, reason: str) -> None:
+        """Tell receivers waiting for a manifest that none is coming (a size of -1)."""
+        header = torch.tensor([-1, version], dtype=torch.int64, device=self.device)
+        try:
+            self._collective(lambda: dist.broadcast(header, self.src, group=self.group,
+                                                    async_op=True),
+                             f"{op}: abort ({reason})", version=version, written=0)
+        except WeightTransferError:
+            pass  # the error that made the source abort is the one to report
+
+    def _broadcast_manifest(self, data: bytes, version: int, op: str) -> None:
+        header = torch.tensor([len(data), version], dtype=torch.int64, device=self.device)
+        self._collective(lambda: dist.broadcast(header, self.src, group=self.group,
+                                                async_op=True),
+                         f"{op}: manifest header", version=version, written=0)
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        self._collective(lambda: dist.broadcast(payload, self.src, group=self.group,
+                                                async_op=True),
+                         f"{op}: manifest", version=version, written=0)
+
+    # -- a receiver ----------------------------------------------------------------------------
+
+    def receive(
+        self,
+        into: Mapping[str, torch.Tensor],
+        *,
+        allow_subset: bool = True,
+        write_kind: str = SpanKind.WEIGHT_WRITE,
+    ) -> TransferStats:
+        """Receive one broadcast into ``into`` (this rank must not be the source), in place.
+
+        Nothing in ``into`` is touched before the manifest has been checked against it and
+        every rank of the group has voted yes.
+
+        Args:
+            into: the target tensors by name (served tensors, or an async-mode buffer).
+            allow_subset: accept a manifest that does not name every target (a
+                ``trainable_only`` sync). ``False`` rejects it.
+            write_kind: the span kind of writes into ``into``.
+
+        Raises:
+            WeightMismatchError: this rank rejected the manifest; ``into`` is untouched.
+            ManifestRejected: another rank rejected it (or the source aborted); untouched.
+            ChecksumMismatchError: a bucket arrived corrupted here (writing stopped at it) or
+                another rank reported a failure; see ``tensors_written``.
+            WeightTransferTimeout / WeightTransferError: a collective timed out or failed
+                (a peer died); ``tensors_written`` says whether ``into`` is torn.
+        """
+        if self.is_source:
+            raise RuntimeError(f"receive() on the source rank {self.src}; call send()")
+        start = time.perf_counter()
+        me = dist.get_rank()
+        op = f"receive from rank {self.src} on rank {me}"
+        version, manifest, problem = self._receive_manifest(op, into, allow_subset)
+        op = f"receive version {version} from rank {self.src} on rank {me}"
+        self._vote(ok=problem is None, op=f"{op}: manifest vote", version=version, written=0,
+                   reject_message="rejected the manifest; nothing was written",
+                   own_error=problem)
+        assert manifest is not None  # a missing manifest always comes with a problem (raised)
+        manifest_done = time.perf_counter()
+        outcome = _Outcome()
+        self._receive_buckets(manifest, into, op, version, outcome, write_kind)
+        failed = self._vote_ranks(ok=outcome.failure is None, op=f"{op}: commit vote",
+                                  version=version, written=outcome.tensors_written)
+        if outcome.failure is not None:
+            raise ChecksumMismatchError(
+                f"{op}: {outcome.failure}; {outcome.tensors_written} target tensor(s) were "
+                "written before it, so the targets are torn until the next complete sync",
+                operation=op, version=version, tensors_written=outcome.tensors_written,
+                buckets=outcome.failed_buckets, failed_ranks=failed)
+        if failed:
+            raise ChecksumMismatchError(
+                f"{op}: ranks {failed} reported a failure after receiving; this rank received "
+                f"version {version} whole, so its targets are complete (not torn)",
+                operation=op, version=version, tensors_written=outcome.tensors_written,
+                buckets=(), failed_ranks=failed, complete=True)
+        end = time.perf_counter()
+        checksums = tuple(outcome.source_checksums) if manifest.checksums else None
+        return TransferStats("receive", version, len(manifest.entries),
+                             manifest.num_buckets, manifest.nbytes, manifest_done - start,
+                             end - manifest_done, end - start, outcome.tensors_written,
+                             outcome.checksums_verified, checksums, manifest.layout)
+
+    def _receive_manifest(
+        self, op: str, into: Mapping[str, torch.Tensor], allow_subset: bool
+    ) -> tuple[int, WeightManifest | None, BaseException | None]:
+        """Receive and check the manifest; (version, manifest, this rank's objection)."""
+        header = torch.zeros(_HEADER_WORDS, dtype=torch.int64, device=self.device)
+        self._collective(lambda: dist.broadcast(header, self.src, group=self.group,
+                                                async_op=True),
+                         f"{op}: manifest header", version=None, written=0)
+        size, version = (int(x) for x in header.tolist())
+        if size < 0:
+            raise ManifestRejected(
+                f"{op}: the source rank {self.src} aborted the transfer of version {version} "
+                "before sending a manifest (see its log); nothing was written",
+                operation=op, version=version, rejected_by=(self.src,))
+        payload = torch.empty(size, dtype=torch.uint8, device=self.device)
+        self._collective(lambda: dist.broadcast(payload, self.src, group=self.group,
+                                                async_op=True),
+                         f"{op}: manifest", version=version, written=0)
+        data = payload.cpu().numpy().tobytes()
+        try:
+            cached = self._decoded
+            if cached is not None and cached[0] == data:
+                manifest = cached[1]
+            else:
+                manifest = WeightManifest.from_bytes(data)
+                self._decoded = (data, manifest)
+        except ManifestError as exc:
+            return version, None, exc
+        try:
+            if not manifest.require_all and not allow_subset:
+                raise ManifestError(
+                    f"{op}: the source sent a subset ({len(manifest.entries)} of "
+                    f"{len(into)} weights) and this receiver requires a full sync")
+            check_weights_match(manifest.specs, into, require_all=manifest.require_all,
+                                context=f"weights of version {version} from rank {self.src}")
+        except (RolloutSyncError, ValueError) as exc:
+            return version, manifest, exc
+        return version, manifest, None
+
+    def _receive_buckets(self, manifest: WeightManifest, into: Mapping[str, torch.Tensor],
+                         op: str, version: int, outcome: _Outcome, write_kind: str) -> None:
+        tail = CHECKSUM_BYTES if manifest.checksums else 0
+        buffers = self._bucket_buffers(manifest, tail)
+        views = self._bucket_views(manifest, buffers, tail)
+        n = manifest.num_buckets
+        flats = [buffers[k % len(buffers)][: manifest.bucket_nbytes[k] + tail] for k in range(n)]
+        # A bucket that is exactly one contiguous target is received straight into it (no
+        # staging copy); with checksums every bucket is staged, so it is verified before use.
+        direct = [None if tail else self._direct(manifest, k, into) for k in range(n)]
+        write_starts: dict[int, int] = {}
+
+        def launch(k: int) -> tuple[dist.Work, int, int]:
+            target = direct[k]
+            if target is None:
+                return self._launch(flats[k], k)
+            outcome.tensors_written += 1  # the collective itself writes the served tensor
+            write_starts[k] = time.monotonic_ns()
+            return self._launch(target, k)
+
+        in_flight = [launch(0)]
+        with torch.no_grad():
+            for k in range(n):
+                # Post bucket k + 1 before unpacking k: it lands in the other buffer, whose
+                # previous bucket (k - 1) was unpacked already.
+                if k + 1 < n:
+                    in_flight.append(launch(k + 1))
+                try:
+                    self._finish(in_flight.pop(0), op, n, version, outcome.tensors_written)
+                finally:
+                    if k in write_starts and self.timeline is not None:
+                        self.timeline.add_span(write_kind, f"receive bucket {k + 1}/{n} "
+                                               f"v{version} in place", write_starts[k])
+                if direct[k] is not None:
+                    continue
+                flat = flats[k]
+                if self.hooks.after_receive is not None:
+                    self.hooks.after_receive(k, flat)
+                if outcome.failure is not None:
+                    continue  # keep the collectives matched; write nothing more
+                if tail:
+                    outcome.failure = self._verify(flat, manifest.bucket_nbytes[k], k,
+                                                   manifest.origin, outcome)
+                    if outcome.failure is not None:
+                        outcome.failed_buckets.append(k)
+                        continue
+                targets = [into[e.name] for e in manifest.buckets[k]]
+                # Counted before the copy: a copy that fails half-way has still written.
+                outcome.tensors_written += len(targets)
+                if self.timeline is None:
+                    torch._foreach_copy_(targets, views[k])
+                else:
+                    with self.timeline.span(write_kind, f"write bucket {k + 1}/{n} v{version}"):
+                        torch._foreach_copy_(targets, views[k])
+
+    def _verify(self, flat: torch.Tensor, size: int, k: int, origin: OriginChecksums | None,
+                outcome: _Outcome) -> str | None:
+        """Check bucket ``k``'s checksum tail (and the origin's); the failure, or ``None``."""
+        got = [int(x) for x in bucket_checksum(flat[:size]).tolist()]
+        sent = [int(x) for x in flat[size:].view(torch.int64).tolist()]
+        outcome.source_checksums.append((sent[0], sent[1]))
+        if got != sent:
+            return (f"bucket {k} arrived with checksum {got} but rank {self.src} sent {sent} "
+                    "(bytes corrupted in transit or in this rank's buffer)")
+        if origin is not None and list(origin.checksums[k]) != got:
+            return (f"bucket {k} has checksum {got} but the original sender of version "
+                    f"{origin.version} sent {list(origin.checksums[k])}: the source replica "
+                    f"rank {self.src} is serving bytes that differ from what it received")
+        outcome.checksums_verified += 1
+        return None
+
+    # -- buffers and collectives ---------------------------------------------------------------
+
+    def _bucket_buffers(self, manifest: WeightManifest, tail: int) -> list[torch.Tensor]:
+        """Two flat buffers big enough for the largest bucket (one if there is one bucket)."""
+        need = max(manifest.bucket_nbytes) + tail
+        count = 1 if manifest.num_buckets == 1 else 2
+        if (len(self._buffers) < count or self._buffers[0].numel() < need
+                or self._buffers[0].device != self.device):
+            self._buffers = [torch.empty(need, dtype=torch.uint8, device=self.device)
+                             for _ in range(count)]
+        return self._buffers[:count]
+
+    def _direct(self, manifest: WeightManifest, k: int,
+                tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+        """Bucket ``k`` as a byte view of its one tensor, if it is exactly that tensor."""
+        entries = manifest.buckets[k]
+        if len(entries) != 1 or entries[0].nbytes != manifest.bucket_nbytes[k]:
+            return None
+        tensor = tensors[entries[0].name]
+        if not tensor.is_contiguous() or tensor.device != self.device:
+            return None
+        return tensor.detach().reshape(-1).view(torch.uint8)
+
+    def _bucket_views(self, manifest: WeightManifest, buffers: list[torch.Tensor],
+                      tail: int) -> list[list[torch.Tensor]]:
+        """Typed, shaped views of every entry in its bucket's buffer (kept per layout)."""
+        ptrs = tuple(b.data_ptr() for b in buffers)
+        cached = self._views
+        if cached is not None and cached[0] is manifest and cached[1] == ptrs:
+            return cached[2]
+        views = [
+            [buffers[k % len(buffers)][e.offset: e.offset + e.nbytes].view(e.dtype).view(e.shape)
+             for e in entries]
+            for k, entries in enumerate(manifest.buckets)
+        ]
+        self._views = (manifest, ptrs, views)
+        return views
+
+    def _launch(self, flat: torch.Tensor, k: int) -> tuple[dist.Work, int, int]:
+        start_ns = time.monotonic_ns()
+        work = dist.broadcast(flat, self.src, group=self.group, async_op=True)
+        assert work is not None
+        return work, k, start_ns
+
+    def _finish(self, launched: tuple[dist.Work, int, int], op: str, n: int,
+                version: int | None, written: int) -> None:
+        work, k, start_ns = launched
+        try:
+            self._wait(work, f"{op}: bucket {k + 1}/{n}", version, written)
+        finally:
+            if self.timeline is not None:
+                self.timeline.add_span(SpanKind.WEIGHT_COLLECTIVE, f"bucket {k + 1}/{n}",
+                                       start_ns, src=self.src, version=version)
+
+    def _collective(self, launch: Callable[[], dist.Work | None], op: str, *,
+                    version: int | None, written: int) -> None:
+        with self._span(op):
+            work = launch()
+            assert work is not None
+            self._wait(work, op, version, written)
+
+    def _wait(self, work: dist.Work, op: str, version: int | None, written: int) -> None:
+        try:
+            wait_work(work, operation=op, timeout_s=self.config.timeout_s, group=self.group)
+        except CollectiveTimeout as exc:
+            raise WeightTransferTimeout(
+                f"{exc} [{written} target tensor(s) written before it failed]",
+                operation=op, version=version, tensors_written=written) from exc
+        except CollectiveError as exc:
+            raise WeightTransferError(
+                f"{exc} [{written} target tensor(s) written before it failed]",
+                operation=op, version=version, tensors_written=written) from exc
+
+    @contextmanager
+    def _span(self, name: str) -> Iterator[None]:
+        if self.timeline is None:
+            yield
+        else:
+            with self.timeline.span(SpanKind.WEIGHT_COLLECTIVE, name, src=self.src):
+                yield
+
+    def _vote_ranks(self, *, ok: bool, op: str, version: int | None,
+                    written: int) -> list[int]:
+        """All-gather an ok flag; the global ranks that said no."""
+        mine = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
+        flags = [torch.zeros(1, dtype=torch.int32, device=self.device) for _ in self.ranks]
+        self._collective(lambda: dist.all_gather(flags, mine, group=self.group, async_op=True),
+                         op, version=version, written=written)
+        return [rank for rank, flag in zip(self.ranks, flags, strict=True) if not int(flag.item())]
+
+    def _vote(self, *, ok: bool, op: str, version: int | None, written: int,
+              reject_message: str, own_error: BaseException | None = None) -> None:
+        """Vote; raise ``own_error`` if this rank said no, :class:`ManifestRejected` if another
+        did. Every rank learns the outcome, so none is left waiting on the next collective."""
+        failed = self._vote_ranks(ok=ok, op=op, version=version, written=written)
+        if own_error is not None:
+            raise own_error
+        if failed:
+            raise ManifestRejected(
+                f"{op}: ranks {failed} {reject_message} (see their logs for the problems)",
+                operation=op, version=version, rejected_by=failed)

@@ -1,0 +1,657 @@
+"""The rollout worker: a command loop that runs weight syncs while the engine keeps generating.
+
+A :class:`RolloutWorker` owns one rollout engine (a :class:`~rollout_sync.RolloutBase`) and its
+two weight transfers: P2R (from the trainer) and R2R (within the replica group). Commands arrive
+on a queue (any object with ``get(timeout=...)``: a ``queue.Queue``, a ``multiprocessing``
+queue fed by a controller), are dispatched through a handler registry, and the main loop
+interleaves them with generation:
+
+* a backend that generates on its own (a stream scheduler, a threaded backend) keeps going
+  while the loop waits for commands, and is parked by the guard during a sync;
+* a blocking backend gets one ``step_generation()`` call whenever no command is waiting.
+
+The weight-sync handlers carry the guard decorators, so the bracket (pause, egress hold,
+fence) covers lazy engine initialization and the barrier wait as well as the transfer:
+
+* :meth:`RolloutWorker.receive_weights_p2r` and :meth:`RolloutWorker.receive_weights_r2r` are
+  :func:`~rollout_sync.weight_sync_handler` s: they write the served tensors.
+* :meth:`RolloutWorker.send_weights_r2r` (the R2R source) only reads the served tensors, so it
+  :func:`~rollout_sync.holds_payload_egress` and lets generation run.
+
+In :attr:`SyncMode.SYNC` a receive writes the served tensors in place; a failure after the first
+write marks them torn (:meth:`~rollout_sync.RolloutBase.mark_weights_torn`), and the engine
+refuses to generate until a later complete sync commits a version. In the async modes the
+handlers queue the transfer on a :class:`~rollout_sync.WeightSyncThread`, which writes a
+:class:`~rollout_sync.WeightBuffer` the backend installs at its safe points; generation never
+pauses, and a failed transfer leaves the served weights whole.
+
+Rendezvous is torch.distributed's own (``env://`` or ``tcp://``): see
+:mod:`rollout_sync.distributed` and :func:`build_sync_groups`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+from .backend import RolloutBase
+from .buffer import SupportsWeightBuffer, WeightBuffer, WeightSyncThread
+from .distributed import DEFAULT_GROUP_TIMEOUT_S, new_group
+from .errors import RolloutSyncError
+from .guard import (
+    SyncMode,
+    SyncReport,
+    WeightSyncBracket,
+    device_fence,
+    holds_payload_egress,
+    weight_sync_bracket,
+    weight_sync_handler,
+)
+from .trace import Timeline
+from .transfer import (
+    BUFFER_WRITE,
+    OriginChecksums,
+    TransferStats,
+    WeightTransfer,
+    WeightTransferError,
+)
+
+__all__ = [
+    "P2R",
+    "R2R",
+    "BackgroundEngine",
+    "Command",
+    "CommandResult",
+    "CommandSource",
+    "RolloutWorker",
+    "Stop",
+    "SyncGroups",
+    "WorkerStatistics",
+    "build_sync_groups",
+]
+
+C = TypeVar("C")
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class P2R:
+    """Receive weights from the trainer (this worker must be in the P2R group)."""
+
+    step: int | None = None
+    """Informational: the training step the weights come from (for reports)."""
+
+
+@dataclass(frozen=True)
+class R2R:
+    """Take part in the replica-to-replica broadcast: send if this replica is the source."""
+
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Finish the loop: fence the weight-sync thread, then return from :meth:`run`."""
+
+
+Command = P2R | R2R | Stop
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """What handling one command did."""
+
+    command: object
+    ok: bool
+    value: Any = None
+    """The handler's return value (a TransferStats; in async modes a Future until done)."""
+    error: str | None = None
+    """``"ExcType: message"`` when it failed, followed by the traceback."""
+    exception: BaseException | None = field(default=None, compare=False, repr=False)
+    elapsed_s: float = 0.0
+    weight_version: int = 0
+    """The served weight version after the command."""
+
+
+@runtime_checkable
+class CommandSource(Protocol):
+    """Where commands come from: ``queue.Queue`` and ``multiprocessing`` queues qualify.
+
+    ``get`` raises :class:`queue.Empty` when nothing arrives within ``timeout`` seconds.
+    """
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any: ...
+
+
+@runtime_checkable
+class BackgroundEngine(Protocol):
+    """An engine that generates on its own once started (a stream scheduler, a threaded backend).
+
+    The worker starts it inside the first sync's bracket (so it begins parked, with the new
+    weights) and stops it in :meth:`RolloutWorker.close`.
+    """
+
+    def start(self) -> Any: ...
+
+    def stop(self, timeout: float = ...) -> Any: ...
+
+
+@dataclass(frozen=True)
+class WorkerStatistics:
+    commands: int
+    failed: int
+    syncs: int
+    weight_version: int
+    weights_torn: bool
+    generation_steps: int
+    engine_started: bool
+
+
+# -- groups ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SyncGroups:
+    """The two weight-sync groups of a job, as every rank sees them.
+
+    Ranks are global. ``trainer``: the P2R source. ``replicas``: the rollout replicas, the first
+    of which receives P2R and is the R2R source.
+    """
+
+    trainer: int
+    replicas: tuple[int, ...]
+    p2r: dist.ProcessGroup | None
+    """``{trainer, replicas[0]}``; a placeholder on other ranks."""
+    r2r: dist.ProcessGroup | None
+    """The replicas; ``None`` with a single replica."""
+
+    @property
+    def r2r_source(self) -> int:
+        return self.replicas[0]
+
+    def p2r_transfer(self, **kwargs: Any) -> WeightTransfer | None:
+        """The P2R :class:`WeightTransfer` on this rank, or ``None`` if it takes no part."""
+        me = dist.get_rank()
+        if me not in (self.trainer, self.r2r_source):
+            return None
+        return WeightTransfer(self.p2r, self.trainer, **kwargs)
+
+    def r2r_transfer(self, **kwargs: Any) -> WeightTransfer | None:
+        """The R2R :class:`WeightTransfer` on this rank, or ``None`` if it takes no part."""
+        if self.r2r is None or dist.get_rank() not in self.replicas:
+            return None
+        return WeightTransfer(self.r2r, self.r2r_source, **kwargs)
+
+
+def build_sync_groups(
+    trainer: int, replicas: Sequence[int], *, timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
+    backend: str | None = None,
+) -> SyncGroups:
+    """Create the P2R and R2R groups; every rank of the default group must call this.
+
+    ``timeout_s`` is the default limit of every collective on them.
+    """
+    if not replicas:
+        raise ValueError("build_sync_groups needs at least one replica rank")
+    if trainer in replicas:
+        raise ValueError(f"the trainer rank {trainer} cannot also be a replica")
+    reps = tuple(replicas)
+    p2r = new_group([trainer, reps[0]], timeout_s=timeout_s, backend=backend)
+    r2r = new_group(list(reps), timeout_s=timeout_s, backend=backend) if len(reps) > 1 else None
+    return SyncGroups(trainer, reps, p2r, r2r)
+
+
+# -- the worker --------------------------------------------------------------------------------
+
+
+class RolloutWorker:
+    """A rollout replica's command loop; see the module docstring.
+
+    Args:
+        rollout: the engine. Constructing it must be cheap; the expensive part belongs in
+            :meth:`~rollout_sync.RolloutBase.initialize`, which the first sync calls inside
+            the bracket. A :class:`BackgroundEngine` is started there too.
+        p2r: this replica's P2R transfer (``None``: it never receives from the trainer).
+        r2r: this replica's R2R transfer (source or receiver; ``None``: no R2R).
+        mode: :class:`SyncMode`; async modes need a :class:`SupportsWeightBuffer` backend.
+        commands: where :meth:`run` takes commands from (default: a fresh ``queue.Queue``,
+            fed by :meth:`submit`).
+        step_generation: for a blocking backend, one generation call; run by the loop
+            whenever no command is waiting and the weights are servable.
+        data_packer, validation_packer: payload egress components the guard holds.
+        timeline: records sync, collective and write spans.
+        weight_sync_timeout: seconds for the pause, each egress hold, fences and collectives.
+        guarded: ``False`` runs the handlers without the bracket (to show the hazards).
+        allow_subset: accept ``trainable_only`` (subset) syncs.
+        on_result: called on the loop thread with every :class:`CommandResult` (async jobs:
+            when they complete).
+        on_transfer: called with the :class:`TransferStats` and the tensors of every
+            successful transfer (the served tensors; in async modes the buffer), right after
+            it, outside the bracket, on the thread that ran it and before that thread starts
+            the next one, so the tensors hold exactly what was transferred. For checks.
+    """
+
+    def __init__(
+        self,
+        rollout: RolloutBase,
+        *,
+        p2r: WeightTransfer | None = None,
+        r2r: WeightTransfer | None = None,
+        mode: SyncMode = SyncMode.SYNC,
+        commands: CommandSource | None = None,
+        step_generation: Callable[[], Any] | None = None,
+        data_packer: object = None,
+        validation_packer: object = None,
+        timeline: Timeline | None = None,
+        weight_sync_timeout: float = DEFAULT_GROUP_TIMEOUT_S,
+        guarded: bool = True,
+        allow_subset: bool = True,
+        on_result: Callable[[CommandResult], None] | None = None,
+        on_transfer: Callable[[TransferStats, Mapping[str, torch.Tensor]], None] | None = None,
+    ) -> None:
+        self.rollout = rollout
+        self.p2r = p2r
+        self.r2r = r2r
+        self.weight_sync_mode = mode
+        self.commands: CommandSource = commands if commands is not None else queue.Queue()
+        self.step_generation = step_generation
+        self.data_packer = data_packer
+        self.validation_packer = validation_packer
+        self.timeline = timeline
+        self.weight_sync_timeout = weight_sync_timeout
+        self.guarded = guarded
+        self.allow_subset = allow_subset
+        self.on_result = on_result
+        self.on_transfer = on_transfer
+        self.results: list[CommandResult] = []
+        self.sync_reports: list[SyncReport] = []
+        self.last_weight_sync_report: SyncReport | None = None
+        self.handlers: dict[type, Callable[[Any], Any]] = {}
+        self.weight_buffer: WeightBuffer | None = None
+        self.sync_thread: WeightSyncThread | None = None
+        self._engine_started = False
+        self._stopped = False
+        self._generation_steps = 0
+        self._origin: OriginChecksums | None = None
+        self._async_results: queue.SimpleQueue[CommandResult] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        if mode is not SyncMode.SYNC:
+            if not isinstance(rollout, SupportsWeightBuffer):
+                raise TypeError(
+                    f"{mode} needs a backend that installs a WeightBuffer at its safe points "
+                    f"(implement attach_weight_buffer, see SupportsWeightBuffer); "
+                    f"{type(rollout).__name__} does not")
+            self.sync_thread = WeightSyncThread(self._async_bracket,
+                                                name=f"weight-sync-{id(self):x}",
+                                                fence=self.weight_sync_fence)
+        self.register_handler(P2R, self._handle_p2r)
+        self.register_handler(R2R, self._handle_r2r)
+        self.register_handler(Stop, self._handle_stop)
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        return (f"<RolloutWorker {self.weight_sync_mode.value}: v{s.weight_version}"
+                f"{' TORN' if s.weights_torn else ''}, {s.syncs} syncs, {s.failed} failed>")
+
+    # -- commands in -------------------------------------------------------------------------
+
+    def register_handler(self, command_type: type[C], handler: Callable[[C], Any]) -> None:
+        """Handle commands of ``command_type`` with ``handler`` (replacing a previous one)."""
+        self.handlers[command_type] = handler
+
+    def submit(self, command: object) -> None:
+        """Queue ``command`` (only with the default queue; otherwise feed your source)."""
+        if not isinstance(self.commands, queue.Queue):
+            raise TypeError("submit() needs the default queue.Queue command source; "
+                            "put commands on your own source instead")
+        self.commands.put(command)
+
+    def handle(self, command: object) -> CommandResult:
+        """Dispatch one command now, on this thread; never raises for a handler's error."""
+        handler = self.handlers.get(type(command))
+        start = time.perf_counter()
+        if handler is None:
+            result = CommandResult(command, False, error=(
+                f"no handler registered for {type(command).__name__}; known: "
+                f"{sorted(t.__name__ for t in self.handlers)}"),
+                weight_version=self.rollout.weight_version)
+        else:
+            try:
+                value = handler(command)
+            except Exception as exc:  # noqa: BLE001 - becomes a failed result, loop goes on
+                result = self._failure(command, exc, time.perf_counter() - start)
+            else:
+                result = CommandResult(command, True, value,
+                                       elapsed_s=time.perf_counter() - start,
+                                       weight_version=self.rollout.weight_version)
+                if isinstance(value, TransferStats) and self.on_transfer is not None:
+                    self.on_transfer(value, self.rollout.served_weights())
+        if not isinstance(result.value, concurrent.futures.Future):
+            self._record(result)
+        return result
+
+    def run(self, *, idle_timeout_s: float = 300.0, poll_s: float = 0.05,
+            stop_on_error: bool = False) -> list[CommandResult]:
+        """Take and handle commands until :class:`Stop`; return every result.
+
+        Between commands the engine generates: a :class:`BackgroundEngine` on its own, a
+        blocking one through ``step_generation`` (skipped while the weights are torn).
+
+        Raises:
+            TimeoutError: no command arrived for ``idle_timeout_s`` seconds (is the controller
+                alive?).
+            RolloutSyncError: a command failed and ``stop_on_error`` is set.
+        """
+        last_command = time.monotonic()
+        while not self._stopped:
+            self._deliver_async_results()
+            generate = (self.step_generation is not None and self.rollout.is_initialized
+                        and not self.rollout.weights_torn)
+            try:
+                command = self.commands.get(timeout=0.0 if generate else poll_s)
+            except queue.Empty:
+                if generate:
+                    assert self.step_generation is not None
+                    self.rollout.check_servable()
+                    self.step_generation()
+                    self._generation_steps += 1
+                elif time.monotonic() - last_command > idle_timeout_s:
+                    raise TimeoutError(
+                        f"RolloutWorker.run: no command arrived for {idle_timeout_s:.1f} s "
+                        "(is the controller alive? send Stop to end the loop)") from None
+                continue
+            last_command = time.monotonic()
+            result = self.handle(command)
+            if stop_on_error and not result.ok:
+                raise RolloutSyncError(f"command {command!r} failed: {result.error}") \
+                    from result.exception
+        self._deliver_async_results()
+        return list(self.results)
+
+    def wait_for_install(self, timeout: float = 60.0) -> int:
+        """Async modes: wait until a safe point installed the newest buffer version.
+
+        Returns the served version (at once in sync mode, or when nothing was received).
+
+        Raises:
+            TimeoutError: the backend reached no safe point within ``timeout`` seconds (is it
+                generating?).
+        """
+        buffer = self.weight_buffer
+        deadline = time.monotonic() + timeout
+        while buffer is not None:
+            wanted = buffer.published_version
+            if wanted is None or self.rollout.weight_version >= wanted:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"version {wanted} was not installed within {timeout:.1f} s (serving "
+                    f"v{self.rollout.weight_version}); the backend reached no safe point")
+            time.sleep(0.001)  # polling the backend's version; installs happen on its thread
+        return self.rollout.weight_version
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop the weight-sync thread and the engine (if this worker started it)."""
+        try:
+            if self.sync_thread is not None:
+                self.sync_thread.stop(timeout)
+        finally:
+            if self._engine_started and isinstance(self.rollout, BackgroundEngine):
+                self._engine_started = False
+                self.rollout.stop(timeout)
+        self._deliver_async_results()
+
+    def statistics(self) -> WorkerStatistics:
+        with self._lock:
+            results = list(self.results)
+        return WorkerStatistics(
+            commands=len(results),
+            failed=sum(not r.ok for r in results),
+            syncs=sum(r.ok and isinstance(r.command, (P2R, R2R)) for r in results),
+            weight_version=self.rollout.weight_version,
+            weights_torn=self.rollout.weights_torn,
+            generation_steps=self._generation_steps,
+            engine_started=self._engine_started,
+        )
+
+    # -- guard hooks -------------------------------------------------------------------------
+
+    def payload_egress_components(self) -> Sequence[object]:
+        """What the guard holds: the packers and the engine (if they have the hooks)."""
+        return (self.data_packer, self.validation_packer, self.rollout, self)
+
+    def on_weight_sync_report(self, report: SyncReport) -> None:
+        self.sync_reports.append(report)
+
+    def weight_sync_fence(self, timeout: float | None) -> None:
+        device_fence(timeout)
+
+    # -- the handlers ------------------------------------------------------------------------
+
+    def _handle_p2r(self, command: P2R) -> Any:
+        if self.p2r is None:
+            raise RolloutSyncError("P2R command on a worker without a P2R transfer "
+                                   "(only the first replica of a group receives from the trainer)")
+        if self.weight_sync_mode is not SyncMode.SYNC:
+            return self._queue_async("p2r", command)
+        return (self.receive_weights_p2r(command) if self.guarded
+                else self._unguarded(self._receive_p2r, command))
+
+    def _handle_r2r(self, command: R2R) -> Any:
+        if self.r2r is None:
+            raise RolloutSyncError("R2R command on a worker that is not in an R2R group")
+        if self.weight_sync_mode is not SyncMode.SYNC:
+            return self._queue_async("r2r", command)
+        if self.r2r.is_source:
+            return (self.send_weights_r2r(command) if self.guarded
+                    else self._unguarded(self._send_r2r, command))
+        return (self.receive_weights_r2r(command) if self.guarded
+                else self._unguarded(self._receive_r2r, command))
+
+    def _handle_stop(self, command: Stop) -> None:
+        self._stopped = True
+        if self.sync_thread is not None:
+            self.sync_thread.stop(self.weight_sync_timeout)
+
+    def _receive_p2r(self, command: P2R) -> TransferStats:
+        assert self.p2r is not None
+        stats = self._receive_in_place(self.p2r)
+        if stats.bucket_checksums is not None:
+            self._origin = OriginChecksums(stats.version, stats.layout, stats.bucket_checksums)
+        return stats
+
+    def _receive_r2r(self, command: R2R) -> TransferStats:
+        assert self.r2r is not None
+        return self._receive_in_place(self.r2r)
+
+    def _send_r2r(self, command: R2R) -> TransferStats:
+        assert self.r2r is not None
+        self.rollout.check_servable()
+        weights = self.rollout.served_weights()
+        return self._send(self.r2r, weights, self.rollout.weight_version)
+
+    receive_weights_p2r = weight_sync_handler(_receive_p2r)
+    """P2R receive, guarded: pause, hold egress, lazy init, transfer, fence, release."""
+    receive_weights_r2r = weight_sync_handler(_receive_r2r)
+    """R2R receive, guarded like P2R."""
+    send_weights_r2r = holds_payload_egress(_send_r2r)
+    """R2R broadcast from this replica: reads the served tensors only, so egress is held and
+    generation keeps running."""
+
+    def _receive_in_place(self, transfer: WeightTransfer) -> TransferStats:
+        self._ensure_engine()
+        served = self.rollout.served_weights()
+        try:
+            stats = transfer.receive(served, allow_subset=self.allow_subset)
+        except WeightTransferError as exc:
+            if exc.complete and exc.version is not None:
+                # Every byte landed here intact; the failure was another rank's. These weights
+                # are the version whole, so serve them, and still report the failure.
+                self._reload(served)
+                self.rollout.commit_weight_version(exc.version)
+                self._start_engine()
+            elif exc.targets_torn:
+                self.rollout.mark_weights_torn(
+                    f"{exc.tensors_written} tensor(s) of version {exc.version} were written "
+                    f"before the transfer failed: {type(exc).__name__}")
+            raise
+        self._reload(served)
+        self.rollout.commit_weight_version(stats.version)
+        self._start_engine()
+        return stats
+
+    def _reload(self, served: Mapping[str, torch.Tensor]) -> None:
+        """Hand the received tensors to an engine that overrides ``load_weights`` (one that
+        cannot serve the tensors it exposes). The default would find the same storage and copy
+        nothing, after re-checking what the transfer already checked, so it is skipped."""
+        if type(self.rollout).load_weights is not RolloutBase.load_weights:
+            self.rollout.load_weights(served, require_all=False)
+
+    def _send(self, transfer: WeightTransfer, weights: Mapping[str, torch.Tensor],
+              version: int) -> TransferStats:
+        origin = self._origin if self._origin is not None and \
+            self._origin.version == version else None
+        return transfer.send(weights, version=version, origin=origin)
+
+    def _unguarded(self, body: Callable[[Any], TransferStats], command: object) -> TransferStats:
+        """The same handler body without pause or egress hold (the demo's ``--unguarded``)."""
+        with weight_sync_bracket(None, name=getattr(body, "__name__", "sync"), pause=False,
+                                 hold=False, timeline=self.timeline,
+                                 fence=self.weight_sync_fence) as bracket:
+            value = body(command)
+        assert bracket.report is not None
+        self.last_weight_sync_report = bracket.report
+        self.on_weight_sync_report(bracket.report)
+        return value
+
+    # -- the engine --------------------------------------------------------------------------
+
+    def _ensure_engine(self) -> None:
+        """Build the engine (once). Called inside the bracket by the first sync."""
+        self.rollout.ensure_initialized()
+
+    def _start_engine(self) -> None:
+        """Start a background engine after its first complete sync (inside the bracket, so in
+        sync mode it begins parked and first generates with the new weights)."""
+        if not self._engine_started and isinstance(self.rollout, BackgroundEngine):
+            self.rollout.start()
+            self._engine_started = True
+
+    # -- async modes -------------------------------------------------------------------------
+
+    @contextmanager
+    def _async_bracket(self, name: str) -> Iterator[None]:
+        """The weight-sync thread's bracket: egress held, generation not paused."""
+        hold = self.guarded
+        bracket: WeightSyncBracket | None = None
+        try:
+            with weight_sync_bracket(
+                self.rollout, self.payload_egress_components() if hold else (), name=name,
+                mode=self.weight_sync_mode, pause=False, hold=hold,
+                timeout=self.weight_sync_timeout, fence=self.weight_sync_fence,
+                timeline=self.timeline,
+            ) as bracket:
+                yield
+        finally:
+            if bracket is not None and bracket.report is not None:
+                self.last_weight_sync_report = bracket.report
+                self.on_weight_sync_report(bracket.report)
+
+    def _queue_async(self, kind: str, command: object) -> concurrent.futures.Future[Any]:
+        assert self.sync_thread is not None
+        job = self._async_p2r if kind == "p2r" else self._async_r2r
+        future = self.sync_thread.submit(kind, job)
+        start = time.perf_counter()
+
+        def done(f: concurrent.futures.Future[Any]) -> None:
+            exc = f.exception()
+            elapsed = time.perf_counter() - start
+            if exc is None:
+                # Runs on the weight-sync thread before it takes the next job: the buffer still
+                # holds what this job transferred.
+                if self.on_transfer is not None and self.weight_buffer is not None:
+                    self.on_transfer(f.result(), self.weight_buffer.tensors)
+                self._async_results.put(CommandResult(command, True, f.result(),
+                                                      elapsed_s=elapsed,
+                                                      weight_version=self.rollout.weight_version))
+            else:
+                self._async_results.put(self._failure(command, exc, elapsed))
+
+        future.add_done_callback(done)
+        return future
+
+    def _ensure_buffer(self) -> WeightBuffer:
+        """Initialize the engine and clone its served weights into the buffer (once)."""
+        if self.weight_buffer is None:
+            self._ensure_engine()
+            self.weight_buffer = WeightBuffer(
+                self.rollout.served_weights(), mode=self.weight_sync_mode,
+                timeline=self.timeline, fence_timeout_s=self.weight_sync_timeout)
+            assert isinstance(self.rollout, SupportsWeightBuffer)
+            self.rollout.attach_weight_buffer(self.weight_buffer)
+        return self.weight_buffer
+
+    def _async_receive(self, transfer: WeightTransfer) -> TransferStats:
+        buffer = self._ensure_buffer()
+        with buffer.write(self.weight_sync_timeout) as handle:
+            stats = transfer.receive(handle.tensors, allow_subset=self.allow_subset,
+                                     write_kind=BUFFER_WRITE)
+            handle.version = stats.version
+        if not self._engine_started:
+            # Not generating yet: install on this thread, then start with the new weights.
+            buffer.install_into(self.rollout)
+            self._start_engine()
+        return stats
+
+    def _async_p2r(self) -> TransferStats:
+        assert self.p2r is not None
+        stats = self._async_receive(self.p2r)
+        if stats.bucket_checksums is not None:
+            self._origin = OriginChecksums(stats.version, stats.layout, stats.bucket_checksums)
+        return stats
+
+    def _async_r2r(self) -> TransferStats:
+        assert self.r2r is not None
+        if not self.r2r.is_source:
+            return self._async_receive(self.r2r)
+        buffer = self.weight_buffer
+        version = None if buffer is None else buffer.published_version
+        if buffer is None or version is None:
+            raise RolloutSyncError("R2R broadcast before this replica received any complete "
+                                   "version (send P2R first)")
+        # This thread is the buffer's only writer, so it is stable while it is read here.
+        return self._send(self.r2r, buffer.tensors, version)
+
+    def _deliver_async_results(self) -> None:
+        while True:
+            try:
+                result = self._async_results.get_nowait()
+            except queue.Empty:
+                return
+            self._record(result)
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    def _failure(self, command: object, exc: BaseException, elapsed: float) -> CommandResult:
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return CommandResult(command, False, error=f"{type(exc).__name__}: {exc}\n{text}",
+                             exception=exc, elapsed_s=elapsed,
+                             weight_version=self.rollout.weight_version)
+
+    def _record(self, result: CommandResult) -> None:
+        with self._lock:
+            self.results.append(result)
+        if self.on_result is not None:
+            self.on_result(result)

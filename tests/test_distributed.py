@@ -1,0 +1,97 @@
+"""The multi-process plumbing: spawning a group, reporting children's failures, bounded waits."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rollout_sync.distributed import (
+    CollectiveTimeout,
+    GroupProcessError,
+    find_free_port,
+    init_process_group,
+    run_processes,
+    wait_work,
+)
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _mixed_child(rank: int, behaviour: str) -> object:
+    if rank == 0:
+        return {"rank": rank, "tensor": torch.arange(3)}
+    if behaviour == "raise":
+        raise ValueError(f"rank {rank} could not load its shard")
+    if behaviour == "exit":
+        os._exit(3)
+    if behaviour == "hang":
+        time.sleep(60)  # a child that never finishes; the parent must kill it
+    return rank
+
+
+def test_values_come_back_by_rank_tensors_included() -> None:
+    values = run_processes(_mixed_child, 2, ("ok",), timeout_s=60)
+    assert values[1] == 1
+    assert torch.equal(values[0]["tensor"], torch.arange(3))
+
+
+@pytest.mark.timeout(60)
+def test_a_childs_exception_comes_back_with_its_traceback() -> None:
+    with pytest.raises(GroupProcessError) as info:
+        run_processes(_mixed_child, 2, ("raise",), timeout_s=60)
+    text = str(info.value)
+    assert "--- rank 1" in text and "ValueError: rank 1 could not load its shard" in text
+    assert "_mixed_child" in text  # the traceback, not just the message
+    assert info.value.results[0]["rank"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_child_that_dies_silently_or_overstays_is_reported_and_killed() -> None:
+    with pytest.raises(GroupProcessError, match=r"exited with code 3 without reporting"):
+        run_processes(_mixed_child, 2, ("exit",), timeout_s=60)
+    started = time.monotonic()
+    with pytest.raises(GroupProcessError, match=r"killed after the group's limit of 4\.0 s"):
+        run_processes(_mixed_child, 2, ("hang",), timeout_s=4)
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.timeout(60)
+def test_an_expected_exit_is_not_a_failure() -> None:
+    values = run_processes(_mixed_child, 2, ("exit",), timeout_s=60, expected_exits={1: 3})
+    assert set(values) == {0}
+
+
+def _collective_child(rank: int, port: int) -> str:
+    init_process_group(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
+                       timeout_s=20)
+    t = torch.zeros(1)
+    if rank == 1:
+        work = dist.broadcast(t, 0, async_op=True)  # rank 0 never joins this one
+        started = time.monotonic()
+        try:
+            wait_work(work, operation="broadcast of the test tensor", timeout_s=0.5)
+        except CollectiveTimeout as exc:
+            return f"{exc.operation}|{exc.group}|{time.monotonic() - started:.1f}|{exc}"
+        return "completed"
+    time.sleep(2.0)  # stays alive past rank 1's limit, so the wait times out (not a dead peer)
+    return "idle"
+
+
+@pytest.mark.timeout(60)
+def test_wait_work_times_out_with_the_operation_and_group_named() -> None:
+    values = run_processes(_collective_child, 2, (find_free_port(),), timeout_s=60)
+    operation, group, seconds, text = values[1].split("|", 3)
+    assert operation == "broadcast of the test tensor" and group == "(0, 1)"
+    assert float(seconds) < 2.0
+    assert "did not complete within 0.5 s on the group of ranks [0, 1]" in text
+
+
+def test_find_free_port_is_bindable() -> None:
+    port = find_free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))

@@ -1,0 +1,333 @@
+"""The rollout worker in one process: the command loop, the handlers' brackets, lazy init,
+torn weights, and the async path. A small fake stands in for the distributed transfer (the
+real one is exercised across processes in test_transfer_mp.py and test_worker_mp.py)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pytest
+import torch
+
+from rollout_sync.errors import TornWeightsError
+from rollout_sync.guard import SyncMode
+from rollout_sync.testing import (
+    AsyncTornReadBackend,
+    EventLog,
+    RecordingPacker,
+    RecordingRollout,
+    TornReadBackend,
+    VersionStampedModel,
+)
+from rollout_sync.trace import SpanKind, Timeline
+from rollout_sync.transfer import (
+    ChecksumMismatchError,
+    TransferStats,
+    WeightTransferError,
+)
+from rollout_sync.weights import check_weights_match, specs_of
+from rollout_sync.worker import P2R, R2R, RolloutWorker, Stop
+
+
+class FakeTransfer:
+    """One side of a transfer, in process: ``receive`` copies ``source()`` into the targets.
+
+    ``fail_after=k`` raises a WeightTransferError after writing ``k`` tensors (a dead peer).
+    """
+
+    def __init__(self, source: Callable[[], tuple[int, Mapping[str, torch.Tensor]]], *,
+                 is_source: bool = False, log: EventLog | None = None) -> None:
+        self.source = source
+        self.is_source = is_source
+        self.log = log
+        self.fail_after: int | None = None
+        self.complete_but_failed = False
+        self.sent: list[int] = []
+
+    def receive(self, into: Mapping[str, torch.Tensor], *, allow_subset: bool = True,
+                write_kind: str = SpanKind.WEIGHT_WRITE) -> TransferStats:
+        version, weights = self.source()
+        if self.log is not None:
+            self.log.add("transfer")
+        check_weights_match(specs_of(weights), into)
+        for i, (name, tensor) in enumerate(weights.items()):
+            if self.fail_after is not None and i == self.fail_after:
+                raise WeightTransferError("peer died", operation="fake receive",
+                                          version=version, tensors_written=i)
+            into[name].copy_(tensor)
+        if self.complete_but_failed:
+            raise ChecksumMismatchError("rank 9 failed", operation="fake receive",
+                                        version=version, tensors_written=len(weights),
+                                        buckets=(), failed_ranks=(9,), complete=True)
+        return TransferStats("receive", version, len(weights), 1, 0, 0.0, 0.0, 0.0,
+                             len(weights))
+
+    def send(self, weights: Mapping[str, torch.Tensor], *, version: int,
+             require_all: bool = True, origin: object = None) -> TransferStats:
+        if self.log is not None:
+            self.log.add("send")
+        self.sent.append(version)
+        return TransferStats("send", version, len(weights), 1, 0, 0.0, 0.0, 0.0)
+
+
+def _stamped(model: VersionStampedModel, version: int) -> tuple[int, dict[str, torch.Tensor]]:
+    return version, model.stamped(version)
+
+
+# -- the bracket around the handlers -----------------------------------------------------------
+
+
+def test_p2r_runs_lazy_init_and_transfer_inside_pause_and_egress_hold() -> None:
+    log = EventLog()
+    rollout = RecordingRollout(log, {"w": torch.zeros(4)})
+    packer = RecordingPacker(log=log)
+    transfer = FakeTransfer(lambda: (7, {"w": torch.full((4,), 7.0)}), log=log)
+    worker = RolloutWorker(rollout, p2r=transfer, data_packer=packer)  # type: ignore[arg-type]
+    result = worker.handle(P2R(step=7))
+    assert result.ok, result.error
+    assert log.events == ["pause:enter", "hold_sends:enter", "init", "transfer",
+                          "hold_sends:exit", "pause:exit"]
+    assert rollout.weight_version == 7 == result.weight_version
+    assert worker.last_weight_sync_report is not None
+    assert worker.last_weight_sync_report.handler == "_receive_p2r"
+    assert worker.last_weight_sync_report.paused and worker.last_weight_sync_report.egress_held
+    worker.handle(P2R(step=8))
+    assert rollout.initialize_calls == 1  # lazy: once
+
+
+def test_the_r2r_source_holds_egress_but_lets_generation_run() -> None:
+    log = EventLog()
+    rollout = RecordingRollout(log, {"w": torch.zeros(4)})
+    rollout.commit_weight_version(3)
+    packer = RecordingPacker(log=log)
+    transfer = FakeTransfer(lambda: (0, {}), is_source=True, log=log)
+    worker = RolloutWorker(rollout, r2r=transfer, data_packer=packer)  # type: ignore[arg-type]
+    assert worker.handle(R2R()).ok
+    assert log.events == ["hold_sends:enter", "send", "hold_sends:exit"]
+    assert transfer.sent == [3]
+
+
+def test_unguarded_handlers_take_no_pause_and_no_hold() -> None:
+    log = EventLog()
+    rollout = RecordingRollout(log, {"w": torch.zeros(4)})
+    packer = RecordingPacker(log=log)
+    transfer = FakeTransfer(lambda: (1, {"w": torch.ones(4)}), log=log)
+    worker = RolloutWorker(rollout, p2r=transfer, data_packer=packer,  # type: ignore[arg-type]
+                           guarded=False)
+    assert worker.handle(P2R()).ok
+    assert log.events == ["init", "transfer"]
+    assert worker.sync_reports and not worker.sync_reports[0].paused
+
+
+@pytest.mark.timeout(30)
+def test_a_threaded_engine_starts_inside_the_first_sync_and_first_serves_new_weights() -> None:
+    timeline = Timeline()
+    model = VersionStampedModel(4, 64, timeline=timeline)
+    backend = TornReadBackend(model, timeline=timeline)
+    transfer = FakeTransfer(lambda: _stamped(model, 1))
+    worker = RolloutWorker(backend, p2r=transfer, timeline=timeline)  # type: ignore[arg-type]
+    assert not backend.running
+    try:
+        assert worker.handle(P2R()).ok
+        assert backend.running and worker.statistics().engine_started
+        deadline = time.monotonic() + 10
+        while model.forwards == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)  # polling a counter the serving thread bumps
+    finally:
+        worker.close()
+    sync = timeline.spans(SpanKind.SYNC)[0]
+    first_forward = min(s.start_ns for s in timeline.spans(SpanKind.FORWARD))
+    assert first_forward >= sync.end_ns  # it began parked, and read version 1 only
+    assert timeline.spans(SpanKind.FORWARD)[0].args["versions"] == [1]
+    assert not backend.running
+
+
+# -- torn weights ------------------------------------------------------------------------------
+
+
+def test_a_transfer_that_fails_after_writing_marks_the_weights_torn() -> None:
+    model = VersionStampedModel(4, 16)
+    backend = TornReadBackend(model)
+    transfer = FakeTransfer(lambda: _stamped(model, 2))
+    worker = RolloutWorker(backend, p2r=transfer)  # type: ignore[arg-type]
+    transfer.fail_after = 0
+    failed = worker.handle(P2R())
+    assert not failed.ok and not backend.weights_torn  # nothing written: still whole
+    transfer.fail_after = 2
+    failed = worker.handle(P2R())
+    assert not failed.ok and isinstance(failed.exception, WeightTransferError)
+    assert backend.weights_torn
+    with pytest.raises(TornWeightsError, match="refuses to generate"):
+        backend.check_servable()
+    transfer.fail_after = None
+    assert worker.handle(P2R()).ok
+    assert not backend.weights_torn and backend.weight_version == 2
+    worker.close()
+
+
+def test_a_group_failure_after_a_complete_receive_commits_the_version() -> None:
+    model = VersionStampedModel(4, 16)
+    backend = TornReadBackend(model)
+    transfer = FakeTransfer(lambda: _stamped(model, 5))
+    transfer.complete_but_failed = True
+    worker = RolloutWorker(backend, p2r=transfer)  # type: ignore[arg-type]
+    result = worker.handle(P2R())
+    assert not result.ok and "rank 9 failed" in (result.error or "")
+    assert backend.weight_version == 5 and not backend.weights_torn
+    worker.close()
+
+
+@pytest.mark.timeout(30)
+def test_the_loop_does_not_generate_on_torn_weights() -> None:
+    """A blocking engine: the loop calls step_generation between commands, never while torn."""
+    log = EventLog()
+    rollout = RecordingRollout(log, {"a": torch.zeros(2), "b": torch.zeros(2)})
+    version = [0]
+
+    def source() -> tuple[int, dict[str, torch.Tensor]]:
+        version[0] += 1
+        return version[0], {"a": torch.full((2,), float(version[0])),
+                            "b": torch.full((2,), float(version[0]))}
+
+    transfer = FakeTransfer(source)
+    worker = RolloutWorker(rollout, p2r=transfer)  # type: ignore[arg-type]
+    generated: list[tuple[int, bool]] = []
+
+    def step_generation() -> None:
+        generated.append((rollout.weight_version, rollout.weights_torn))
+        if len(generated) == 1:
+            transfer.fail_after = 1  # the controller's next sync will die half-way
+            worker.submit(P2R())
+        else:
+            worker.submit(Stop())
+
+    worker.step_generation = step_generation
+
+    def recover() -> None:
+        deadline = time.monotonic() + 10
+        while not rollout.weights_torn and time.monotonic() < deadline:
+            time.sleep(0.001)  # polling the state the loop thread sets
+        transfer.fail_after = None
+        worker.submit(P2R())
+
+    helper = threading.Thread(target=recover)
+    helper.start()
+    worker.submit(P2R())
+    results = worker.run(idle_timeout_s=10)
+    helper.join(10)
+    assert [r.ok for r in results] == [True, False, True, True]
+    assert generated == [(1, False), (3, False)]
+    assert worker.statistics().generation_steps == 2
+
+
+# -- the loop ----------------------------------------------------------------------------------
+
+
+def test_registry_unknown_commands_custom_handlers_and_stop() -> None:
+    rollout = RecordingRollout(EventLog())
+    worker = RolloutWorker(rollout)
+    seen: list[object] = []
+
+    class Ping:
+        pass
+
+    unknown = worker.handle(Ping())
+    assert not unknown.ok and "no handler registered for Ping" in (unknown.error or "")
+    worker.register_handler(Ping, seen.append)
+    worker.submit(Ping())
+    worker.submit(P2R())  # no P2R transfer on this worker: a clear failure, the loop goes on
+    worker.submit(Stop())
+    results = worker.run(idle_timeout_s=10)
+    assert [type(r.command).__name__ for r in results] == ["Ping", "Ping", "P2R", "Stop"]
+    assert [r.ok for r in results] == [False, True, False, True]
+    assert "without a P2R transfer" in (results[2].error or "")
+    assert len(seen) == 1
+
+
+def test_run_gives_up_when_no_command_arrives() -> None:
+    worker = RolloutWorker(RecordingRollout(EventLog()))
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"no command arrived for 0\.2 s"):
+        worker.run(idle_timeout_s=0.2, poll_s=0.02)
+    assert time.monotonic() - started < 5
+
+
+def test_commands_can_come_from_any_queue_like_source() -> None:
+    source: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    source.put(Stop())
+    worker = RolloutWorker(RecordingRollout(EventLog()), commands=source)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="default queue"):
+        worker.submit(Stop())
+    assert [type(r.command) for r in worker.run(idle_timeout_s=5)] == [Stop]
+
+
+def test_async_modes_need_a_backend_that_installs_buffers() -> None:
+    with pytest.raises(TypeError, match="attach_weight_buffer"):
+        RolloutWorker(RecordingRollout(EventLog()), mode=SyncMode.ASYNC_PER_FORWARD)
+
+
+# -- the async path ----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_async_syncs_run_on_the_sync_thread_and_install_at_safe_points() -> None:
+    timeline = Timeline()
+    model = VersionStampedModel(4, 64, timeline=timeline)
+    backend = AsyncTornReadBackend(model, timeline=timeline)
+    packer = RecordingPacker()
+    version = [0]
+    threads: list[int] = []
+    held: list[bool] = []
+
+    def source() -> tuple[int, dict[str, torch.Tensor]]:
+        threads.append(threading.get_ident())
+        held.append(packer.egress_gate.held)
+        version[0] += 1
+        return _stamped(model, version[0])
+
+    transferred: list[int] = []
+    worker = RolloutWorker(backend, p2r=FakeTransfer(source),  # type: ignore[arg-type]
+                           mode=SyncMode.ASYNC_PER_FORWARD, data_packer=packer,
+                           timeline=timeline,
+                           on_transfer=lambda stats, tensors: transferred.append(
+                               int(next(iter(tensors.values()))[0])))
+    for _ in range(5):
+        worker.submit(P2R())
+    worker.submit(Stop())
+    try:
+        results = worker.run(idle_timeout_s=10)
+        deadline = time.monotonic() + 10
+        while backend.weight_version < 5 and time.monotonic() < deadline:
+            time.sleep(0.001)  # polling for the safe point to install the last version
+    finally:
+        worker.close()
+    assert [r.ok for r in results] == [True] * 6
+    assert threading.get_ident() not in threads and len(set(threads)) == 1
+    assert all(held)  # the weight-sync thread held payload egress around every transfer
+    assert transferred == [1, 2, 3, 4, 5]  # what on_transfer saw is what was received
+    assert backend.weight_version == 5
+    assert backend.generation_gate.statistics().exclusive_acquired == 0
+    assert model.torn_reads == 0 and timeline.overlaps() == []
+    assert worker.weight_buffer is not None
+    assert worker.weight_buffer.statistics().writes == 5
+
+
+class _ReloadingRollout(RecordingRollout):
+    """An engine that cannot serve the tensors it exposes: it reloads them after a sync."""
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor], *,
+                     require_all: bool = True) -> None:
+        self.log.add(f"reload:{float(weights['w'][0])}")
+
+
+def test_an_engine_that_overrides_load_weights_gets_the_received_tensors() -> None:
+    log = EventLog()
+    rollout = _ReloadingRollout(log, {"w": torch.zeros(4)})
+    transfer = FakeTransfer(lambda: (2, {"w": torch.full((4,), 2.0)}), log=log)
+    worker = RolloutWorker(rollout, p2r=transfer)  # type: ignore[arg-type]
+    assert worker.handle(P2R()).ok
+    assert log.events == ["pause:enter", "init", "transfer", "reload:2.0", "pause:exit"]
