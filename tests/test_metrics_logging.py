@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import torch
 
-import rollout_sync
 from rollout_sync import (
     MetricsLogger,
     QueueCommandChannel,
@@ -96,18 +95,3 @@ def test_docs_list_every_metric_name_emitted() -> None:
                                        channel=channel, sync_on_run_begin=False)
     emitted = set(report.to_metrics()) | set(callback.step_end(1, None, True, {}) or {})
     assert emitted <= documented, f"undocumented: {sorted(emitted - documented)}"
-
-
-def test_public_names_are_exported() -> None:
-    names = ["BroadcastCommandChannel", "BroadcastWeightPusher", "CommandChannel", "CommandKind",
-             "HarvestTimeout", "Measurement", "MetricKeyCollisionError", "MetricsLogger",
-             "QueueCommandChannel", "TimedSample", "TimerClock", "TimerStatistics",
-             "TimingEvent", "TrainerCallback", "TrainerCallbacks", "WeightBroadcastCallback",
-             "WeightBroadcastError", "WeightBroadcastStatistics", "WeightPusher",
-             "WeightSyncCommand", "WeightSyncTimer", "cuda_timing_event", "log_metrics",
-             "merge_step_metrics"]
-    for name in names:
-        assert name in rollout_sync.__all__
-        assert getattr(rollout_sync, name) is not None
-    assert sorted(rollout_sync.__all__, key=lambda n: (not n[0].isupper(), n)) == \
-        rollout_sync.__all__
