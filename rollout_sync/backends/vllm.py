@@ -293,7 +293,7 @@ class VLLMRequest:
         metrics = getattr(output, "metrics", None)
         with self._cond:
             if completion is not None:
-                self._tokens = tuple(int(t) for t in completion.token_ids)
+                self._tokens = tuple(completion.token_ids)
                 self._finish_reason = completion.finish_reason
             if metrics is not None:
                 self._scheduled_ts = float(getattr(metrics, "scheduled_ts", 0.0) or 0.0)
@@ -378,9 +378,10 @@ class _VLLMBackendBase(RolloutBase):
         rpc_timeout: float = 300.0,
         timeline: Timeline | None = None,
     ) -> None:
-        """
+        """Configure the backend; nothing starts until :meth:`initialize` (lazily, in a sync).
+
         Args:
-            config: the engine to start (lazily, in :meth:`initialize`).
+            config: the engine to start.
             kv_cache_policy: what in-flight sequences keep across a sync (see the module).
             write_method: ``"reload"`` (vLLM's in-place ``reload_weights``; right everywhere)
                 or ``"copy"`` (``param.data.copy_``: only where the platform serves its
@@ -721,8 +722,12 @@ class VLLMAsyncBackend(_VLLMBackendBase):
         pause_timeout: float = 60.0,
         **kwargs: Any,
     ) -> None:
-        """``pause_mode``, ``pause_timeout`` (seconds); other arguments as
-        :class:`_VLLMBackendBase` (see ``__init__`` there)."""
+        """Configure the backend; nothing starts until :meth:`initialize` (lazily, in a sync).
+
+        ``pause_mode`` and ``pause_timeout`` (seconds) configure :meth:`paused`; the keyword
+        arguments shared with :class:`VLLMBlockingBackend` (KV policy, write method, read-back
+        columns, payload transport, timeouts, timeline) are described on the base class.
+        """
         super().__init__(config, **kwargs)
         self.pause_mode = pause_mode
         self.pause_timeout = pause_timeout
@@ -768,7 +773,11 @@ class VLLMAsyncBackend(_VLLMBackendBase):
             loop.stop(10.0)
             raise
         self._loop = loop
-        self._describe_engine()
+        try:
+            self._describe_engine()
+        except BaseException:
+            self.shutdown()
+            raise
         with self._park_lock:
             if self._pause_depth > 0:
                 self._park_locked(self.pause_timeout)
@@ -1018,7 +1027,11 @@ class VLLMBlockingBackend(_VLLMBackendBase):
         from vllm import LLM
 
         self._llm = LLM(**self.config.to_engine_kwargs())
-        self._describe_engine()
+        try:
+            self._describe_engine()
+        except BaseException:
+            self.shutdown()
+            raise
 
     def shutdown(self) -> None:
         """Shut the engine core down (``LLM`` has no ``shutdown()`` of its own)."""
