@@ -9,7 +9,9 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from rollout_sync.backends.vllm import (
     VLLMAsyncBackend,
     VLLMBlockingBackend,
     VLLMEngineConfig,
+    VLLMRequest,
     VLLMUnavailableError,
     WeightsNotLandedError,
     _VersionHistory,
@@ -86,6 +89,45 @@ def test_version_history_dates_a_timestamp() -> None:
     assert [history.at(t) for t in (9.99, 10.0, 15.0, 20.0, math.inf)] == [0, 1, 1, 2, 2]
     history.commit(3, 5.0)  # a commit never dates back before the previous one
     assert history.at(19.0) == 1 and history.at(20.0) == 3
+
+
+def _output(tokens: list[int], reason: str | None, metrics: object = None) -> SimpleNamespace:
+    """The parts of a vLLM ``RequestOutput`` the backend reads."""
+    return SimpleNamespace(outputs=[SimpleNamespace(token_ids=tokens, finish_reason=reason)],
+                           metrics=metrics)
+
+
+def test_results_are_dated_by_the_engine_timestamps() -> None:
+    history = _VersionHistory()
+    history.commit(1, 100.0)
+    history.commit(2, 200.0)
+    request = VLLMRequest("r", [1, 2], history)
+    request._update(_output([5], None, SimpleNamespace(scheduled_ts=150.0, last_token_ts=150.0)))
+    assert request.wait_for_tokens(1, timeout=1) == (5,)
+    request._update(_output([5, 6], "length",
+                            SimpleNamespace(scheduled_ts=150.0, last_token_ts=250.0)))
+    request._complete(None)
+    result = request.result(timeout=1)
+    assert (result.admitted_version, result.completed_version, result.straddled) == (1, 2, True)
+    assert result.token_ids == (5, 6) and result.finish_reason == "length" and result.ok
+
+
+def test_without_engine_stats_a_straddle_is_never_hidden() -> None:
+    history = _VersionHistory()
+    request = VLLMRequest("r", [1], history)  # submitted under version 0
+    history.commit(1, time.monotonic())
+    request._update(_output([3], "length"))
+    request._complete(None)
+    result = request.result(timeout=1)
+    assert (result.admitted_version, result.completed_version, result.straddled) == (0, 1, True)
+
+
+def test_a_request_that_never_ends_times_out_clearly() -> None:
+    request = VLLMRequest("slow", [1], _VersionHistory())
+    with pytest.raises(TimeoutError, match="slow did not produce 2 tokens"):
+        request.wait_for_tokens(2, timeout=0.01)
+    with pytest.raises(TimeoutError, match="slow did not finish"):
+        request.result(timeout=0.01)
 
 
 def test_find_sync_split() -> None:

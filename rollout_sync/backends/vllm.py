@@ -221,8 +221,10 @@ class VLLMGeneration:
 
     ``admitted_version``: served when the engine first scheduled it (a request submitted during
     a sync is admitted under the version that sync commits). ``completed_version``: served when
-    its last token was produced. A request that was never scheduled or produced nothing is
-    dated by the time it ended. ``error`` is set (and ``finish_reason`` may be ``None``) when
+    its last token was produced. Both come from the engine's own timestamps (engine stats, on
+    by default in :class:`VLLMEngineConfig`); without them a request is dated by when it was
+    submitted and when its end reached this process, which may report a straddle that did not
+    happen but never hides one. ``error`` is set (and ``finish_reason`` may be ``None``) when
     it failed; a failed request is reported, never dropped.
     """
 
@@ -305,7 +307,7 @@ class VLLMRequest:
             if self._result is not None:
                 return
             ended = time.monotonic()
-            admitted = self._scheduled_ts or (self._last_token_ts or ended)
+            admitted = self._scheduled_ts or self.submitted_at
             completed = self._last_token_ts or ended
             self._result = VLLMGeneration(
                 request_id=self.request_id,
