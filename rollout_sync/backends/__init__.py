@@ -1,10 +1,14 @@
-"""Rollout backends that ship with rollout_sync.
+"""Rollout engines behind :class:`~rollout_sync.RolloutBase`.
 
-``torch_lm`` is the embedded default: a tiny causal LM in plain torch, for tests and the demo.
-The public names are re-exported from :mod:`rollout_sync`.
+Each backend lives in its own module; the public names are re-exported by ``rollout_sync``.
+
+* :mod:`rollout_sync.backends.torch_lm` - the embedded default: a tiny causal LM in plain torch,
+  for tests and the demo.
+* :mod:`rollout_sync.backends.vllm` - vLLM (``pip install 'rollout-sync[vllm]'``), with its
+  engine-side worker extension in :mod:`rollout_sync.backends.vllm_worker`. It imports vLLM
+  lazily, so ``import rollout_sync`` works without it.
 """
 
-from .torch_lm import KVCachePolicy as KVCachePolicy
 from .torch_lm import TinyCausalLM as TinyCausalLM
 from .torch_lm import TinyLMConfig as TinyLMConfig
 from .torch_lm import TorchLMBackend as TorchLMBackend
@@ -13,7 +17,6 @@ from .torch_lm import TorchLMStreamBackend as TorchLMStreamBackend
 from .torch_lm import tiny_lm_weights as tiny_lm_weights
 
 __all__ = [
-    "KVCachePolicy",
     "TinyCausalLM",
     "TinyLMConfig",
     "TorchLMBackend",

@@ -30,7 +30,6 @@ per-sequence generator seeded from the request, whatever the batch it runs in.
 
 from __future__ import annotations
 
-import enum
 import math
 import threading
 import time
@@ -42,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..backend import RolloutBase
+from ..backend import KVCachePolicy, RolloutBase
 from ..errors import PauseTimeout
 from ..gate import Gate
 from ..scheduler import (
@@ -99,15 +98,6 @@ class TinyLMConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
-
-
-class KVCachePolicy(enum.Enum):
-    """What happens to a sequence's cached keys and values when the weights change under it."""
-
-    RECOMPUTE = "recompute"
-    """Rebuild the cache under the new weights at the sequence's next step (exact)."""
-    KEEP_STALE = "keep_stale"
-    """Keep the cache computed under the old weights (cheaper, a mix of versions)."""
 
 
 # -- the model ---------------------------------------------------------------------------------

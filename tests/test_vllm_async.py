@@ -1,0 +1,474 @@
+"""VLLMAsyncBackend on a real vLLM engine (vLLM for CPU, a tiny random Llama, float32).
+
+One engine for the whole module (it takes ~15 s to start); each test syncs the weights it
+needs first. Greedy decoding in float32 makes every claim exact: the engine's tokens are
+compared with a plain transformers forward of the same weights.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytest.importorskip("transformers")
+
+from rollout_sync import (
+    PauseTimeout,
+    SpanKind,
+    SyncReport,
+    Timeline,
+    TornWeightsError,
+    WeightMismatchError,
+    find_overlaps,
+    weight_sync_bracket,
+    weight_sync_handler,
+)
+from rollout_sync.backends.tiny_llama import (
+    build_tiny_llama,
+    find_sync_split,
+    greedy_reference,
+    random_llama_weights,
+)
+from rollout_sync.backends.vllm import (
+    KVCachePolicy,
+    VLLMAsyncBackend,
+    VLLMEngineConfig,
+    WeightsNotLandedError,
+    greedy_params,
+)
+
+pytestmark = pytest.mark.vllm
+
+Weights = Mapping[str, torch.Tensor]
+
+
+class Worker:
+    """A rollout worker reduced to its P2R handler; the guard finds ``rollout`` and ``timeline``."""
+
+    def __init__(self, rollout: VLLMAsyncBackend, timeline: Timeline) -> None:
+        self.rollout = rollout
+        self.timeline = timeline
+        self.weight_sync_timeout = 60.0
+        self.reports: list[SyncReport] = []
+
+    def on_weight_sync_report(self, report: SyncReport) -> None:
+        self.reports.append(report)
+
+    @weight_sync_handler
+    def receive_weights(self, weights: Weights, version: int,
+                        during: Callable[[], None] | None = None) -> None:
+        self.rollout.ensure_initialized()
+        if during is not None:
+            during()
+        self.rollout.load_weights(weights)
+        self.rollout.commit_weight_version(version)
+
+
+@dataclass
+class World:
+    backend: VLLMAsyncBackend
+    worker: Worker
+    timeline: Timeline
+    reference: greedy_reference
+    shapes: dict[str, tuple[int, ...]]
+    version: int = 0
+    weights: dict[int, Weights] = field(default_factory=dict)
+    first_sync: dict[str, object] = field(default_factory=dict)
+
+    def weights_of(self, version: int) -> Weights:
+        if version not in self.weights:
+            self.weights[version] = random_llama_weights(self.shapes, seed=1000 + version)
+        return self.weights[version]
+
+    def sync(self, during: Callable[[], None] | None = None) -> int:
+        """A guarded sync to a new version; returns it."""
+        version = self.version + 1
+        self.worker.receive_weights(self.weights_of(version), version, during)
+        self.version = version
+        return version
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    model_dir = tmp_path_factory.mktemp("tiny_llama")
+    initial = build_tiny_llama(model_dir, seed=0)
+    timeline = Timeline()
+    backend = VLLMAsyncBackend(
+        VLLMEngineConfig(model_dir, dtype="float32", kv_cache_memory_bytes=64 << 20),
+        timeline=timeline, pause_timeout=30.0, rpc_timeout=60.0,
+    )
+    w = World(backend, Worker(backend, timeline), timeline, greedy_reference(model_dir),
+              {name: tuple(t.shape) for name, t in initial.items()}, weights={0: initial})
+    try:
+        # The first sync starts the engine lazily, inside the bracket: it must start parked.
+        def observe() -> None:
+            w.first_sync["parked_inside"] = backend.parked
+            w.first_sync["in_flight"] = backend.requests_in_flight
+
+        w.sync(observe)
+        w.first_sync["parked_after"] = backend.parked
+        yield w
+    finally:
+        backend.shutdown()
+
+
+def _long_request_through_sync(
+    world: World, *, max_tokens: int = 120, lead: int = 12,
+    during: Callable[[], None] | None = None,
+) -> tuple[list[int], list[int], int, int, object]:
+    """Start a long greedy request, sync once it has ``lead`` tokens; return what happened."""
+    backend = world.backend
+    old_version = world.version
+    prompt = [1, 17, 42, 99, 7]
+    request = backend.submit(prompt, greedy_params(max_tokens))
+    seen_before = len(request.wait_for_tokens(lead, timeout=60))
+    new_version = world.sync(during)
+    result = request.result(timeout=120)
+    assert result.ok, result.error
+    return prompt, list(result.token_ids), old_version, new_version, (seen_before, result)
+
+
+# -- start-up ----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_lazy_start_inside_a_sync_begins_parked_and_resumes(world: World) -> None:
+    assert world.first_sync == {"parked_inside": True, "in_flight": 0, "parked_after": False}
+    assert world.backend.weight_version >= 1
+    assert len(world.backend.weight_specs()) == len(world.shapes)
+
+
+# -- exactness ---------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_greedy_output_equals_transformers(world: World) -> None:
+    version = world.sync()
+    prompts = [[1, 5, 9, 33, 7], [3, 4, 5], [200, 100, 50, 25, 12, 6]]
+    results = world.backend.generate(prompts, greedy_params(24), timeout=60)
+    for prompt, result in zip(prompts, results):
+        assert result.ok and result.finish_reason == "length"
+        assert list(result.token_ids) == world.reference(world.weights_of(version), prompt, 24)
+        assert (result.admitted_version, result.completed_version) == (version, version)
+        assert not result.straddled
+
+
+@pytest.mark.timeout(180)
+def test_long_request_continues_with_the_new_weights_after_a_keep_mode_sync(world: World) -> None:
+    """Old tokens before the pause, the new weights' exact continuation after it (recompute),
+    and a request submitted during the pause runs entirely on the new weights."""
+    backend = world.backend
+    queued: dict[str, object] = {}
+
+    def during() -> None:
+        assert backend.parked
+        queued["request"] = backend.submit([3, 4, 5, 6], greedy_params(16))
+
+    prompt, tokens, old_v, new_v, (seen_before, result) = _long_request_through_sync(
+        world, during=during)
+    assert len(tokens) == 120
+    old = world.reference(world.weights_of(old_v), prompt, 120)
+    split = find_sync_split(
+        tokens, old,
+        lambda k: world.reference(world.weights_of(new_v), prompt + tokens[:k], len(tokens) - k),
+        at_least=seen_before,
+    )
+    assert split is not None, "tokens after the sync are not the new weights' continuation"
+    assert seen_before <= split < len(tokens)
+    assert (result.admitted_version, result.completed_version) == (old_v, new_v)
+    assert result.straddled
+
+    late = queued["request"].result(timeout=60)  # type: ignore[attr-defined]
+    assert late.ok
+    assert list(late.token_ids) == world.reference(world.weights_of(new_v), [3, 4, 5, 6], 16)
+    assert (late.admitted_version, late.completed_version, late.straddled) == (new_v, new_v, False)
+
+
+@pytest.mark.timeout(180)
+def test_keep_stale_kv_mixes_versions(world: World) -> None:
+    """The KV policy matters: keeping stale KV, no split explains the tokens (this is what
+    RECOMPUTE prevents, and the check above would catch it)."""
+    world.backend.kv_cache_policy = KVCachePolicy.KEEP_STALE
+    try:
+        prompt, tokens, old_v, new_v, (seen_before, _) = _long_request_through_sync(world)
+    finally:
+        world.backend.kv_cache_policy = KVCachePolicy.RECOMPUTE
+    old = world.reference(world.weights_of(old_v), prompt, len(tokens))
+    split = find_sync_split(
+        tokens, old,
+        lambda k: world.reference(world.weights_of(new_v), prompt + tokens[:k], len(tokens) - k),
+        at_least=seen_before,
+    )
+    assert split is None
+
+
+@pytest.mark.timeout(60)
+def test_a_request_that_ends_before_a_sync_is_not_straddled(world: World) -> None:
+    version = world.version
+    result = world.backend.generate([[8, 9, 10]], greedy_params(8), timeout=60)[0]
+    world.sync()
+    assert (result.admitted_version, result.completed_version, result.straddled) == (
+        version, version, False)
+
+
+# -- no forward overlaps the write -------------------------------------------------------------
+
+
+def _wait_for_forwards(backend: VLLMAsyncBackend, more_than: int, timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    while (count := backend.engine_forward_count()) <= more_than:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the engine ran no forward within {timeout} s")
+    return count
+
+
+def _two_part_sync(world: World, *, guarded: bool) -> None:
+    """One sync written in two calls (as a bucketed transfer does), a request in flight.
+
+    Unguarded, the test waits between the two parts until the engine has run a forward, so
+    that forward demonstrably reads layer 0 new and layer 1 old.
+    """
+    backend, timeline = world.backend, world.timeline
+    version = world.version + 1
+    weights = world.weights_of(version)
+    first = {n: t for n, t in weights.items() if ".layers.0." in n}
+    second = {n: t for n, t in weights.items() if n not in first}
+    request = backend.submit([5, 6, 7], greedy_params(120))
+    request.wait_for_tokens(4, timeout=60)
+    with weight_sync_bracket(backend if guarded else None, name="two-part sync",
+                             timeline=timeline, timeout=60):
+        backend.load_weights(first, require_all=False)
+        if not guarded:
+            _wait_for_forwards(backend, backend.engine_forward_count(), timeout=60)
+        backend.load_weights(second, require_all=False)
+        backend.commit_weight_version(version)
+    world.version = version
+    assert request.result(timeout=120).ok
+
+
+@pytest.mark.timeout(180)
+def test_no_forward_overlaps_a_write_or_a_sync(world: World) -> None:
+    backend, timeline = world.backend, world.timeline
+    backend.collect_engine_spans()
+    start_ns = time.monotonic_ns()
+    request = backend.submit([11, 12, 13], greedy_params(150))
+    request.wait_for_tokens(4, timeout=60)
+    for _ in range(3):
+        world.sync()
+    _two_part_sync(world, guarded=True)
+    assert request.result(timeout=120).ok
+    backend.collect_engine_spans()
+    spans = [s for s in timeline.spans() if s.start_ns >= start_ns]
+    forwards = [s for s in spans if s.kind == SpanKind.FORWARD]
+    writes = [s for s in spans if s.kind == SpanKind.WEIGHT_WRITE]
+    syncs = [s for s in spans if s.kind == SpanKind.SYNC]
+    assert len(writes) == 5 and len(syncs) == 4
+    assert len(forwards) > 100
+    # Forwards ran between the syncs, so "no overlap" is not "no forwards".
+    assert any(f.start_ns > syncs[0].end_ns and f.end_ns < syncs[-1].start_ns for f in forwards)
+    pairs = [(SpanKind.FORWARD, SpanKind.WEIGHT_WRITE), (SpanKind.FORWARD, SpanKind.SYNC)]
+    assert find_overlaps(spans, pairs) == []
+
+
+@pytest.mark.timeout(180)
+def test_without_the_pause_a_forward_reads_a_half_written_sync(world: World) -> None:
+    """The same two-part sync, unguarded: the checker finds the forward inside the sync."""
+    backend, timeline = world.backend, world.timeline
+    backend.collect_engine_spans()
+    start_ns = time.monotonic_ns()
+    _two_part_sync(world, guarded=False)
+    backend.collect_engine_spans()
+    spans = [s for s in timeline.spans() if s.start_ns >= start_ns]
+    overlaps = find_overlaps(spans, [(SpanKind.FORWARD, SpanKind.SYNC)])
+    assert overlaps, "expected a forward between the two parts of the unguarded sync"
+
+
+# -- writes that do not land, bad writes -------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_a_copy_write_that_does_not_land_is_detected_and_raised(world: World) -> None:
+    """On vLLM for CPU ``lm_head`` computes from a packed copy: ``param.data.copy_`` is
+    silently ignored there. The read-back catches it; generation stays parked until a good
+    sync lands."""
+    backend = world.backend
+    version = world.sync()
+    new_head = {"lm_head.weight": world.weights_of(version + 1)["lm_head.weight"]}
+    backend.write_method = "copy"
+    try:
+        with pytest.raises(WeightsNotLandedError, match="lm_head") as caught, backend.paused(30):
+            backend.load_weights(new_head, require_all=False)
+        assert caught.value.torn
+        assert backend.weights_torn and backend.parked
+        with pytest.raises(TornWeightsError):
+            backend.submit([1, 2, 3], greedy_params(4))
+
+        # The full set through copy: the repacked linear weights are refused before writing.
+        with pytest.raises(WeightsNotLandedError, match="repacked") as refused, \
+                backend.paused(30):
+            backend.load_weights(world.weights_of(version))
+        assert not refused.value.torn
+    finally:
+        backend.write_method = "reload"
+    recovered = world.sync()
+    assert not backend.weights_torn and not backend.parked
+    result = backend.generate([[4, 4, 4]], greedy_params(12), timeout=60)[0]
+    assert list(result.token_ids) == world.reference(world.weights_of(recovered), [4, 4, 4], 12)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("damage", ["unknown name", "shape", "dtype", "missing", "split group"])
+def test_bad_weights_are_refused_and_outputs_stay_unchanged(world: World, damage: str) -> None:
+    backend = world.backend
+    prompt = [21, 22, 23]
+    before = backend.generate([prompt], greedy_params(12), timeout=60)[0].token_ids
+    writes = backend.statistics().writes
+    bad = dict(world.weights_of(world.version + 1))
+    require_all = True
+    if damage == "unknown name":
+        bad["model.layers.9.mlp.gate_proj.weight"] = bad["model.layers.0.mlp.gate_proj.weight"]
+    elif damage == "shape":
+        bad["lm_head.weight"] = bad["lm_head.weight"][:, :32].contiguous()
+    elif damage == "dtype":
+        bad["model.norm.weight"] = bad["model.norm.weight"].to(torch.bfloat16)
+    elif damage == "missing":
+        del bad["model.layers.1.mlp.down_proj.weight"]
+    else:
+        bad = {"model.layers.0.self_attn.q_proj.weight": bad["model.layers.0.self_attn.q_proj.weight"]}
+        require_all = False
+    with pytest.raises(WeightMismatchError), backend.paused(30):
+        backend.load_weights(bad, require_all=require_all)
+    assert backend.statistics().writes == writes
+    assert not backend.weights_torn and not backend.parked
+    after = backend.generate([prompt], greedy_params(12), timeout=60)[0].token_ids
+    assert after == before
+
+
+@pytest.mark.timeout(120)
+def test_file_transport_writes_and_cleans_up(world: World, tmp_path: Path) -> None:
+    backend = world.backend
+    backend.payload_transport, backend.payload_dir = "file", tmp_path
+    try:
+        version = world.sync()
+    finally:
+        backend.payload_transport, backend.payload_dir = "bytes", None
+    assert list(tmp_path.iterdir()) == []
+    result = backend.generate([[7, 7]], greedy_params(10), timeout=60)[0]
+    assert list(result.token_ids) == world.reference(world.weights_of(version), [7, 7], 10)
+
+
+# -- the pause contract ------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_pause_timeout_raises_clearly_and_leaves_the_engine_running(world: World,
+                                                                    tmp_path: Path) -> None:
+    """Hold the engine between steps (a stalling engine call), then ask for a short pause."""
+    backend = world.backend
+    started, release = tmp_path / "started", tmp_path / "release"
+    engine = backend.engine
+
+    async def stall() -> object:
+        return await engine.collective_rpc("rollout_sync_stall",
+                                           args=(str(started), str(release), 60.0))
+
+    stalled: dict[str, object] = {}
+    thread = threading.Thread(
+        target=lambda: stalled.setdefault("released", backend.run_on_loop(stall(), 90, "stall")))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not started.exists():  # the engine process touches it: nothing to wait on here
+            assert time.monotonic() < deadline, "the engine never started the stall"
+            time.sleep(0.005)
+        with pytest.raises(PauseTimeout, match=r"did not park within 0\.3 s"), \
+                backend.paused(0.3):
+            pytest.fail("the body must not run without a parked engine")
+    finally:
+        release.touch()
+        thread.join(60)
+    assert stalled == {"released": [True]}
+    assert not backend.parked
+    result = backend.generate([[9, 9, 9]], greedy_params(6), timeout=60)[0]
+    assert result.ok and len(result.token_ids) == 6
+
+    async def is_paused() -> bool:
+        return bool(await engine.is_paused())
+
+    assert backend.run_on_loop(is_paused(), 30, "is_paused") is False
+
+
+@pytest.mark.timeout(120)
+def test_an_exception_inside_the_bracket_resumes_generation(world: World) -> None:
+    backend = world.backend
+    request = backend.submit([31, 32, 33], greedy_params(60))
+    request.wait_for_tokens(4, timeout=60)
+
+    def fail() -> None:
+        raise RuntimeError("barrier peer died")
+
+    with pytest.raises(RuntimeError, match="barrier peer died"):
+        world.worker.receive_weights(world.weights_of(world.version + 1), world.version + 1, fail)
+    assert world.worker.reports[-1].error is not None
+    assert not backend.parked and not backend.weights_torn
+    result = request.result(timeout=60)
+    assert result.ok and len(result.token_ids) == 60
+    assert not result.straddled
+
+
+@pytest.mark.timeout(60)
+def test_pause_is_reentrant_and_a_second_thread_times_out(world: World) -> None:
+    backend = world.backend
+    pauses = backend.statistics().pauses
+    errors: list[BaseException] = []
+    with backend.paused(30):
+        with backend.paused(30):
+            assert backend.parked
+        assert backend.parked
+
+        def other() -> None:
+            try:
+                with backend.paused(0.2):
+                    pass
+            except BaseException as exc:  # noqa: BLE001 - inspected below
+                errors.append(exc)
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join(30)
+    assert not backend.parked
+    assert backend.statistics().pauses == pauses + 1
+    assert len(errors) == 1 and isinstance(errors[0], PauseTimeout)
+    assert "another thread holds the pause" in str(errors[0])
+
+
+# -- the demo, on this module's engine ---------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_the_vllm_demo_reports_no_hazards_when_guarded(world: World) -> None:
+    from rollout_sync.backends.vllm_demo import VLLMDemoConfig, run_vllm_demo
+
+    report = run_vllm_demo(VLLMDemoConfig(syncs=8, interval_s=0.01, max_tokens=24),
+                           backend=world.backend)
+    world.version = world.backend.weight_version
+    assert report["mode"] == "vllm" and report["guarded"] is True
+    assert report["syncs"] == 8
+    assert report["forwards"] > 0 and report["generations"] > 0
+    assert report["torn_reads"] == 0 and report["egress_overlaps"] == 0
+    assert report["generations_failed"] == 0
+    assert report["payloads_sent"] == report["generations"]
+    for key in ("time_to_park_ms_p50", "time_to_park_ms_p99", "sync_ms_p50", "sync_ms_p99"):
+        assert report[key] >= 0
