@@ -108,8 +108,8 @@ def _verdict(report: dict[str, Any]) -> str:
                 "sync." if hazards == 0 else f"FAIL: {hazards} hazards observed while guarded.")
     return (f"Unguarded: {report['torn_reads']} torn reads, "
             f"{report.get('forward_write_overlaps', 0)} forward/weight-write overlaps, "
-            f"{report['egress_overlaps']} payload transfers inside a weight sync - the hazards "
-            "the guard prevents.")
+            f"{report['egress_overlaps']} payload-transfer/weight-sync overlaps - the hazards the "
+            "guard prevents.")
 
 
 def _run_vllm_demo(args: argparse.Namespace, timeline: Timeline) -> dict[str, Any] | None:
