@@ -106,6 +106,7 @@ from .trainer import CommandKind as CommandKind
 from .trainer import QueueCommandChannel as QueueCommandChannel
 from .trainer import TrainerCallback as TrainerCallback
 from .trainer import TrainerCallbacks as TrainerCallbacks
+from .trainer import TransferWeightPusher as TransferWeightPusher
 from .trainer import WeightBroadcastCallback as WeightBroadcastCallback
 from .trainer import WeightBroadcastStatistics as WeightBroadcastStatistics
 from .trainer import WeightPusher as WeightPusher
@@ -234,6 +235,7 @@ __all__ = [
     "TransferConfig",
     "TransferHooks",
     "TransferStats",
+    "TransferWeightPusher",
     "VLLMAsyncBackend",
     "VLLMBackendStatistics",
     "VLLMBlockingBackend",

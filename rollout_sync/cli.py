@@ -25,9 +25,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "demo",
         help="generation, payload egress and weight syncs racing; prints a report",
         description="Runs a trainer process and --replicas rollout replica processes over "
-        "gloo on loopback: every step a P2R to the first replica and an R2R to the others, "
-        "while every replica keeps generating and shipping payloads. Reports torn reads, "
-        "payload/sync overlaps, timings, transfer MB/s and whether every replica ends "
+        "gloo on loopback. Every replica streams generations from a tiny torch LM and ships "
+        "each result (token ids, logprobs, weight versions) to the trainer over the payload "
+        "transport; every training step the trainer pushes new weights: a P2R to the first "
+        "replica, an R2R to the others, written in place into the served parameters. Reports "
+        "torn reads, payload/sync overlaps, payloads lost, timings (rollout-side phases and "
+        "the trainer's weight_sync_time_ms), transfer MB/s and whether every replica ends "
         "bit-identical to the trainer. Guarded by default; --in-process runs the threads-only "
         "demo.",
     )
@@ -35,14 +38,17 @@ def _build_parser() -> argparse.ArgumentParser:
                       help="rollout replica processes next to the trainer process (default 3)")
     demo.add_argument("--steps", type=int, default=30,
                       help="training steps, each a P2R plus an R2R (default 30)")
-    demo.add_argument("--backend", default="torn_read",
-                      help="rollout engine of the replicas, by name (default torn_read); "
-                      "vllm runs a tiny Llama on vLLM in this process (needs the extra: "
-                      "pip install 'rollout-sync[vllm]')")
+    demo.add_argument("--backend", default=None,
+                      help="rollout engine, by name: torch_lm (the tiny torch LM under the "
+                      "stream scheduler; the default) or torn_read (a fake model stamped with "
+                      "its version; the default with --in-process, and with an async --mode, "
+                      "which the stream LM does not run); vllm runs a tiny Llama on vLLM in "
+                      "this process (needs the extra: pip install 'rollout-sync[vllm]')")
     demo.add_argument("--mode", choices=[m.value for m in SyncMode], default="sync",
                       help="weight sync mode (default sync: pause generation, write in place)")
     demo.add_argument("--model-mb", type=float, default=8.0,
-                      help="size of the synced model in MiB (default 8)")
+                      help="--backend torn_read: size of the synced model in MiB (default 8); "
+                      "torch_lm syncs the tiny LM's own parameters")
     demo.add_argument("--bucket-mb", type=float, default=4.0,
                       help="transfer bucket size in MiB (default 4)")
     demo.add_argument("--checksums", action="store_true", help="checksum every bucket")
@@ -79,17 +85,31 @@ def _hazards(report: dict[str, Any]) -> int:
                + report.get("forward_write_overlaps", 0))
 
 
-def _verdict(report: dict[str, Any]) -> str:
-    hazards = _hazards(report)
+def _broken(report: dict[str, Any]) -> str | None:
+    """What went wrong whether guarded or not (the guard prevents hazards, not these)."""
     if report.get("failed_commands"):
-        return f"FAIL: {report['failed_commands']} weight-sync command(s) failed."
+        return f"{report['failed_commands']} weight-sync command(s) failed"
     if report.get("bit_identical") is False:
-        return "FAIL: a replica's weights differ from the trainer's."
+        return "a replica's weights differ from the trainer's"
+    if report.get("payloads_lost"):
+        return f"{report['payloads_lost']} payload(s) lost between the replicas and the trainer"
+    if report.get("payloads_invalid"):
+        return f"{report['payloads_invalid']} payload(s) arrived with inconsistent contents"
+    return None
+
+
+def _verdict(report: dict[str, Any]) -> str:
+    broken = _broken(report)
+    if broken is not None:
+        return f"FAIL: {broken}."
+    hazards = _hazards(report)
     if report["guarded"]:
-        return ("OK: no forward read torn weights and no payload send overlapped a sync."
-                if hazards == 0 else f"FAIL: {hazards} hazards observed while guarded.")
-    return (f"Unguarded: {report['torn_reads']} torn reads, {report['egress_overlaps']} payload "
-            "sends inside a sync - the hazards the guard prevents.")
+        return ("OK: no forward read torn weights and no payload transfer overlapped a weight "
+                "sync." if hazards == 0 else f"FAIL: {hazards} hazards observed while guarded.")
+    return (f"Unguarded: {report['torn_reads']} torn reads, "
+            f"{report.get('forward_write_overlaps', 0)} forward/weight-write overlaps, "
+            f"{report['egress_overlaps']} payload-transfer/weight-sync overlaps - the hazards the "
+            "guard prevents.")
 
 
 def _run_vllm_demo(args: argparse.Namespace, timeline: Timeline) -> dict[str, Any] | None:
@@ -109,6 +129,10 @@ def _run_vllm_demo(args: argparse.Namespace, timeline: Timeline) -> dict[str, An
 
 def _run_demo(args: argparse.Namespace) -> int:
     timeline = Timeline()
+    mode = SyncMode(args.mode)
+    if args.backend is None:
+        args.backend = ("torch_lm" if mode is SyncMode.SYNC and not args.in_process
+                        else "torn_read")
     if args.stream and not (args.in_process and args.backend == "torch_lm"):
         raise SystemExit("--stream needs --backend torch_lm (with --in-process)")
     if args.backend == "vllm":
@@ -134,12 +158,16 @@ def _run_demo(args: argparse.Namespace) -> int:
             raise SystemExit("--replicas and --steps must be at least 1")
         if args.backend not in DEMO_BACKENDS:
             raise SystemExit(f"unknown --backend {args.backend!r}; known: {sorted(DEMO_BACKENDS)}")
+        modes = sorted(m.value for m in DEMO_BACKENDS[args.backend].modes)
+        if mode.value not in modes:
+            raise SystemExit(f"--backend {args.backend} runs --mode {'/'.join(modes)}, not "
+                             f"{mode.value}; use --backend torn_read for the async modes")
         defaults = DistributedDemoConfig()
         numel = max(1, int(args.model_mb * (1 << 20) / 4 / defaults.num_tensors))
         report = run_distributed_demo(
             DistributedDemoConfig(
                 replicas=args.replicas, steps=args.steps, backend=args.backend,
-                mode=SyncMode(args.mode), guarded=not args.unguarded, numel=numel,
+                mode=mode, guarded=not args.unguarded, numel=numel,
                 bucket_bytes=max(64, int(args.bucket_mb * (1 << 20))),
                 checksums=args.checksums,
             ),
@@ -152,9 +180,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     print(_verdict(report))
     if args.json:
         print(json.dumps(report))
-    failed = bool(report["guarded"] and _hazards(report) > 0)
-    if report.get("bit_identical") is False or report.get("failed_commands"):
-        failed = True
+    failed = bool(report["guarded"] and _hazards(report) > 0) or _broken(report) is not None
     return 1 if failed else 0
 
 

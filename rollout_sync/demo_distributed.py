@@ -1,43 +1,85 @@
 """The main job, multi-process: a trainer and N rollout replicas over gloo on loopback.
 
-Process 0 is the trainer; processes ``1..N`` are rollout replicas, each a
-:class:`~rollout_sync.RolloutWorker` whose engine generates continuously on its own thread and
-ships a payload per forward through a packer. The parent process is the controller: it queues,
-for every training step, a :class:`~rollout_sync.P2R` for replica 1 and an
-:class:`~rollout_sync.R2R` for every replica, then :class:`~rollout_sync.Stop`. The trainer
-updates its weights and broadcasts them every step.
+Process 0 is the trainer; processes ``1..N`` are rollout replicas. Nothing is simulated on the
+paths the guard protects:
 
-Every process records a timeline; the parent merges them and checks that no forward overlapped
-a weight write and no payload send overlapped a weight collective or sync, and that every
-replica ends (and, with ``check_every_step``, is after every version it received) bit-identical
-to the trainer.
+* **Generation.** Each replica is a :class:`~rollout_sync.RolloutWorker` whose engine generates
+  on its own thread throughout the run. The default engine (``torch_lm``) is the tiny torch LM
+  under the stream scheduler (:class:`~rollout_sync.TorchLMStreamBackend`), kept fed with
+  prompts of mixed length; its parameters are the served tensors that P2R and R2R write in
+  place. A forward is torn when the LM's seqlock saw a write, or when its span overlaps a
+  weight write in the timeline.
+* **Payloads.** Every finished generation (token ids, logprobs, the weight version of each
+  token, as tensors, plus small metadata) goes to the trainer through a
+  :class:`~rollout_sync.PayloadSender` on the payload process groups
+  (:func:`~rollout_sync.new_payload_groups`). The sender is the worker's ``data_packer``, so
+  the guard holds it for every sync. The trainer takes them from a
+  :class:`~rollout_sync.PayloadReceiver`.
+* **Weights.** The trainer runs a training loop over the same TinyLM architecture: each step
+  it takes the payloads that arrive (its stand-in for training on them), moves its weights (a
+  perturbation, so every version differs), and a :class:`~rollout_sync.WeightBroadcastCallback`
+  announces the step on the replicas' command queues (P2R for the first replica, R2R for all)
+  and pushes the weights through a :class:`~rollout_sync.TransferWeightPusher`: the P2R
+  barrier (the replica reaches it paused, with its sends held), then the trainer's
+  ``hold_receives``, then the bucketed, validated :class:`~rollout_sync.WeightTransfer` send.
+  ``step_end`` returns ``weight_sync_time_ms``, merged into the step's training metrics.
 
-The engine is chosen by name from :data:`DEMO_BACKENDS` (see :func:`register_demo_backend`), so
-other engines (the stream scheduler's tiny LM) plug in without touching the plumbing.
+Every process records a timeline; the parent merges them and checks that no forward read torn
+weights or overlapped a weight write, that no payload transfer overlapped a weight collective
+or sync (on the replicas and on the trainer), that no payload was lost, and that every replica
+ends (and, with ``check_every_step``, is after every version it received) bit-identical to the
+trainer.
+
+The engine is chosen by name from :data:`DEMO_BACKENDS` (see :func:`register_demo_backend`):
+``torch_lm`` (the default) and ``torn_read``, a fake model whose every tensor carries its
+version (it also runs the async modes).
 """
 
 from __future__ import annotations
 
 import hashlib
 import multiprocessing
+import os
+import random
+import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .backend import RolloutBase
+from .backends.torch_lm import TinyCausalLM, TinyLMConfig, TorchLMStreamBackend
 from .distributed import find_free_port, init_process_group, run_processes
+from .errors import PayloadTimeout
 from .guard import SyncMode
-from .metrics import percentile, summarize
-from .testing import AsyncTornReadBackend, RecordingPacker, TornReadBackend, VersionStampedModel
-from .trace import SpanKind, Timeline
+from .metrics import percentile
+from .receiver import PayloadReceiver, ReceivedPayload
+from .scheduler import (
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    SamplingParams,
+    SchedulerTimeout,
+)
+from .testing import AsyncTornReadBackend, TornReadBackend, VersionStampedModel
+from .trace import Span, SpanKind, Timeline
+from .trainer import (
+    CommandKind,
+    TrainerCallbacks,
+    TransferWeightPusher,
+    WeightBroadcastCallback,
+    WeightSyncCommand,
+)
 from .transfer import TransferConfig, TransferStats
-from .worker import P2R, R2R, RolloutWorker, Stop, build_sync_groups
+from .transport import PayloadGroups, PayloadSender, new_payload_groups
+from .worker import P2R, R2R, RolloutWorker, Stop, SyncGroups, build_sync_groups
 
 __all__ = [
     "DEMO_BACKENDS",
+    "DemoBackend",
     "DemoEngine",
     "DistributedDemoConfig",
     "register_demo_backend",
@@ -48,25 +90,34 @@ __all__ = [
 
 @dataclass(frozen=True)
 class DistributedDemoConfig:
-    """Knobs of the multi-process demo. The defaults finish in ~10-20 s on two cores."""
+    """Knobs of the multi-process demo. The defaults finish in ~15 s on two cores."""
 
     replicas: int = 3
     steps: int = 30
-    backend: str = "torn_read"
+    backend: str = "torch_lm"
     """A key of :data:`DEMO_BACKENDS`."""
     mode: SyncMode = SyncMode.SYNC
     guarded: bool = True
+    model: TinyLMConfig = field(default_factory=TinyLMConfig)
+    """torch_lm: the replicas' engine and the trainer's weights (same architecture)."""
+    max_concurrent: int = 8
+    """torch_lm: sequences decoded together; the queue is kept at twice this."""
+    min_new_tokens: int = 4
+    max_new_tokens: int = 48
+    """torch_lm: generations are of mixed length, uniform in [min_new_tokens, max_new_tokens]."""
     num_tensors: int = 32
     numel: int = 65536
-    """Elements (float32) per tensor: 32 x 65536 x 4 B = 8 MiB by default."""
+    """torn_read: elements (float32) per tensor: 32 x 65536 x 4 B = 8 MiB by default."""
     bucket_bytes: int = 4 << 20
     checksums: bool = False
-    step_interval_s: float = 0.02
-    """The trainer's stand-in for a training step between two broadcasts."""
-    send_s: float = 200e-6
-    """How long one fake payload send takes."""
+    step_interval_s: float = 0.1
+    """The trainer's training step: it takes the payloads that arrive for this long."""
+    payload_capacity: int = 256
+    """Payloads a replica may have registered and not yet sent (backpressure beyond)."""
+    payload_window: int = 64
+    """Payloads the trainer grants each replica credit for at once."""
     timeout_s: float = 30.0
-    """Limit of every collective, pause, hold and fence."""
+    """Limit of every collective, pause, hold, fence and payload wait."""
     check_every_step: bool = True
     """Compare every version every replica received with the trainer's (a digest each)."""
     seed: int = 0
@@ -77,34 +128,194 @@ class DistributedDemoConfig:
 
 @dataclass
 class DemoEngine:
-    """What a demo backend factory returns: the engine, and how to read its counters."""
+    """What a demo engine factory returns: the engine, and how to read its counters."""
 
     rollout: RolloutBase
+    """A :class:`~rollout_sync.worker.BackgroundEngine`: the worker starts it inside the first
+    sync and stops it on close; it ships its results through the sender it was given."""
     counters: Callable[[], dict[str, int]]
-    """``forwards`` and ``torn_reads`` at least; ``generation_pauses`` and ``installs`` if
-    the engine knows them."""
-    step_generation: Callable[[], Any] | None = None
-    """For a blocking engine: one generation call (see RolloutWorker)."""
+    """``forwards``, ``torn_forwards`` (what the engine's own detector saw),
+    ``generation_pauses`` and ``installs``; engine-specific extras are reported as they are."""
 
 
-DemoBackendFactory = Callable[[DistributedDemoConfig, Timeline, RecordingPacker], DemoEngine]
+EngineFactory = Callable[[DistributedDemoConfig, Timeline, PayloadSender], DemoEngine]
+"""Builds a replica's engine (not started) that ships payloads through the sender."""
 
-DEMO_BACKENDS: dict[str, DemoBackendFactory] = {}
+TrainerModel = Callable[
+    [DistributedDemoConfig], tuple[dict[str, torch.Tensor], Callable[[int], None]]
+]
+"""The trainer's weights (named like the engine's served tensors) and ``advance(step)``, which
+moves them in place to the version of that step."""
+
+
+@dataclass(frozen=True)
+class DemoBackend:
+    """An engine the demo can run: the replicas' side and the trainer's weights."""
+
+    engine: EngineFactory
+    trainer_model: TrainerModel
+    modes: frozenset[SyncMode]
+    """The sync modes the engine supports (async modes need a weight-buffer backend)."""
+
+
+DEMO_BACKENDS: dict[str, DemoBackend] = {}
 """Engines the demo can run, by name."""
 
 
-def register_demo_backend(name: str, factory: DemoBackendFactory) -> None:
-    """Make ``factory`` available as ``--backend name``.
+def register_demo_backend(name: str, engine: EngineFactory, trainer_model: TrainerModel, *,
+                          modes: Iterable[SyncMode] = (SyncMode.SYNC,)) -> None:
+    """Make an engine available as ``--backend name``.
 
-    Register at import time of a module that the demo imports, since replicas are spawned
-    processes that look the factory up by name.
+    Register at import time of a module that the demo imports, since the processes are
+    spawned and look the backend up by name.
     """
-    DEMO_BACKENDS[name] = factory
+    DEMO_BACKENDS[name] = DemoBackend(engine, trainer_model, frozenset(modes))
+
+
+class _StreamingLM(TorchLMStreamBackend):
+    """The tiny LM generating without end, shipping every finished generation to the trainer.
+
+    A feeder thread keeps the scheduler's queue at twice ``max_concurrent`` prompts, takes the
+    results and registers each finished one with the payload sender (blocking, with the
+    config's timeout, while the sender's registry is full). The scheduler never waits for the
+    feeder, so a pause never waits for the payload transport. :meth:`stop` stops the feeder,
+    then the scheduler, then ships what is left.
+    """
+
+    def __init__(self, config: DistributedDemoConfig, timeline: Timeline,
+                 sender: PayloadSender, seed: int) -> None:
+        super().__init__(config.model, max_concurrent=config.max_concurrent,
+                         pause_timeout=config.timeout_s, timeline=timeline)
+        self.demo = config
+        self.sender = sender
+        self.results: dict[str, int] = dict.fromkeys(
+            ("results_straddled_sync", "results_cancelled", "results_failed"), 0)
+        self._rng = random.Random(seed)
+        self._stopping = threading.Event()
+        self._feeder: threading.Thread | None = None
+        self._feeder_error: BaseException | None = None
+
+    def start(self) -> None:
+        super().start()
+        self._feeder = threading.Thread(target=self._feed, name="demo-feeder", daemon=True)
+        self._feeder.start()
+
+    def stop(self, timeout: float = 30.0, *, finish_active: bool = False) -> None:
+        """Stop feeding, stop the scheduler (unfinished requests are cancelled), ship the rest.
+
+        Raises:
+            TimeoutError: the feeder did not stop within ``timeout`` (stuck registering?).
+            RuntimeError: the feeder had failed (its error is chained).
+        """
+        deadline = time.monotonic() + timeout
+        self._stopping.set()
+        try:
+            if self._feeder is not None:
+                self._feeder.join(timeout)
+                if self._feeder.is_alive():
+                    raise TimeoutError(f"the demo's feeder thread did not stop within "
+                                       f"{timeout:.1f} s (blocked registering a payload?)")
+        finally:
+            super().stop(max(0.0, deadline - time.monotonic()), finish_active=finish_active)
+        self._ship(self.get_all(), max(0.0, deadline - time.monotonic()))
+        if self._feeder_error is not None:
+            raise RuntimeError("the demo's feeder thread failed") from self._feeder_error
+
+    def _feed(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                backlog = self.scheduler.statistics()
+                for _ in range(2 * self.scheduler.max_concurrent - backlog.queued
+                               - backlog.active):
+                    self.put(self._request())
+                try:
+                    # Bounded so that a stop is seen while nothing finishes (a long sync).
+                    first = self.scheduler.get(timeout=0.05)
+                except SchedulerTimeout:
+                    continue
+                self._ship([first, *self.get_all()], self.demo.timeout_s)
+        except BaseException as exc:  # kept: stop() raises it
+            self._feeder_error = exc
+
+    def _request(self) -> GenerationRequest:
+        rng, cfg = self._rng, self.demo
+        prompt = tuple(rng.randrange(cfg.model.vocab_size) for _ in range(rng.randint(2, 12)))
+        return GenerationRequest(
+            prompt, max_new_tokens=rng.randint(cfg.min_new_tokens, cfg.max_new_tokens),
+            sampling=SamplingParams(temperature=1.0, seed=rng.getrandbits(32)))
+
+    def _ship(self, results: Sequence[GenerationResult], timeout: float) -> None:
+        for result in results:
+            if result.finish_reason is FinishReason.CANCELLED:
+                self.results["results_cancelled"] += 1
+                continue
+            if not result.ok:
+                self.results["results_failed"] += 1
+                continue
+            self.sender.register_payload(
+                {
+                    "tokens": torch.tensor(result.tokens, dtype=torch.int64),
+                    "logprobs": torch.tensor(result.logprobs, dtype=torch.float32),
+                    "weight_versions": torch.tensor(result.token_weight_versions,
+                                                    dtype=torch.int64),
+                },
+                {
+                    "request_id": result.request_id,
+                    "prompt_tokens": len(result.prompt),
+                    "admitted_version": result.admitted_weight_version,
+                    "completed_version": result.completed_weight_version,
+                    "straddled_sync": result.straddled_sync,
+                },
+                timeout=timeout,
+            )
+            self.results["results_straddled_sync"] += result.straddled_sync
+
+
+def _torch_lm_engine(config: DistributedDemoConfig, timeline: Timeline,
+                     sender: PayloadSender) -> DemoEngine:
+    engine = _StreamingLM(config, timeline, sender, seed=config.seed * 1009 + dist.get_rank())
+
+    def counters() -> dict[str, int]:
+        stats = engine.statistics()
+        return {"forwards": stats.forwards, "torn_forwards": stats.torn_forwards,
+                "generation_pauses": engine.scheduler.statistics().pauses, "installs": 0,
+                **engine.results}
+
+    return DemoEngine(engine, counters)
+
+
+def _torch_lm_trainer(config: DistributedDemoConfig) -> tuple[dict[str, torch.Tensor],
+                                                               Callable[[int], None]]:
+    """The trainer's TinyLM: seeded apart from the replicas' version 0, moved every step."""
+    model = TinyCausalLM.build(config.model, seed=config.seed + 1)
+    weights = {name: param.detach() for name, param in model.named_parameters()}
+    noise = torch.Generator().manual_seed(config.seed + 2)
+
+    def advance(step: int) -> None:
+        with torch.no_grad():
+            for tensor in weights.values():
+                tensor.add_(torch.randn(tensor.shape, generator=noise, dtype=tensor.dtype),
+                            alpha=1e-2)
+
+    return weights, advance
+
+
+class _SenderPacker:
+    """A TornReadBackend's packer: each forward's payload registered with the sender."""
+
+    def __init__(self, sender: PayloadSender) -> None:
+        self.sender = sender
+
+    def submit(self, payload: Any, timeout: float | None = None) -> None:
+        self.sender.register_payload(
+            {"weight_versions": torch.tensor(payload["versions"], dtype=torch.int64)},
+            timeout=timeout)
 
 
 def _torn_read_engine(config: DistributedDemoConfig, timeline: Timeline,
-                      packer: RecordingPacker) -> DemoEngine:
+                      sender: PayloadSender) -> DemoEngine:
     model = VersionStampedModel(config.num_tensors, config.numel, timeline=timeline)
+    packer = _SenderPacker(sender)
     backend: TornReadBackend
     if config.mode is SyncMode.SYNC:
         backend = TornReadBackend(model, packer=packer, pause_timeout=config.timeout_s,
@@ -112,10 +323,11 @@ def _torn_read_engine(config: DistributedDemoConfig, timeline: Timeline,
     else:
         backend = AsyncTornReadBackend(model, packer=packer, pause_timeout=config.timeout_s,
                                        timeline=timeline)
+
     def counters() -> dict[str, int]:
         return {
             "forwards": model.forwards,
-            "torn_reads": model.torn_reads,
+            "torn_forwards": model.torn_reads,
             "generation_pauses": backend.generation_gate.statistics().exclusive_acquired,
             "installs": len(backend.installs) if isinstance(backend, AsyncTornReadBackend)
             else 0,
@@ -124,7 +336,26 @@ def _torn_read_engine(config: DistributedDemoConfig, timeline: Timeline,
     return DemoEngine(backend, counters)
 
 
-register_demo_backend("torn_read", _torn_read_engine)
+def _torn_read_trainer(config: DistributedDemoConfig) -> tuple[dict[str, torch.Tensor],
+                                                                Callable[[int], None]]:
+    """Version ``v`` is ``v + pattern`` with the pattern in [0, 0.5): the stamp a forward reads
+    (``int(x)``) is ``v``, and the bytes differ from element to element, so the bit-identical
+    check compares real data, not a constant."""
+    gen = torch.Generator().manual_seed(config.seed)
+    names = [f"layers.{i}.weight" for i in range(config.num_tensors)]
+    pattern = {n: torch.rand(config.numel, generator=gen) * 0.5 for n in names}
+    weights = {n: torch.zeros(config.numel) for n in names}
+
+    def advance(step: int) -> None:
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                torch.add(pattern[name], float(step), out=tensor)
+
+    return weights, advance
+
+
+register_demo_backend("torch_lm", _torch_lm_engine, _torch_lm_trainer)
+register_demo_backend("torn_read", _torn_read_engine, _torn_read_trainer, modes=SyncMode)
 
 
 # -- weights -----------------------------------------------------------------------------------
@@ -139,67 +370,145 @@ def weights_digest(weights: Mapping[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def _trainer_weights(config: DistributedDemoConfig) -> tuple[dict[str, torch.Tensor],
-                                                              dict[str, torch.Tensor]]:
-    """The trainer's weights (named like the replicas' model) and a fixed fractional pattern.
-
-    Version ``v`` is ``v + pattern`` with the pattern in [0, 0.5): the stamp a forward reads
-    (``int(x)``) is ``v``, and the bytes differ from element to element, so the bit-identical
-    check compares real data, not a constant.
-    """
-    gen = torch.Generator().manual_seed(config.seed)
-    names = [f"layers.{i}.weight" for i in range(config.num_tensors)]
-    pattern = {n: torch.rand(config.numel, generator=gen) * 0.5 for n in names}
-    weights = {n: torch.zeros(config.numel) for n in names}
-    return weights, pattern
-
-
 # -- the processes -----------------------------------------------------------------------------
 
 
 def _demo_process(rank: int, config: DistributedDemoConfig, port: int,
-                  queues: list[Any]) -> dict[str, Any]:
+                  queues: dict[int, Any]) -> dict[str, Any]:
     init_process_group(rank=rank, world_size=config.replicas + 1,
                        init_method=f"tcp://127.0.0.1:{port}", timeout_s=config.timeout_s)
     groups = build_sync_groups(0, range(1, config.replicas + 1), timeout_s=config.timeout_s)
-    transfer_config = TransferConfig(bucket_bytes=config.bucket_bytes,
-                                     checksums=config.checksums, timeout_s=config.timeout_s)
+    # The control group's timeout is the longest a reader waits for the next frame, so it
+    # must outlast any hold (transport.py); credit expiry keeps an idle pair talking anyway.
+    payloads = new_payload_groups(timeout=config.timeout_s * 4)
     timeline = Timeline()
     if rank == 0:
-        return _trainer(config, groups.p2r_transfer(config=transfer_config, timeline=timeline),
-                        timeline)
-    return _replica(rank, config, groups.p2r_transfer(config=transfer_config, timeline=timeline),
-                    groups.r2r_transfer(config=transfer_config, timeline=timeline),
-                    queues[rank], timeline)
+        return _trainer(config, groups, payloads, queues, timeline)
+    return _replica(rank, config, groups, payloads, queues[rank], timeline)
 
 
-def _trainer(config: DistributedDemoConfig, transfer: Any, timeline: Timeline) -> dict[str, Any]:
-    weights, pattern = _trainer_weights(config)
+class _ReplicaCommands:
+    """The trainer's command channel: each announcement becomes the replicas' commands.
+
+    WEIGHTS: a P2R for the first replica and, with several, an R2R for every replica. STOP: a
+    Stop for every replica. Commands go on each replica's multiprocessing queue, which its
+    :class:`~rollout_sync.RolloutWorker` reads.
+    """
+
+    def __init__(self, queues: Mapping[int, Any], replicas: Sequence[int]) -> None:
+        self.queues = queues
+        self.replicas = tuple(replicas)
+
+    def announce(self, command: WeightSyncCommand, timeout: float) -> None:
+        if command.kind is CommandKind.WEIGHTS:
+            self.queues[self.replicas[0]].put(P2R(step=command.step), timeout=timeout)
+            if len(self.replicas) > 1:
+                for rank in self.replicas:
+                    self.queues[rank].put(R2R(step=command.step), timeout=timeout)
+        else:
+            for rank in self.replicas:
+                self.queues[rank].put(Stop(), timeout=timeout)
+
+    def receive(self, timeout: float) -> WeightSyncCommand:
+        raise TypeError("the replicas take their commands from their queues "
+                        "(RolloutWorker(commands=...)), not from this channel")
+
+
+class _Rollouts:
+    """What the trainer does with the payloads it takes: counts them and checks them.
+
+    ``stale`` is how many versions behind the trainer the oldest token of a payload was.
+    ``invalid`` counts payloads whose tensors disagree in length or hold impossible logprobs.
+    """
+
+    def __init__(self) -> None:
+        self.payloads = self.tokens = self.nbytes = self.invalid = 0
+        self.stale: list[int] = []
+
+    def take_for(self, receiver: PayloadReceiver, seconds: float,
+                 trainer_version: int) -> dict[str, Any]:
+        """Take what arrives for ``seconds``; the step's training metrics."""
+        before = (self.payloads, self.tokens)
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                self.add(receiver.get(left), trainer_version)
+            except PayloadTimeout:
+                break
+        return {"rollouts": self.payloads - before[0], "rollout_tokens": self.tokens - before[1]}
+
+    def add(self, payload: ReceivedPayload, trainer_version: int) -> None:
+        self.payloads += 1
+        self.nbytes += payload.nbytes
+        versions = payload.tensors["weight_versions"]
+        if versions.numel():
+            self.stale.append(trainer_version - int(versions.min()))
+        tokens = payload.tensors.get("tokens")
+        logprobs = payload.tensors.get("logprobs")
+        if tokens is not None and logprobs is not None:
+            self.tokens += tokens.numel()
+            if not (tokens.numel() == logprobs.numel() == versions.numel()
+                    and bool(torch.isfinite(logprobs).all()) and bool((logprobs <= 0).all())):
+                self.invalid += 1
+
+
+def _trainer(config: DistributedDemoConfig, groups: SyncGroups, payloads: PayloadGroups,
+             queues: Mapping[int, Any], timeline: Timeline) -> dict[str, Any]:
+    weights, advance = DEMO_BACKENDS[config.backend].trainer_model(config)
+    transfer = groups.p2r_transfer(config=_transfer_config(config), timeline=timeline)
+    assert transfer is not None  # the trainer is the P2R source
+    receiver = PayloadReceiver(payloads, groups.replicas, window=config.payload_window,
+                               timeline=timeline, default_timeout=config.timeout_s)
+    # Unguarded, the trainer keeps receiving payloads through its weight sends.
+    pusher = TransferWeightPusher(transfer, barrier=groups.p2r_barrier,
+                                  receiver=receiver if config.guarded else None)
+    broadcast = WeightBroadcastCallback(
+        lambda: weights, pusher=pusher, channel=_ReplicaCommands(queues, groups.replicas),
+        timeout=config.timeout_s, sync_on_run_begin=False, report_every_step=True)
+    callbacks = TrainerCallbacks([broadcast])
+    rollouts = _Rollouts()
     digests: dict[int, str] = {}
-    stats: list[TransferStats] = []
+    step_metrics: list[dict[str, Any]] = []
+    transfers: list[dict[str, Any]] = []
+    callbacks.run_begin(1)
     for step in range(1, config.steps + 1):
-        with torch.no_grad():
-            for name, tensor in weights.items():
-                torch.add(pattern[name], float(step), out=tensor)
+        train_metrics = rollouts.take_for(receiver, config.step_interval_s, step - 1)
+        advance(step)
         if config.check_every_step:
             digests[step] = weights_digest(weights)
-        stats.append(transfer.send(weights, version=step))
-        time.sleep(config.step_interval_s)  # stands in for the next training step's compute
+        metrics = callbacks.step_end(step, None, True, train_metrics)
+        assert metrics is not None  # report_every_step
+        step_metrics.append(metrics)
+        assert pusher.last_stats is not None
+        transfers.append(asdict(pusher.last_stats))
+    callbacks.train_end(config.steps)  # STOP: the replicas close their senders
+    for payload in receiver.iter_payloads(config.timeout_s):
+        rollouts.add(payload, config.steps)
+    receiver.close(config.timeout_s)
+    stats = receiver.statistics()
     return {
         "role": "trainer",
+        "pid": os.getpid(),
         "digests": digests,
         "final_digest": weights_digest(weights),
-        "final_version": config.steps,
-        "transfers": [asdict(s) for s in stats],
+        "nbytes": sum(t.numel() * t.element_size() for t in weights.values()),
+        "transfers": transfers,
+        "step_metrics": step_metrics,
+        "payloads_received": stats.received,
+        "payloads_lost": stats.lost,
+        "payloads_invalid": rollouts.invalid,
+        "payload_bytes": rollouts.nbytes,
+        "rollout_tokens": rollouts.tokens,
+        "staleness": rollouts.stale,
         "spans": timeline.to_records(),
     }
 
 
-def _replica(rank: int, config: DistributedDemoConfig, p2r: Any, r2r: Any, commands: Any,
-             timeline: Timeline) -> dict[str, Any]:
-    packer = RecordingPacker(capacity=32, send_s=config.send_s, timeline=timeline,
-                             default_timeout=config.timeout_s).start()
-    engine = DEMO_BACKENDS[config.backend](config, timeline, packer)
+def _replica(rank: int, config: DistributedDemoConfig, groups: SyncGroups,
+             payloads: PayloadGroups, commands: Any, timeline: Timeline) -> dict[str, Any]:
+    sender = PayloadSender(payloads, receiver_rank=groups.trainer,
+                           capacity=config.payload_capacity, timeline=timeline,
+                           default_timeout=config.timeout_s)
     digests: dict[int, str] = {}
 
     def on_transfer(stats: TransferStats, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -208,20 +517,26 @@ def _replica(rank: int, config: DistributedDemoConfig, p2r: Any, r2r: Any, comma
         if config.check_every_step and stats.role == "receive":
             digests[stats.version] = weights_digest(tensors)
 
-    worker = RolloutWorker(
-        engine.rollout, p2r=p2r, r2r=r2r, mode=config.mode, commands=commands,
-        step_generation=engine.step_generation, data_packer=packer, timeline=timeline,
-        weight_sync_timeout=config.timeout_s, guarded=config.guarded, on_transfer=on_transfer)
     try:
-        results = worker.run(idle_timeout_s=config.timeout_s * 4)
-        # Async modes: let a safe point install the last version received before stopping.
-        worker.wait_for_install(config.timeout_s)
-    finally:
+        engine = DEMO_BACKENDS[config.backend].engine(config, timeline, sender)
+        transfer_config = _transfer_config(config)
+        worker = RolloutWorker(
+            engine.rollout, mode=config.mode, commands=commands, timeline=timeline,
+            p2r=groups.p2r_transfer(config=transfer_config, timeline=timeline),
+            p2r_barrier=groups.p2r_barrier,
+            r2r=groups.r2r_transfer(config=transfer_config, timeline=timeline),
+            data_packer=sender, weight_sync_timeout=config.timeout_s, guarded=config.guarded,
+            on_transfer=on_transfer)
         try:
-            worker.close(config.timeout_s)
+            results = worker.run(idle_timeout_s=config.timeout_s * 4)
+            # Async modes: let a safe point install the last version received before stopping.
+            worker.wait_for_install(config.timeout_s)
         finally:
-            packer.stop(config.timeout_s)
-    counters = engine.counters()
+            worker.close(config.timeout_s)
+    finally:
+        # Every payload registered is sent before the goodbye.
+        sender.close(config.timeout_s)
+    sent = sender.statistics()
     return {
         "role": "replica",
         "rank": rank,
@@ -229,21 +544,24 @@ def _replica(rank: int, config: DistributedDemoConfig, p2r: Any, r2r: Any, comma
         "final_digest": weights_digest(_received_weights(worker)),
         "final_version": worker.rollout.weight_version,
         "weights_torn": worker.rollout.weights_torn,
-        "forwards": counters.get("forwards", 0),
-        "torn_reads": counters.get("torn_reads", 0),
-        "generation_pauses": counters.get("generation_pauses", 0),
-        "installs": counters.get("installs", 0),
+        "counters": engine.counters(),
         "superseded": (worker.weight_buffer.statistics().superseded
                        if worker.weight_buffer is not None else 0),
-        "payloads_sent": len(packer.sent),
+        "payloads_registered": sent.registered,
+        "payloads_sent": sent.sent,
         "failed": [r.error for r in results if not r.ok],
         "syncs": sum(r.ok and isinstance(r.command, (P2R, R2R)) for r in results),
         "transfers": [asdict(r.value) for r in results
                       if r.ok and isinstance(r.value, TransferStats)],
-        "reports": [{"park_s": s.park_s, "total_s": s.total_s, "handler": s.handler}
+        "reports": [{"handler": s.handler, **s.to_metrics(prefix="")}
                     for s in worker.sync_reports],
         "spans": timeline.to_records(),
     }
+
+
+def _transfer_config(config: DistributedDemoConfig) -> TransferConfig:
+    return TransferConfig(bucket_bytes=config.bucket_bytes, checksums=config.checksums,
+                          timeout_s=config.timeout_s)
 
 
 def _received_weights(worker: RolloutWorker) -> Mapping[str, torch.Tensor]:
@@ -256,12 +574,6 @@ def _received_weights(worker: RolloutWorker) -> Mapping[str, torch.Tensor]:
 # -- the controller ----------------------------------------------------------------------------
 
 
-@dataclass
-class _Merged:
-    replicas: list[dict[str, Any]] = field(default_factory=list)
-    trainer: dict[str, Any] = field(default_factory=dict)
-
-
 def run_distributed_demo(config: DistributedDemoConfig,
                          timeline: Timeline | None = None) -> dict[str, Any]:
     """Run the demo (spawning ``replicas + 1`` processes) and return its report.
@@ -269,56 +581,69 @@ def run_distributed_demo(config: DistributedDemoConfig,
     Raises:
         GroupProcessError: a process failed or overstayed (its traceback is in the message).
         KeyError: ``config.backend`` is not a registered demo backend.
+        ValueError: a config the demo cannot run (no replica or step, or a sync mode the
+            backend does not support).
     """
     if config.replicas < 1 or config.steps < 1:
         raise ValueError("the demo needs at least one replica and one step")
     if config.backend not in DEMO_BACKENDS:
         raise KeyError(f"unknown demo backend {config.backend!r}; "
                        f"known: {sorted(DEMO_BACKENDS)}")
+    modes = DEMO_BACKENDS[config.backend].modes
+    if config.mode not in modes:
+        raise ValueError(f"demo backend {config.backend!r} runs the sync modes "
+                         f"{sorted(m.value for m in modes)}, not {config.mode.value!r}")
     timeline = timeline if timeline is not None else Timeline()
     ctx = multiprocessing.get_context("spawn")
-    queues = [ctx.Queue() for _ in range(config.replicas + 1)]
-    for step in range(1, config.steps + 1):
-        queues[1].put(P2R(step=step))
-        if config.replicas > 1:
-            for rank in range(1, config.replicas + 1):
-                queues[rank].put(R2R(step=step))
-    for rank in range(1, config.replicas + 1):
-        queues[rank].put(Stop())
-
+    queues = {rank: ctx.Queue() for rank in range(1, config.replicas + 1)}
     started = time.perf_counter()
     # The limit covers spawning (a few seconds each on a busy machine) and every step.
     limit = 60.0 + config.steps * (config.step_interval_s + 2.0)
-    values = run_processes(_demo_process, config.replicas + 1,
-                           (config, find_free_port(), queues), timeout_s=limit,
-                           what="rollout-sync demo", intra_op_threads=1)
+    try:
+        values = run_processes(_demo_process, config.replicas + 1,
+                               (config, find_free_port(), queues), timeout_s=limit,
+                               what="rollout-sync demo", intra_op_threads=1)
+    finally:
+        for q in queues.values():
+            q.close()
+            q.join_thread()
     wall_s = time.perf_counter() - started
-    for q in queues:
-        q.close()
-        q.join_thread()
-    merged = _Merged(trainer=values[0],
-                     replicas=[values[r] for r in range(1, config.replicas + 1)])
     for value in values.values():
         timeline.extend(Timeline.from_records(value["spans"]).spans())
-    return _report(config, merged, timeline, wall_s)
+    return _report(config, values[0], [values[r] for r in range(1, config.replicas + 1)],
+                   timeline, wall_s)
 
 
-def _report(config: DistributedDemoConfig, merged: _Merged, timeline: Timeline,
+def _span_key(span: Span) -> tuple[int, int, int, int]:
+    return (span.pid, span.tid, span.start_ns, span.end_ns)
+
+
+def _p(values: Sequence[float], q: float) -> float:
+    return percentile(list(values), q)
+
+
+def _report(config: DistributedDemoConfig, trainer: dict[str, Any],
+            replicas: list[dict[str, Any]], timeline: Timeline,
             wall_s: float) -> dict[str, Any]:
-    trainer, replicas = merged.trainer, merged.replicas
     overlaps = timeline.overlaps()
     egress = [o for o in overlaps if o.first.kind in (SpanKind.PAYLOAD_SEND,
                                                       SpanKind.PAYLOAD_RECV)]
-    writes = [o for o in overlaps if o.first.kind == SpanKind.FORWARD]
-    # The R2R source only reads its weights and is not paused; park times are the receivers'.
-    receive_reports = [r for rep in replicas for r in rep["reports"]
-                       if "send" not in r["handler"]]
-    park = summarize([r["park_s"] for r in receive_reports])
-    total = summarize([r["total_s"] for r in receive_reports])
+    forward_writes = [o for o in overlaps if o.first.kind == SpanKind.FORWARD]
+    # A forward is torn if the engine's own detector saw it (the LM's seqlock, the stamps of
+    # the fake model) or if it overlapped a weight write: counted once either way.
+    torn = {_span_key(s) for s in timeline.spans(SpanKind.FORWARD) if s.args.get("torn")}
+    torn |= {_span_key(o.first) for o in forward_writes}
+    # The R2R source only reads its weights and is not paused; phases are the receivers'.
+    receives = [r for rep in replicas for r in rep["reports"] if "send" not in r["handler"]]
+
+    def phase(key: str, q: float) -> float:
+        return _p([r[key] for r in receives], q)
+
     p2r_rates = [t["nbytes"] / 1e6 / t["total_s"] for t in trainer["transfers"]]
     r2r_rates = [t["nbytes"] / 1e6 / t["total_s"] for t in replicas[0]["transfers"]
                  if t["role"] == "send"] if config.replicas > 1 else []
-    all_rates = p2r_rates + r2r_rates
+    sync_ms = [m["weight_sync_time_ms"] for m in trainer["step_metrics"]
+               if "weight_sync_time_ms" in m]
     # Every version a replica received is compared with the trainer's weights of that version.
     # In sync mode every replica receives every version; async modes may skip superseded ones.
     step_mismatches = versions_checked = 0
@@ -328,7 +653,11 @@ def _report(config: DistributedDemoConfig, merged: _Merged, timeline: Timeline,
             if trainer["digests"].get(version) != digest:
                 step_mismatches += 1
     final_identical = all(rep["final_digest"] == trainer["final_digest"] for rep in replicas)
-    nbytes = config.num_tensors * config.numel * 4
+    counters: dict[str, int] = {}
+    for rep in replicas:
+        for key, value in rep["counters"].items():
+            counters[key] = counters.get(key, 0) + value
+    core = ("forwards", "torn_forwards", "generation_pauses", "installs")
     return {
         "mode": "multi_process",
         "sync_mode": config.mode.value,
@@ -338,22 +667,40 @@ def _report(config: DistributedDemoConfig, merged: _Merged, timeline: Timeline,
         "steps": config.steps,
         "syncs": sum(rep["syncs"] for rep in replicas),
         "failed_commands": sum(len(rep["failed"]) for rep in replicas),
-        "forwards": sum(rep["forwards"] for rep in replicas),
-        "torn_reads": sum(rep["torn_reads"] for rep in replicas),
+        "forwards": counters.get("forwards", 0),
+        "torn_reads": len(torn),
+        "torn_forwards_detected": counters.get("torn_forwards", 0),
+        "forward_write_overlaps": len(forward_writes),
         "egress_overlaps": len(egress),
-        "write_forward_overlaps": len(writes),
+        "trainer_egress_overlaps": sum(o.first.pid == trainer["pid"] for o in egress),
         "payloads_sent": sum(rep["payloads_sent"] for rep in replicas),
-        "generation_pauses": sum(rep["generation_pauses"] for rep in replicas),
-        "installs": sum(rep["installs"] for rep in replicas),
+        "payloads_received": trainer["payloads_received"],
+        "payloads_lost": trainer["payloads_lost"],
+        "payloads_invalid": trainer["payloads_invalid"],
+        "payload_mb": trainer["payload_bytes"] / 1e6,
+        "rollout_tokens": trainer["rollout_tokens"],
+        "rollout_staleness_p50": _p(trainer["staleness"], 50),
+        "rollout_staleness_max": max(trainer["staleness"], default=0),
+        **{k: v for k, v in counters.items() if k not in core},
+        "generation_pauses": counters.get("generation_pauses", 0),
+        "installs": counters.get("installs", 0),
         "superseded_versions": sum(rep["superseded"] for rep in replicas),
-        "time_to_park_ms_p50": park.p50_ms,
-        "time_to_park_ms_p99": park.p99_ms,
-        "sync_ms_p50": total.p50_ms,
-        "sync_ms_p99": total.p99_ms,
-        "model_mb": nbytes / 1e6,
-        "transfer_mb_per_s": percentile(all_rates, 50),
-        "p2r_mb_per_s": percentile(p2r_rates, 50),
-        "r2r_mb_per_s": percentile(r2r_rates, 50),
+        "time_to_park_ms_p50": phase("time_to_park_ms", 50),
+        "time_to_park_ms_p99": phase("time_to_park_ms", 99),
+        "egress_drain_ms_p50": phase("egress_drain_ms", 50),
+        "egress_drain_ms_p99": phase("egress_drain_ms", 99),
+        "handler_ms_p50": phase("handler_ms", 50),
+        "handler_ms_p99": phase("handler_ms", 99),
+        "fence_ms_p50": phase("fence_ms", 50),
+        "fence_ms_p99": phase("fence_ms", 99),
+        "sync_ms_p50": phase("sync_total_ms", 50),
+        "sync_ms_p99": phase("sync_total_ms", 99),
+        "weight_sync_time_ms_p50": _p(sync_ms, 50),
+        "weight_sync_time_ms_p99": _p(sync_ms, 99),
+        "model_mb": trainer["nbytes"] / 1e6,
+        "transfer_mb_per_s": _p(p2r_rates + r2r_rates, 50),
+        "p2r_mb_per_s": _p(p2r_rates, 50),
+        "r2r_mb_per_s": _p(r2r_rates, 50),
         "final_versions": [rep["final_version"] for rep in replicas],
         "versions_checked": versions_checked,
         "step_mismatches": step_mismatches,
@@ -361,8 +708,3 @@ def _report(config: DistributedDemoConfig, merged: _Merged, timeline: Timeline,
         "wall_s": wall_s,
         "errors": [e.splitlines()[0] for rep in replicas for e in rep["failed"]][:5],
     }
-
-
-def demo_config(**overrides: Any) -> DistributedDemoConfig:
-    """The default config with ``overrides`` applied (a convenience for the CLI and tests)."""
-    return replace(DistributedDemoConfig(), **overrides)

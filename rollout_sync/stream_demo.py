@@ -9,7 +9,8 @@ overlaps a sync, while sequences in flight survive every sync. ``guarded=False``
 the bracket and shows the hazards. ``stream=False`` runs the blocking backend instead: generate
 and sync alternate on one thread, idle by construction.
 
-:func:`build_stream_backend` is the piece other drivers (a multi-process demo's replicas) reuse.
+The multi-process demo (:mod:`rollout_sync.demo_distributed`, the default of ``rollout-sync
+demo``) runs the same LM streaming on every replica, with real payloads and transfers.
 """
 
 from __future__ import annotations

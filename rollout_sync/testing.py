@@ -29,7 +29,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -137,7 +137,7 @@ class VersionStampedModel:
             self.torn_reads += result.torn
         if self.timeline is not None:
             self.timeline.add_span(SpanKind.FORWARD, "forward", start,
-                                   versions=sorted(set(seen)))
+                                   versions=sorted(set(seen)), torn=result.torn)
         return result
 
     def stamped(self, version: int) -> dict[str, torch.Tensor]:
@@ -145,18 +145,23 @@ class VersionStampedModel:
         return {name: torch.full_like(t, float(version)) for name, t in self.weights.items()}
 
 
+class _Submits(Protocol):
+    def submit(self, payload: Any, timeout: float | None = None) -> None: ...
+
+
 class TornReadBackend(ThreadedRolloutBackend):
     """Serves forwards of a :class:`VersionStampedModel` on its own thread, without end.
 
     Each forward optionally submits a payload to ``packer`` (any object with
-    ``submit(payload, timeout)``), which blocks when the packer's send buffer is full.
+    ``submit(payload, timeout)``, a :class:`RecordingPacker` say), which blocks when the
+    packer's send buffer is full.
     """
 
     def __init__(
         self,
         model: VersionStampedModel,
         *,
-        packer: RecordingPacker | None = None,
+        packer: _Submits | None = None,
         pause_timeout: float = 30.0,
         timeline: Timeline | None = None,
     ) -> None:
@@ -200,7 +205,7 @@ class AsyncTornReadBackend(TornReadBackend):
         model: VersionStampedModel,
         *,
         forwards_per_generation: int = 4,
-        packer: RecordingPacker | None = None,
+        packer: _Submits | None = None,
         pause_timeout: float = 30.0,
         timeline: Timeline | None = None,
     ) -> None:

@@ -17,8 +17,9 @@ The two seams are Protocols so that other transports plug in:
 
 * :class:`WeightPusher`: ``push_weights(weights, *, version, timeout)``. The default,
   :class:`BroadcastWeightPusher`, broadcasts each tensor of the state dict from the trainer's
-  rank over a ``torch.distributed`` group; a bucketed, manifest-validated transfer replaces it
-  by implementing the same method (a plain function of the same arguments is accepted too).
+  rank over a ``torch.distributed`` group; :class:`TransferWeightPusher` is the P2R send of a
+  bucketed, manifest-validated :class:`~rollout_sync.WeightTransfer`, with the trainer's payload
+  receives held for it (a plain function of the same arguments is accepted too).
 * :class:`CommandChannel`: ``announce(command, timeout)`` on the trainer, ``receive(timeout)``
   on the rollout side. :class:`BroadcastCommandChannel` broadcasts a fixed six-integer header
   over the same group; :class:`QueueCommandChannel` is its in-process twin.
@@ -32,6 +33,7 @@ import numbers
 import queue
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -41,6 +43,8 @@ import torch.distributed as dist
 
 from .errors import MetricKeyCollisionError, WeightBroadcastError
 from .metrics import TimedSample, WeightSyncTimer
+from .receiver import PayloadReceiver
+from .transfer import TransferStats, WeightTransfer
 from .weights import WeightMismatchError
 
 __all__ = [
@@ -51,6 +55,7 @@ __all__ = [
     "QueueCommandChannel",
     "TrainerCallback",
     "TrainerCallbacks",
+    "TransferWeightPusher",
     "WeightBroadcastCallback",
     "WeightBroadcastStatistics",
     "WeightPusher",
@@ -401,6 +406,92 @@ class BroadcastWeightPusher:
 
     def __repr__(self) -> str:
         return f"<BroadcastWeightPusher src={self.src}>"
+
+
+class TransferWeightPusher:
+    """The trainer's P2R as a :class:`WeightPusher`: a :class:`~rollout_sync.WeightTransfer`
+    send, with the trainer's payload receives held for its collectives.
+
+    Per push, in this order:
+
+    1. ``barrier(timeout)``: the CPU-side barrier of the P2R pair
+       (:meth:`~rollout_sync.worker.SyncGroups.p2r_barrier`), which the receiving replica
+       reaches inside its bracket, paused and with its payload egress held;
+    2. ``receiver.hold_receives(timeout)``: no payload receive runs on the data communicator
+       from here until the send returns;
+    3. ``transfer.send(weights, version=version)``: manifest, vote, buckets, commit vote;
+       each collective bounded by the transfer's own ``TransferConfig.timeout_s``.
+
+    The hold comes after the barrier, never before it: a replica's pause may be waiting for a
+    producer blocked on a full send registry, which drains only while the trainer still
+    receives (docs/transport.md). So a receiver without a barrier is refused.
+
+    Args:
+        transfer: the P2R transfer on the trainer's rank (its source).
+        barrier: the P2R barrier; ``None``: none (only without a receiver).
+        receiver: the trainer's payload receiver to hold; ``None``: nothing is held (the
+            unguarded demo, or a trainer that takes no payloads over the device).
+
+    Attributes:
+        last_stats: the :class:`~rollout_sync.TransferStats` of the last push.
+        last_barrier_s: seconds the last push waited at the barrier (the replica parking).
+        last_hold_s: seconds the last push waited for payload receives in flight.
+    """
+
+    def __init__(
+        self,
+        transfer: WeightTransfer,
+        *,
+        barrier: Callable[[float], None] | None = None,
+        receiver: PayloadReceiver | None = None,
+    ) -> None:
+        if not transfer.is_source:
+            raise ValueError(f"TransferWeightPusher runs on the P2R source (rank {transfer.src}), "
+                             f"not on rank {dist.get_rank()}")
+        if receiver is not None and barrier is None:
+            raise ValueError(
+                "holding payload receives needs the P2R barrier first: without it the hold can "
+                "wait for a replica that waits for this trainer to receive (pass "
+                "barrier=sync_groups.p2r_barrier)")
+        self.transfer = transfer
+        self.barrier = barrier
+        self.receiver = receiver
+        self.last_stats: TransferStats | None = None
+        self.last_barrier_s = 0.0
+        self.last_hold_s = 0.0
+
+    @property
+    def backend(self) -> str:
+        """The transfer group's backend (``"gloo"``, ``"nccl"``): picks the timer's clock."""
+        return str(dist.get_backend(self.transfer.group))
+
+    def push_weights(
+        self, weights: Mapping[str, torch.Tensor], *, version: int, timeout: float
+    ) -> None:
+        """Barrier, hold, send; see the class docstring.
+
+        Raises:
+            CollectiveTimeout / CollectiveError: the barrier failed (the replica never parked).
+            IngressHoldTimeout: a payload receive in flight did not complete within
+                ``timeout``.
+            WeightTransferError and its kinds: the transfer failed (see
+                :meth:`~rollout_sync.WeightTransfer.send`).
+        """
+        start = time.perf_counter()
+        if self.barrier is not None:
+            self.barrier(timeout)
+        barrier_done = time.perf_counter()
+        hold: AbstractContextManager[None] = (
+            nullcontext() if self.receiver is None else self.receiver.hold_receives(timeout))
+        with hold:
+            held = time.perf_counter()
+            self.last_stats = self.transfer.send(weights, version=version)
+        self.last_barrier_s = barrier_done - start
+        self.last_hold_s = held - barrier_done
+
+    def __repr__(self) -> str:
+        held = "holding receives" if self.receiver is not None else "no receive hold"
+        return f"<TransferWeightPusher {self.transfer!r}, {held}>"
 
 
 class _FunctionPusher:

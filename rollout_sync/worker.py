@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from .backend import RolloutBase
 from .buffer import SupportsWeightBuffer, WeightBuffer, WeightSyncThread
-from .distributed import DEFAULT_GROUP_TIMEOUT_S, new_group
+from .distributed import DEFAULT_GROUP_TIMEOUT_S, new_group, wait_work
 from .errors import RolloutSyncError
 from .guard import (
     SyncMode,
@@ -176,10 +176,37 @@ class SyncGroups:
     """``{trainer, replicas[0]}``; a placeholder on other ranks."""
     r2r: dist.ProcessGroup | None
     """The replicas; ``None`` with a single replica."""
+    p2r_cpu: dist.ProcessGroup | None = None
+    """``{trainer, replicas[0]}`` on gloo, for :meth:`p2r_barrier` (the P2R group itself when
+    that is gloo already); ``None``: no barrier group was built."""
 
     @property
     def r2r_source(self) -> int:
         return self.replicas[0]
+
+    def p2r_barrier(self, timeout: float) -> None:
+        """The P2R pair's CPU-side barrier: the trainer and the first replica meet here.
+
+        The replica calls it inside its P2R bracket (paused, payload egress held: pass this
+        method as ``RolloutWorker(p2r_barrier=...)``); the trainer calls it before it takes its
+        payload receive hold and sends (``TransferWeightPusher(barrier=...)``). Passing it tells
+        the trainer that the replica can no longer be waiting for the trainer to receive, so the
+        trainer's hold cannot deadlock (docs/transport.md). On gloo it never touches the device.
+
+        Raises:
+            CollectiveTimeout / CollectiveError: the peer did not arrive within ``timeout``
+                seconds, or died.
+            RuntimeError: no barrier group was built, or this rank is not in the pair.
+        """
+        if self.p2r_cpu is None:
+            raise RuntimeError("these SyncGroups have no P2R barrier group (build them with "
+                               "build_sync_groups)")
+        if dist.get_rank() not in (self.trainer, self.r2r_source):
+            raise RuntimeError(f"rank {dist.get_rank()} is not in the P2R pair "
+                               f"{[self.trainer, self.r2r_source]}")
+        work = dist.barrier(group=self.p2r_cpu, async_op=True)
+        if work is not None:
+            wait_work(work, operation="P2R barrier", timeout_s=timeout, group=self.p2r_cpu)
 
     def p2r_transfer(self, **kwargs: Any) -> WeightTransfer | None:
         """The P2R :class:`WeightTransfer` on this rank, or ``None`` if it takes no part."""
@@ -201,7 +228,9 @@ def build_sync_groups(
 ) -> SyncGroups:
     """Create the P2R and R2R groups; every rank of the default group must call this.
 
-    ``timeout_s`` is the default limit of every collective on them.
+    ``timeout_s`` is the default limit of every collective on them. With a ``backend`` other
+    than gloo (NCCL) a gloo group of the P2R pair is made too, for
+    :meth:`SyncGroups.p2r_barrier`.
     """
     if not replicas:
         raise ValueError("build_sync_groups needs at least one replica rank")
@@ -209,8 +238,13 @@ def build_sync_groups(
         raise ValueError(f"the trainer rank {trainer} cannot also be a replica")
     reps = tuple(replicas)
     p2r = new_group([trainer, reps[0]], timeout_s=timeout_s, backend=backend)
+    # Decided from the arguments and the default group, the same on every rank, so that every
+    # rank makes the same new_group calls.
+    on_gloo = str(backend or dist.get_backend()) == "gloo"
+    p2r_cpu = p2r if on_gloo else new_group([trainer, reps[0]], timeout_s=timeout_s,
+                                            backend="gloo")
     r2r = new_group(list(reps), timeout_s=timeout_s, backend=backend) if len(reps) > 1 else None
-    return SyncGroups(trainer, reps, p2r, r2r)
+    return SyncGroups(trainer, reps, p2r, r2r, p2r_cpu)
 
 
 # -- the worker --------------------------------------------------------------------------------
@@ -224,6 +258,10 @@ class RolloutWorker:
             :meth:`~rollout_sync.RolloutBase.initialize`, which the first sync calls inside
             the bracket. A :class:`BackgroundEngine` is started there too.
         p2r: this replica's P2R transfer (``None``: it never receives from the trainer).
+        p2r_barrier: called with ``weight_sync_timeout`` inside every P2R bracket (generation
+            paused, egress held), before the transfer: a CPU-side barrier with the trainer,
+            which takes its payload receive hold once past it (``SyncGroups.p2r_barrier``;
+            docs/transport.md). ``None``: no barrier.
         r2r: this replica's R2R transfer (source or receiver; ``None``: no R2R).
         mode: :class:`SyncMode`; async modes need a :class:`SupportsWeightBuffer` backend.
         commands: where :meth:`run` takes commands from (default: a fresh ``queue.Queue``,
@@ -248,6 +286,7 @@ class RolloutWorker:
         rollout: RolloutBase,
         *,
         p2r: WeightTransfer | None = None,
+        p2r_barrier: Callable[[float], None] | None = None,
         r2r: WeightTransfer | None = None,
         mode: SyncMode = SyncMode.SYNC,
         commands: CommandSource | None = None,
@@ -263,6 +302,7 @@ class RolloutWorker:
     ) -> None:
         self.rollout = rollout
         self.p2r = p2r
+        self.p2r_barrier = p2r_barrier
         self.r2r = r2r
         self.weight_sync_mode = mode
         self.commands: CommandSource = commands if commands is not None else queue.Queue()
@@ -467,10 +507,17 @@ class RolloutWorker:
 
     def _receive_p2r(self, command: P2R) -> TransferStats:
         assert self.p2r is not None
+        self._meet_trainer()
         stats = self._receive_in_place(self.p2r)
         if stats.bucket_checksums is not None:
             self._origin = OriginChecksums(stats.version, stats.layout, stats.bucket_checksums)
         return stats
+
+    def _meet_trainer(self) -> None:
+        """The P2R barrier, inside the bracket: from here on this replica sends no payload
+        until the sync ends, so the trainer may hold its receives."""
+        if self.p2r_barrier is not None:
+            self.p2r_barrier(self.weight_sync_timeout)
 
     def _receive_r2r(self, command: R2R) -> TransferStats:
         assert self.r2r is not None
@@ -617,6 +664,7 @@ class RolloutWorker:
 
     def _async_p2r(self) -> TransferStats:
         assert self.p2r is not None
+        self._meet_trainer()
         stats = self._async_receive(self.p2r)
         if stats.bucket_checksums is not None:
             self._origin = OriginChecksums(stats.version, stats.layout, stats.bucket_checksums)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from rollout_sync import cli
 from rollout_sync.cli import main
 
 pytestmark = pytest.mark.timeout(120)
@@ -30,3 +31,19 @@ def test_demo_unguarded_shows_torn_reads(capsys: pytest.CaptureFixture[str]) -> 
     assert main(["demo", "--in-process", "--syncs", "40", "--unguarded", "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["torn_reads"] > 0
+
+
+def test_a_lost_payload_fails_the_run_guarded_or_not(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    clean = {"guarded": True, "torn_reads": 0, "egress_overlaps": 0,
+             "forward_write_overlaps": 0, "failed_commands": 0, "bit_identical": True,
+             "payloads_lost": 0, "payloads_invalid": 0}
+    report: dict[str, object] = {}
+    monkeypatch.setattr(cli, "run_distributed_demo", lambda config, timeline: report)
+    report.update(clean)
+    assert main(["demo"]) == 0 and "OK:" in capsys.readouterr().out
+    for flags in ([], ["--unguarded"]):
+        report.update(clean, guarded=not flags, payloads_lost=2)
+        assert main(["demo", *flags]) == 1
+        assert ("FAIL: 2 payload(s) lost between the replicas and the trainer."
+                in capsys.readouterr().out)

@@ -27,7 +27,7 @@ PROMISED = {
                           "PayloadGroups", "new_payload_groups", "PayloadBackpressureTimeout",
                           "IngressHoldTimeout"],
     "trainer": ["TrainerCallback", "TrainerCallbacks", "WeightBroadcastCallback",
-                "WeightSyncTimer", "WeightPusher", "merge_step_metrics",
+                "WeightSyncTimer", "WeightPusher", "TransferWeightPusher", "merge_step_metrics",
                 "MetricKeyCollisionError", "MetricsLogger", "log_metrics"],
 }
 

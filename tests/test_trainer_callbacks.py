@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -17,6 +18,8 @@ from rollout_sync import (
     TimerClock,
     TrainerCallback,
     TrainerCallbacks,
+    TransferStats,
+    TransferWeightPusher,
     WeightBroadcastCallback,
     WeightBroadcastError,
     WeightMismatchError,
@@ -24,7 +27,7 @@ from rollout_sync import (
     WeightSyncTimer,
     merge_step_metrics,
 )
-from rollout_sync.testing import FakeCudaStream
+from rollout_sync.testing import EventLog, FakeCudaStream
 
 
 class _Constant(TrainerCallback):
@@ -299,3 +302,49 @@ def test_the_demo_reports_trainer_and_rollout_side_sync_metrics() -> None:
         assert report[f"{key}_p50"] <= report[f"{key}_p99"]
     # The trainer's push contains the whole guarded receive.
     assert report["weight_sync_time_ms_p50"] >= report["handler_ms_p50"]
+
+
+# -- TransferWeightPusher ----------------------------------------------------------------------
+
+
+class _SourceTransfer:
+    """The P2R source side of a transfer, in process: logs each send."""
+
+    is_source = True
+
+    def __init__(self, log: EventLog) -> None:
+        self.log = log
+
+    def send(self, weights: Mapping[str, torch.Tensor], *, version: int) -> TransferStats:
+        self.log.add(f"send:v{version}")
+        return TransferStats("send", version, len(weights), 1, 0, 0.0, 0.0, 0.0)
+
+
+class _HoldingReceiver:
+    def __init__(self, log: EventLog) -> None:
+        self.log = log
+
+    @contextmanager
+    def hold_receives(self, timeout: float | None = None) -> Iterator[None]:
+        self.log.add(f"hold:{timeout}")
+        try:
+            yield
+        finally:
+            self.log.add("release")
+
+
+def test_the_transfer_pusher_meets_the_replica_then_holds_receives_then_sends() -> None:
+    log = EventLog()
+    pusher = TransferWeightPusher(
+        _SourceTransfer(log),  # type: ignore[arg-type]
+        barrier=lambda timeout: log.add(f"barrier:{timeout}"),
+        receiver=_HoldingReceiver(log))  # type: ignore[arg-type]
+    pusher.push_weights(_weights(), version=3, timeout=5.0)
+    assert log.events == ["barrier:5.0", "hold:5.0", "send:v3", "release"]
+    assert pusher.last_stats is not None and pusher.last_stats.version == 3
+
+
+def test_the_transfer_pusher_refuses_a_receive_hold_without_the_barrier() -> None:
+    with pytest.raises(ValueError, match="barrier"):
+        TransferWeightPusher(_SourceTransfer(EventLog()),  # type: ignore[arg-type]
+                             receiver=_HoldingReceiver(EventLog()))  # type: ignore[arg-type]

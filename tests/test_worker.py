@@ -99,6 +99,27 @@ def test_p2r_runs_lazy_init_and_transfer_inside_pause_and_egress_hold() -> None:
     assert rollout.initialize_calls == 1  # lazy: once
 
 
+def test_the_p2r_barrier_is_met_inside_the_bracket_before_the_transfer() -> None:
+    """The trainer takes its payload receive hold once past this barrier: by then this
+    replica must be parked and hold its own sends (docs/transport.md)."""
+    log = EventLog()
+    rollout = RecordingRollout(log, {"w": torch.zeros(4)})
+    packer = RecordingPacker(log=log)
+    transfer = FakeTransfer(lambda: (1, {"w": torch.ones(4)}), log=log)
+    limits: list[float] = []
+
+    def barrier(timeout: float) -> None:
+        limits.append(timeout)
+        log.add("barrier")
+
+    worker = RolloutWorker(rollout, p2r=transfer, p2r_barrier=barrier,  # type: ignore[arg-type]
+                           data_packer=packer, weight_sync_timeout=7.0)
+    assert worker.handle(P2R()).ok
+    assert log.events == ["pause:enter", "hold_sends:enter", "barrier", "init", "transfer",
+                          "hold_sends:exit", "pause:exit"]
+    assert limits == [7.0]
+
+
 def test_the_r2r_source_holds_egress_but_lets_generation_run() -> None:
     log = EventLog()
     rollout = RecordingRollout(log, {"w": torch.zeros(4)})
@@ -289,8 +310,10 @@ def test_async_syncs_run_on_the_sync_thread_and_install_at_safe_points() -> None
         version[0] += 1
         return _stamped(model, version[0])
 
+    barriers: list[bool] = []
     transferred: list[int] = []
     worker = RolloutWorker(backend, p2r=FakeTransfer(source),  # type: ignore[arg-type]
+                           p2r_barrier=lambda timeout: barriers.append(packer.egress_gate.held),
                            mode=SyncMode.ASYNC_PER_FORWARD, data_packer=packer,
                            timeline=timeline,
                            on_transfer=lambda stats, tensors: transferred.append(
@@ -308,6 +331,7 @@ def test_async_syncs_run_on_the_sync_thread_and_install_at_safe_points() -> None
     assert [r.ok for r in results] == [True] * 6
     assert threading.get_ident() not in threads and len(set(threads)) == 1
     assert all(held)  # the weight-sync thread held payload egress around every transfer
+    assert barriers == [True] * 5  # and met the trainer's barrier inside that hold
     assert transferred == [1, 2, 3, 4, 5]  # what on_transfer saw is what was received
     assert backend.weight_version == 5
     assert backend.generation_gate.statistics().exclusive_acquired == 0

@@ -1,5 +1,7 @@
 """A trainer and rollout replicas in separate processes, end to end, through the demo harness:
-P2R to the first replica and R2R to the others every step, generation running throughout."""
+the tiny LM streaming generations on every replica and shipping them to the trainer over the
+payload transport, while the trainer pushes new weights every step (P2R to the first replica,
+R2R to the others)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from rollout_sync.trace import Span, SpanKind, Timeline
 
 pytestmark = pytest.mark.multiprocess
 
-_SMALL = {"num_tensors": 16, "numel": 4096, "bucket_bytes": 64 << 10, "timeout_s": 20.0}
+_FAST = {"step_interval_s": 0.05, "timeout_s": 20.0}
+_SMALL = {"num_tensors": 16, "numel": 4096, "bucket_bytes": 64 << 10, **_FAST}
 
 
 def _by_pid(timeline: Timeline, kind: str) -> dict[int, list[Span]]:
@@ -26,22 +29,32 @@ def _by_pid(timeline: Timeline, kind: str) -> dict[int, list[Span]]:
 
 
 @pytest.mark.timeout(90)
-def test_trainer_and_three_replicas_stay_bit_identical_every_step_while_generating() -> None:
+def test_the_default_demo_is_clean_bit_identical_and_loses_no_payload() -> None:
     timeline = Timeline()
     steps = 6
     report = run_distributed_demo(
-        DistributedDemoConfig(replicas=3, steps=steps, checksums=True, **_SMALL), timeline)
+        DistributedDemoConfig(replicas=3, steps=steps, checksums=True, **_FAST), timeline)
+    assert report["backend"] == "torch_lm"
     assert report["failed_commands"] == 0, report["errors"]
     # Bit-identical to the trainer after every step, on every replica.
     assert report["versions_checked"] == 3 * steps
     assert report["step_mismatches"] == 0 and report["bit_identical"]
     assert report["final_versions"] == [steps] * 3
-    # No forward read torn weights; no forward overlapped a write; no send overlapped a sync.
-    assert report["torn_reads"] == 0
-    assert report["write_forward_overlaps"] == 0 and report["egress_overlaps"] == 0
+    # No forward read torn weights (seqlock or timeline), no payload transfer overlapped a
+    # weight collective or sync on any process, the trainer's included.
+    assert report["torn_reads"] == 0 and report["torn_forwards_detected"] == 0
+    assert report["forward_write_overlaps"] == 0 and report["egress_overlaps"] == 0
     assert timeline.overlaps() == []
+    # Real payloads crossed: every one sent arrived intact, in both directions of the count.
+    assert report["payloads_sent"] > 0
+    assert report["payloads_received"] == report["payloads_sent"]
+    assert report["payloads_lost"] == 0 and report["payloads_invalid"] == 0
+    assert report["rollout_tokens"] > 0 and report["results_failed"] == 0
+    sends, receives = _by_pid(timeline, SpanKind.PAYLOAD_SEND), _by_pid(timeline,
+                                                                        SpanKind.PAYLOAD_RECV)
+    assert len(sends) == 3 and len(receives) == 1, "every replica sent; the trainer received"
     # Generation kept going: on every replica, forwards ran between the first and the last
-    # sync, and the receivers parked once per sync.
+    # sync, syncs landed on sequences in flight, and the receivers parked once per sync.
     syncs = _by_pid(timeline, SpanKind.SYNC)
     forwards = _by_pid(timeline, SpanKind.FORWARD)
     writes = _by_pid(timeline, SpanKind.WEIGHT_WRITE)
@@ -51,21 +64,35 @@ def test_trainer_and_three_replicas_stay_bit_identical_every_step_while_generati
         during = [f for f in forwards[pid] if first <= f.start_ns <= last]
         assert len(during) >= 1, f"replica {pid} did not generate between its syncs"
         assert writes[pid], f"replica {pid} recorded no weight writes"
+    assert report["results_straddled_sync"] > 0
     # One pause per received sync: replica 1 for P2R (its R2R only reads), the others for R2R.
     assert report["generation_pauses"] == 3 * steps
+    # The trainer's metric, and the rollout side's phases.
+    assert report["weight_sync_time_ms_p50"] > 0
+    for key in ("time_to_park_ms", "egress_drain_ms", "handler_ms", "fence_ms", "sync_ms"):
+        assert report[f"{key}_p50"] >= 0 and report[f"{key}_p99"] >= report[f"{key}_p50"]
     assert report["transfer_mb_per_s"] > 0
 
 
 @pytest.mark.timeout(90)
-def test_the_unguarded_run_shows_torn_reads_and_egress_overlaps() -> None:
-    """The harness above can fail: the same run without the guard sees both hazards."""
-    report = run_distributed_demo(DistributedDemoConfig(
-        replicas=2, steps=12, guarded=False, num_tensors=32, numel=16384, timeout_s=20.0))
+def test_the_unguarded_demo_shows_torn_reads_and_payload_overlaps(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The harness above can fail: the same run without the guard sees both hazards, on the
+    replicas and on the trainer (which then receives payloads through its weight sends)."""
+    code = main(["demo", "--replicas", "2", "--steps", "12", "--unguarded", "--json"])
+    out = capsys.readouterr().out
+    report = json.loads(out.strip().splitlines()[-1])
+    assert code == 0, out  # hazards are the expected outcome of an unguarded run
     assert report["failed_commands"] == 0, report["errors"]
+    assert report["guarded"] is False and report["backend"] == "torch_lm"
     assert report["torn_reads"] > 0
-    assert report["write_forward_overlaps"] > 0
+    assert report["forward_write_overlaps"] > 0
     assert report["egress_overlaps"] > 0
-    assert report["bit_identical"]  # the bytes arrive intact; what breaks is who read when
+    assert report["trainer_egress_overlaps"] > 0
+    assert report["generation_pauses"] == 0
+    # The bytes still arrive intact; what breaks is who read (and sent) when.
+    assert report["bit_identical"] and report["payloads_lost"] == 0
+    assert "Unguarded:" in out
 
 
 @pytest.mark.timeout(90)
@@ -73,11 +100,13 @@ def test_the_unguarded_run_shows_torn_reads_and_egress_overlaps() -> None:
 def test_async_modes_never_pause_and_install_only_at_safe_points(mode: SyncMode) -> None:
     timeline = Timeline()
     report = run_distributed_demo(
-        DistributedDemoConfig(replicas=2, steps=8, mode=mode, **_SMALL), timeline)
+        DistributedDemoConfig(replicas=2, steps=8, mode=mode, backend="torn_read", **_SMALL),
+        timeline)
     assert report["failed_commands"] == 0, report["errors"]
     assert report["generation_pauses"] == 0
     assert report["torn_reads"] == 0 and timeline.overlaps() == []
     assert report["step_mismatches"] == 0 and report["bit_identical"]
+    assert report["payloads_lost"] == 0 and report["payloads_received"] > 0
     assert report["installs"] >= 1
     assert report["final_versions"] == [8, 8]  # the last version reached every replica
     # Every install into served tensors ran on the serving thread (a safe point between
@@ -90,17 +119,29 @@ def test_async_modes_never_pause_and_install_only_at_safe_points(mode: SyncMode)
             assert write.tid in serving or write.end_ns <= first_forward, write
 
 
+def test_the_stream_lm_refuses_async_modes_before_spawning_anything() -> None:
+    with pytest.raises(ValueError, match="torch_lm"):
+        run_distributed_demo(DistributedDemoConfig(mode=SyncMode.ASYNC_PER_FORWARD))
+
+
 @pytest.mark.timeout(90)
-def test_cli_demo_runs_multi_process_by_default(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["demo", "--replicas", "1", "--steps", "3", "--model-mb", "0.25",
-                 "--bucket-mb", "0.0625", "--json"])
+@pytest.mark.parametrize("backend", [None, "torn_read"], ids=["default", "torn_read"])
+def test_cli_demo_runs_multi_process_by_default(backend: str | None,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["demo", "--replicas", "1", "--steps", "3", "--model-mb", "0.25",
+            "--bucket-mb", "0.0625", "--json"]
+    code = main(argv if backend is None else [*argv, "--backend", backend])
     out = capsys.readouterr().out
     report = json.loads(out.strip().splitlines()[-1])
     assert code == 0, out
     assert report["mode"] == "multi_process" and report["replicas"] == 1
+    assert report["backend"] == (backend or "torch_lm")
     for key in ("syncs", "forwards", "torn_reads", "egress_overlaps", "time_to_park_ms_p50",
                 "time_to_park_ms_p99", "sync_ms_p50", "sync_ms_p99", "transfer_mb_per_s",
-                "bit_identical"):
+                "bit_identical", "payloads_sent", "payloads_received", "payloads_lost",
+                "weight_sync_time_ms_p50", "weight_sync_time_ms_p99", "egress_drain_ms_p50",
+                "handler_ms_p99", "fence_ms_p50"):
         assert key in report
     assert report["syncs"] == 3 and report["bit_identical"] is True
+    assert report["payloads_lost"] == 0
     assert "OK:" in out
