@@ -16,6 +16,7 @@ flight), p50/p99.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 import time
@@ -26,6 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+import torch.distributed as dist
 
 from rollout_sync import (
     PayloadReceiver,
@@ -33,7 +35,7 @@ from rollout_sync import (
     new_payload_groups,
     summarize,
 )
-from rollout_sync._spawn import run_ranks
+from rollout_sync.distributed import find_free_port, init_process_group, run_processes
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,16 @@ def _run_case(sender: PayloadSender, config: Config, size: int, holds: bool) -> 
                       after.transfers - before.transfers, tuple(drains))
 
 
-def _bench_rank(rank: int, world_size: int, config: Config) -> Any:
+def _bench_rank(rank: int, port: int, config: Config) -> Any:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    init_process_group(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
+                       timeout_s=30)
+    result = _bench_side(rank, config)
+    dist.barrier()  # nobody tears the groups down while a peer still talks on them
+    return result
+
+
+def _bench_side(rank: int, config: Config) -> Any:
     groups = new_payload_groups(timeout=120)
     if rank == 0:
         receiver = PayloadReceiver(groups, [1], window=config.window)
@@ -145,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     config = Config(tuple(int(s) for s in args.sizes.split(",")), args.seconds,
                     args.hold_every_ms, args.hold_ms, args.capacity, args.max_in_flight,
                     args.window)
-    _, results = run_ranks(_bench_rank, 2, args=(config,),
-                           timeout=60 + 3 * len(config.sizes) * config.seconds * 2)
+    results = run_processes(_bench_rank, 2, (find_free_port(), config), intra_op_threads=1,
+                            timeout_s=60 + 3 * len(config.sizes) * config.seconds * 2)[1]
 
     hold_label = f"{config.hold_ms:g} ms / {config.hold_every_ms:g} ms"
     print(f"payload transport, gloo on 127.0.0.1, 1 rollout -> 1 trainer, "

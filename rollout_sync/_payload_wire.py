@@ -1,4 +1,4 @@
-"""The payload transport's wire: control frames, the payload buffer format, waiting on work.
+"""The payload transport's wire and what both ends share: frames, buffers, bounded waits.
 
 Two process groups carry a transport (see :class:`~rollout_sync.PayloadGroups`):
 
@@ -13,6 +13,9 @@ manifest (JSON: tensor names, dtypes, shapes, offsets, plus the caller's metadat
 16 bytes, then each tensor's bytes at a 16-byte aligned offset (so the receiver can view them
 in place as their dtype).
 
+:class:`TransportEnd` is the machinery the sender and the receiver share: one lock, a failure
+that sticks, waits bounded by a deadline, and the hold over the end's payload transfers.
+
 Private: the public names are in :mod:`rollout_sync.transport` and :mod:`rollout_sync.receiver`.
 """
 
@@ -21,14 +24,18 @@ from __future__ import annotations
 import datetime
 import enum
 import json
+import math
+import threading
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from .errors import PayloadTransportError
+from .errors import GateTimeout, PayloadTransportError
+from .gate import Gate
 
 FRAME_WORDS = 64
 """Every control frame is this many int64 words (512 bytes)."""
@@ -99,6 +106,24 @@ def read_frame(frame: torch.Tensor, peer: int) -> tuple[FrameKind, list[int]]:
 
 def offer_sizes(words: list[int], count: int) -> list[int]:
     return words[_HEADER_WORDS : _HEADER_WORDS + count]
+
+
+def send_frame(frame: torch.Tensor, peer: int, group: dist.ProcessGroup, timeout: float) -> None:
+    """Send a control frame to ``peer`` on the control ``group``, waiting at most ``timeout`` s.
+
+    Raises:
+        PayloadTransportError: it was not delivered in time (the peer is not serving its
+            transport).
+    """
+    work = dist.isend(frame, peer, group=group)
+    if work is None:  # pragma: no cover - isend returns work for a member rank
+        raise PayloadTransportError("this rank is not in the payload control group")
+    try:
+        work.wait(timedelta_s(timeout))
+    except RuntimeError as exc:
+        raise PayloadTransportError(
+            f"control frame to rank {peer} not delivered within {timeout:.1f} s: {exc}"
+        ) from exc
 
 
 COALESCE_BYTES = 1 << 20
@@ -255,3 +280,142 @@ def wait_works(
             f"{what} did not complete within {timeout:.1f} s: {exc}. The peer process likely "
             "died or stopped serving its transport; the data group is unusable now."
         ) from exc
+
+
+def use_device(device: torch.device) -> None:
+    """Make ``device`` current on the calling thread: NCCL works on the thread's current
+    device, and a new thread starts on device 0 whatever the process set."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+# -- what both ends share ----------------------------------------------------------------------
+
+
+def remaining_s(deadline: float) -> float | None:
+    """Seconds left until ``deadline`` (may be <= 0); None for an infinite deadline."""
+    if math.isinf(deadline):
+        return None
+    return deadline - time.monotonic()
+
+
+def join_s(deadline: float) -> float | None:
+    """A ``Thread.join`` timeout that ends at ``deadline`` (None: wait for ever)."""
+    left = remaining_s(deadline)
+    return None if left is None else max(0.0, left)
+
+
+class _FailureRecord(Protocol):
+    error: BaseException | None
+
+
+class TransportEnd:
+    """What the sender and the receiver share: a lock, a failure that sticks, bounded waits.
+
+    Each end runs daemon threads that share one lock, and conditions on it, with the callers.
+    A thread that dies records its exception with :meth:`_fail`, which wakes every waiter;
+    from then on every call raises :class:`PayloadTransportError` chained to it. Every wait
+    runs to a deadline; ``timeout=None`` means ``default_timeout``, ``math.inf`` for ever.
+
+    A subclass calls ``__init__`` first, then sets ``_state`` (its bookkeeping, which keeps the
+    ``error``) and ``_conditions`` (every condition a caller or a thread may wait on), and
+    provides ``_begin_hold`` / ``_end_hold`` (its bookkeeping of a hold, see :meth:`_hold`).
+    """
+
+    _state: _FailureRecord
+    _conditions: tuple[threading.Condition, ...]
+
+    def __init__(self, *, name: str, default_timeout: float,
+                 hold_timeout_error: type[GateTimeout], failure_subject: str) -> None:
+        self.default_timeout = default_timeout
+        # Private: the bookkeeping counts every hold, so a hold must come through _hold.
+        self._gate = Gate(
+            name,
+            section_noun="payload transfer",
+            close_verb="hold",
+            default_timeout=default_timeout,
+            timeout_error=hold_timeout_error,
+        )
+        self._lock = threading.Lock()
+        self._failure_subject = failure_subject
+
+    # -- the hold ------------------------------------------------------------------------------
+
+    @contextmanager
+    def _hold(self, timeout: float | None) -> Iterator[None]:
+        """Hold this end's payload transfers for the ``with`` body (``hold_sends`` and
+        ``hold_receives``).
+
+        The hold is counted in the bookkeeping first, so that the end starts no transfer while
+        the gate closes; closing waits for the transfer in flight. A gate that does not close
+        within ``timeout`` raises its ``timeout_error``, and nothing is held then.
+        """
+        self._begin_hold()
+        try:
+            self._gate.acquire_exclusive(timeout)
+        except BaseException:
+            self._end_hold()
+            raise
+        try:
+            yield
+        finally:
+            self._gate.release_exclusive()
+            self._end_hold()
+
+    def _begin_hold(self) -> None:
+        raise NotImplementedError
+
+    def _end_hold(self) -> None:
+        raise NotImplementedError
+
+    # -- waiting -------------------------------------------------------------------------------
+
+    def _deadline(self, timeout: float | None) -> tuple[float, float]:
+        """The limit ``timeout`` stands for (None: the default) and its deadline.
+
+        Raises:
+            ValueError: a negative or NaN timeout.
+        """
+        limit = self.default_timeout if timeout is None else timeout
+        if not limit >= 0:
+            raise ValueError(f"timeout must be >= 0 seconds (or math.inf), got {timeout!r}")
+        return limit, time.monotonic() + limit
+
+    def _wait_until(
+        self,
+        condition: threading.Condition,
+        ready: Callable[[], bool],
+        deadline: float,
+        operation: str,
+        timed_out: Callable[[], BaseException],
+    ) -> None:
+        """Wait on ``condition`` (the caller holds the lock) until ``ready()``.
+
+        Raises:
+            PayloadTransportError: the transport failed before ``ready()`` (names ``operation``).
+            ``timed_out()``: ``deadline`` passed first; built then, so it can say what is stuck.
+        """
+        while not ready():
+            self._raise_if_failed(operation)
+            remaining = remaining_s(deadline)
+            if remaining is not None and remaining <= 0:
+                raise timed_out()
+            condition.wait(remaining)
+
+    # -- failure -------------------------------------------------------------------------------
+
+    def _fail(self, exc: BaseException) -> None:
+        """Keep the first failure and wake every waiter, so that it raises it."""
+        with self._lock:
+            if self._state.error is None:
+                self._state.error = exc
+            for condition in self._conditions:
+                condition.notify_all()
+
+    def _raise_if_failed(self, operation: str) -> None:
+        error = self._state.error
+        if error is not None:
+            raise PayloadTransportError(
+                f"cannot {operation}: {self._failure_subject} failed "
+                f"({type(error).__name__}: {error})"
+            ) from error

@@ -19,12 +19,11 @@ trainer still receives. Holding receives first would make that wait circular.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,12 +33,16 @@ import torch.distributed as dist
 from ._payload_wire import (
     FRAME_WORDS,
     FrameKind,
+    TransportEnd,
     device_for_group,
+    join_s,
     make_frame,
     offer_sizes,
     read_frame,
-    timedelta_s,
+    remaining_s,
+    send_frame,
     unpack_payload,
+    use_device,
     wait_works,
 )
 from .errors import (
@@ -49,9 +52,8 @@ from .errors import (
     PayloadTransportError,
     WouldBlock,
 )
-from .gate import Gate
 from .trace import SpanKind, Timeline
-from .transport import PayloadGroups, _use_device
+from .transport import PayloadGroups
 
 __all__ = ["PayloadReceiver", "ReceivedPayload", "ReceiverStatistics"]
 
@@ -296,7 +298,7 @@ class _ReceiverState:
                    if p.announced is not None)
 
 
-class PayloadReceiver:
+class PayloadReceiver(TransportEnd):
     """The trainer side of the payload transport; see the module docstring.
 
     One reader thread per sender (daemons, started in the constructor) answers that sender's
@@ -316,6 +318,8 @@ class PayloadReceiver:
         default_timeout: seconds, the limit of every wait called with ``timeout=None`` and of
             each transfer.
     """
+
+    _state: _ReceiverState
 
     def __init__(
         self,
@@ -337,25 +341,22 @@ class PayloadReceiver:
             raise ValueError(f"window must be >= 1 payload, got {window}")
         if not request_timeout > 0 or not default_timeout > 0:
             raise ValueError("request_timeout and default_timeout must be > 0 seconds")
+        super().__init__(
+            name="payload ingress",
+            default_timeout=default_timeout,
+            hold_timeout_error=IngressHoldTimeout,
+            failure_subject="the payload receiver",
+        )
         self.groups = groups
         self.sender_ranks = ranks
         self.device = device_for_group(groups.data, device)
         self.timeline = timeline
-        self.default_timeout = default_timeout
-        # Private: the bookkeeping counts every hold, so a hold must come through hold_receives.
-        self._gate = Gate(
-            "payload ingress",
-            section_noun="payload transfer",
-            close_verb="hold",
-            default_timeout=default_timeout,
-            timeout_error=IngressHoldTimeout,
-        )
         self._state = _ReceiverState(ranks, window, int(request_timeout * 1e6))
-        self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
         """get() waits here for payloads; close() for goodbyes."""
         self._progress = threading.Condition(self._lock)
         """Flushes wait here for transfers to finish."""
+        self._conditions = (self._arrived, self._progress)
         self._send_locks = {rank: threading.Lock() for rank in ranks}
         """Per sender: frames to it go out one at a time, credit in the order it was granted."""
         self._data_lock = threading.Lock()
@@ -378,8 +379,7 @@ class PayloadReceiver:
             PayloadsExhausted: every sender has closed and every payload was taken.
             PayloadTransportError: the transport failed.
         """
-        limit = self._limit(timeout)
-        deadline = time.monotonic() + limit
+        limit, deadline = self._deadline(timeout)
         with self._lock:
             while True:
                 payload = self._state.take()
@@ -391,7 +391,7 @@ class PayloadReceiver:
                         f"no more payloads: all {len(self.sender_ranks)} senders have closed "
                         "and every payload they sent was taken"
                     )
-                remaining = _remaining(deadline)
+                remaining = remaining_s(deadline)
                 if remaining is not None and remaining <= 0:
                     raise PayloadTimeout(
                         f"no payload arrived within {limit:.1f} s ({self._idle_reason()})",
@@ -425,8 +425,7 @@ class PayloadReceiver:
 
     # -- the mirror hold -----------------------------------------------------------------------
 
-    @contextmanager
-    def hold_receives(self, timeout: float | None = None) -> Iterator[None]:
+    def hold_receives(self, timeout: float | None = None) -> AbstractContextManager[None]:
         """Keep payload receives off the data group for the ``with`` body.
 
         On entry new offers are deferred and this waits until the transfer being received
@@ -438,18 +437,11 @@ class PayloadReceiver:
             IngressHoldTimeout: the transfer being received did not complete within
                 ``timeout`` seconds (None: the default). Nothing is held then.
         """
+        return self._hold(timeout)
+
+    def _begin_hold(self) -> None:
         with self._lock:
             self._state.begin_hold()
-        try:
-            self._gate.acquire_exclusive(timeout)
-        except BaseException:
-            self._end_hold()
-            raise
-        try:
-            yield
-        finally:
-            self._gate.release_exclusive()
-            self._end_hold()
 
     def _end_hold(self) -> None:
         with self._lock:
@@ -468,23 +460,20 @@ class PayloadReceiver:
         Raises:
             IngressHoldTimeout: they did not complete within ``timeout`` seconds.
         """
-        limit = self._limit(timeout)
-        deadline = time.monotonic() + limit
+        limit, deadline = self._deadline(timeout)
         with self._lock:
             target = self._state.flush_target()
-            if target is None:
-                return
-            while not self._state.flushed(target):
-                self._raise_if_failed("flush pending payload receives")
-                remaining = _remaining(deadline)
-                if remaining is not None and remaining <= 0:
-                    raise IngressHoldTimeout(
+            if target is not None:
+                self._wait_until(
+                    self._progress, lambda: self._state.flushed(target), deadline,
+                    "flush pending payload receives",
+                    lambda: IngressHoldTimeout(
                         f"payload receives in flight did not complete within {limit:.1f} s "
                         f"({len(self._state.in_flight)} transfers; a sender may have died)",
                         operation="flush pending payload receives", timeout=limit,
                         sections_running=len(self._state.in_flight),
-                    )
-                self._progress.wait(remaining)
+                    ),
+                )
 
     # -- closing -------------------------------------------------------------------------------
 
@@ -497,25 +486,23 @@ class PayloadReceiver:
             PayloadTimeout: some sender had not closed after ``timeout`` seconds.
             PayloadTransportError: the transport had failed (its cause is chained).
         """
-        limit = self._limit(timeout)
-        deadline = time.monotonic() + limit
+        limit, deadline = self._deadline(timeout)
+
+        def timed_out() -> PayloadTimeout:
+            open_ranks = [p.rank for p in self._state.peers.values() if p.announced is None]
+            return PayloadTimeout(
+                f"payload senders on ranks {open_ranks} had not closed after "
+                f"{limit:.1f} s; close them first (PayloadSender.close)",
+                operation="close the payload receiver", timeout=limit,
+            )
+
         with self._lock:
-            while self._state.closed_readers < len(self._readers):
-                # After a failure the other readers may wait for ever on a dead peer: go now.
-                self._raise_if_failed("close the payload receiver")
-                remaining = _remaining(deadline)
-                if remaining is not None and remaining <= 0:
-                    open_ranks = [p.rank for p in self._state.peers.values()
-                                  if p.announced is None]
-                    raise PayloadTimeout(
-                        f"payload senders on ranks {open_ranks} had not closed after "
-                        f"{limit:.1f} s; close them first (PayloadSender.close)",
-                        operation="close the payload receiver", timeout=limit,
-                    )
-                self._arrived.wait(remaining)
+            # After a failure the other readers may wait for ever on a dead peer: it raises now.
+            self._wait_until(self._arrived,
+                             lambda: self._state.closed_readers >= len(self._readers), deadline,
+                             "close the payload receiver", timed_out)
         for reader in self._readers:
-            left = _remaining(deadline)
-            reader.join(None if left is None else max(0.0, left))
+            reader.join(join_s(deadline))
         self._raise_if_failed("close the payload receiver")
 
     # -- introspection -------------------------------------------------------------------------
@@ -554,7 +541,7 @@ class PayloadReceiver:
     def _read_loop(self, rank: int) -> None:
         frame = torch.empty(FRAME_WORDS, dtype=torch.int64)
         try:
-            _use_device(self.device)
+            use_device(self.device)
             self._top_up(rank)
             while True:
                 dist.recv(frame, src=rank, group=self.groups.control)
@@ -667,33 +654,9 @@ class PayloadReceiver:
 
     def _send_frame(self, rank: int, frame: torch.Tensor) -> None:
         """Send a control frame to ``rank``; the caller holds that rank's send lock."""
-        work = dist.isend(frame, rank, group=self.groups.control)
-        if work is None:  # pragma: no cover - isend returns work for a member rank
-            raise PayloadTransportError("this rank is not in the payload control group")
-        try:
-            work.wait(timedelta_s(self.default_timeout))
-        except RuntimeError as exc:
-            raise PayloadTransportError(
-                f"control frame to rank {rank} not delivered within "
-                f"{self.default_timeout:.1f} s: {exc}"
-            ) from exc
+        send_frame(frame, rank, self.groups.control, self.default_timeout)
 
     # -- errors --------------------------------------------------------------------------------
-
-    def _fail(self, exc: BaseException) -> None:
-        with self._lock:
-            if self._state.error is None:
-                self._state.error = exc
-            self._arrived.notify_all()
-            self._progress.notify_all()
-
-    def _raise_if_failed(self, operation: str) -> None:
-        error = self._state.error
-        if error is not None:
-            raise PayloadTransportError(
-                f"cannot {operation}: the payload receiver failed "
-                f"({type(error).__name__}: {error})"
-            ) from error
 
     def _idle_reason(self) -> str:
         s = self._state
@@ -704,15 +667,3 @@ class PayloadReceiver:
         if s.deferred:
             parts.append(f"offers deferred from ranks {sorted(s.deferred)}")
         return ", ".join(parts)
-
-    def _limit(self, timeout: float | None) -> float:
-        limit = self.default_timeout if timeout is None else timeout
-        if not limit >= 0:
-            raise ValueError(f"timeout must be >= 0 seconds (or math.inf), got {timeout!r}")
-        return limit
-
-
-def _remaining(deadline: float) -> float | None:
-    if math.isinf(deadline):
-        return None
-    return deadline - time.monotonic()

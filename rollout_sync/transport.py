@@ -45,8 +45,8 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -58,13 +58,17 @@ from ._payload_wire import (
     FRAME_WORDS,
     MAX_BATCH,
     FrameKind,
+    TransportEnd,
     coalesce,
     default_data_backend,
     device_for_group,
+    join_s,
     make_frame,
     pack_payload,
     read_frame,
-    timedelta_s,
+    remaining_s,
+    send_frame,
+    use_device,
     wait_works,
 )
 from .errors import (
@@ -74,7 +78,6 @@ from .errors import (
     PayloadTransportError,
     WouldBlock,
 )
-from .gate import Gate
 from .trace import SpanKind, Timeline
 
 __all__ = [
@@ -451,7 +454,7 @@ class SenderStatistics:
     closed: bool
 
 
-class PayloadSender:
+class PayloadSender(TransportEnd):
     """The rollout side of the payload transport: a bounded registry and sender pool.
 
     See the module docstring for the protocol. Threads (daemons) start in the constructor: a
@@ -469,6 +472,8 @@ class PayloadSender:
         default_timeout: seconds, the limit of every wait called with ``timeout=None``, and of
             each transfer and control answer.
     """
+
+    _state: _SendPoolState
 
     def __init__(
         self,
@@ -489,27 +494,24 @@ class PayloadSender:
             raise ValueError(f"default_timeout must be > 0 seconds, got {default_timeout!r}")
         if receiver_rank == dist.get_rank():
             raise ValueError(f"receiver_rank {receiver_rank} is this process's own rank")
+        super().__init__(
+            name=f"payload egress to rank {receiver_rank}",
+            default_timeout=default_timeout,
+            hold_timeout_error=EgressHoldTimeout,
+            failure_subject=f"the payload transport to rank {receiver_rank}",
+        )
         self.groups = groups
         self.receiver_rank = receiver_rank
         self.device = device_for_group(groups.data, device)
         self.timeline = timeline
-        self.default_timeout = default_timeout
-        # Private: the bookkeeping counts every hold, so a hold must come through hold_sends.
-        self._gate = Gate(
-            f"payload egress to rank {receiver_rank}",
-            section_noun="payload transfer",
-            close_verb="hold",
-            default_timeout=default_timeout,
-            timeout_error=EgressHoldTimeout,
-        )
         self._state = _SendPoolState(capacity, max_in_flight)
-        self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         """The launcher waits here: for payloads, credit, a hold's end, a resume, a deadline."""
         self._space = threading.Condition(self._lock)
         """Producers wait here for room in the registry."""
         self._progress = threading.Condition(self._lock)
         """Flushes, drains, credit waits and offer answers wait here."""
+        self._conditions = (self._work, self._space, self._progress)
         self._send_lock = threading.Lock()
         self._bye_sent = False
         self._launcher = threading.Thread(target=self._launch_loop, daemon=True,
@@ -541,8 +543,7 @@ class PayloadSender:
             TypeError, ValueError: not a mapping of names to dense tensors, or ``meta`` is not
                 JSON-serialisable. Checked before anything is queued.
         """
-        limit = self._limit(timeout)
-        deadline = time.monotonic() + limit
+        limit, deadline = self._deadline(timeout)
         with self._lock:
             waited = False
             while True:
@@ -552,7 +553,7 @@ class PayloadSender:
                 if not waited:
                     self._state.backpressure_waits += 1
                     waited = True
-                remaining = _remaining(deadline)
+                remaining = remaining_s(deadline)
                 if remaining is not None and remaining <= 0:
                     self._state.backpressure_timeouts += 1
                     raise PayloadBackpressureTimeout(
@@ -589,8 +590,7 @@ class PayloadSender:
 
     # -- the egress hooks ----------------------------------------------------------------------
 
-    @contextmanager
-    def hold_sends(self, timeout: float | None = None) -> Iterator[None]:
+    def hold_sends(self, timeout: float | None = None) -> AbstractContextManager[None]:
         """Hold payload egress for the ``with`` body.
 
         On entry the pool stops launching and this waits until the transfer in flight has
@@ -602,18 +602,11 @@ class PayloadSender:
             EgressHoldTimeout: the transfer in flight did not complete within ``timeout``
                 seconds (None: the default). Nothing is held then.
         """
+        return self._hold(timeout)
+
+    def _begin_hold(self) -> None:
         with self._lock:
             self._state.begin_hold(time.monotonic_ns())
-        try:
-            self._gate.acquire_exclusive(timeout)
-        except BaseException:
-            self._end_hold()
-            raise
-        try:
-            yield
-        finally:
-            self._gate.release_exclusive()
-            self._end_hold()
 
     def _end_hold(self) -> None:
         with self._lock:
@@ -629,26 +622,23 @@ class PayloadSender:
             EgressHoldTimeout: it did not complete within ``timeout`` seconds.
             PayloadTransportError: the transport failed meanwhile.
         """
-        limit = self._limit(timeout)
-        deadline = time.monotonic() + limit
+        limit, deadline = self._deadline(timeout)
+
+        def timed_out() -> EgressHoldTimeout:
+            in_flight = self._state.in_flight
+            count = in_flight.count if in_flight is not None else 0
+            return EgressHoldTimeout(
+                f"payload sends to rank {self.receiver_rank} in flight did not complete "
+                f"within {limit:.1f} s ({count} payloads in one transfer; the receiver "
+                "may have stopped serving its transport)",
+                operation="flush pending payload sends", timeout=limit, sections_running=1,
+            )
+
         with self._lock:
             target = self._state.flush_target()
-            if target is None:
-                return
-            while not self._state.flushed(target):
-                self._raise_if_failed("flush pending payload sends")
-                remaining = _remaining(deadline)
-                if remaining is not None and remaining <= 0:
-                    in_flight = self._state.in_flight
-                    count = in_flight.count if in_flight is not None else 0
-                    raise EgressHoldTimeout(
-                        f"payload sends to rank {self.receiver_rank} in flight did not complete "
-                        f"within {limit:.1f} s ({count} payloads in one transfer; the receiver "
-                        "may have stopped serving its transport)",
-                        operation="flush pending payload sends", timeout=limit,
-                        sections_running=1,
-                    )
-                self._progress.wait(remaining)
+            if target is not None:
+                self._wait_until(self._progress, lambda: self._state.flushed(target), deadline,
+                                 "flush pending payload sends", timed_out)
 
     # -- waiting for the pool ------------------------------------------------------------------
 
@@ -659,19 +649,17 @@ class PayloadSender:
             PayloadTimeout: some were still unsent after ``timeout`` seconds (says why).
             PayloadTransportError: the transport failed meanwhile.
         """
-        limit = self._limit(timeout)
-        deadline = time.monotonic() + limit
+        limit, deadline = self._deadline(timeout)
         with self._lock:
-            while not self._state.all_sent():
-                self._raise_if_failed("wait for every payload to be sent")
-                remaining = _remaining(deadline)
-                if remaining is not None and remaining <= 0:
-                    raise PayloadTimeout(
-                        f"{self._state.occupancy} payloads to rank {self.receiver_rank} were "
-                        f"still unsent after {limit:.1f} s: {self._stall_reason()}",
-                        operation="wait for every payload to be sent", timeout=limit,
-                    )
-                self._progress.wait(remaining)
+            self._wait_until(
+                self._progress, self._state.all_sent, deadline,
+                "wait for every payload to be sent",
+                lambda: PayloadTimeout(
+                    f"{self._state.occupancy} payloads to rank {self.receiver_rank} were "
+                    f"still unsent after {limit:.1f} s: {self._stall_reason()}",
+                    operation="wait for every payload to be sent", timeout=limit,
+                ),
+            )
 
     def wait_sent(self, seq: int, timeout: float | None = None) -> None:
         """Return once payload ``seq`` (a :meth:`register_payload` result) has been sent.
@@ -682,22 +670,20 @@ class PayloadSender:
             PayloadTimeout: it was still unsent after ``timeout`` seconds (says why).
             PayloadTransportError: the transport failed meanwhile.
         """
-        limit = self._limit(timeout)
-        deadline = time.monotonic() + limit
+        limit, deadline = self._deadline(timeout)
         with self._lock:
             if not 0 <= seq < self._state.next_seq:
                 raise ValueError(f"payload {seq} was never registered with this sender "
                                  f"({self._state.next_seq} so far)")
-            while self._state.sent <= seq:
-                self._raise_if_failed(f"wait for payload {seq} to be sent")
-                remaining = _remaining(deadline)
-                if remaining is not None and remaining <= 0:
-                    raise PayloadTimeout(
-                        f"payload {seq} to rank {self.receiver_rank} was still unsent after "
-                        f"{limit:.1f} s ({self._state.sent} sent so far): {self._stall_reason()}",
-                        operation="wait for a payload to be sent", timeout=limit,
-                    )
-                self._progress.wait(remaining)
+            self._wait_until(
+                self._progress, lambda: self._state.sent > seq, deadline,
+                f"wait for payload {seq} to be sent",
+                lambda: PayloadTimeout(
+                    f"payload {seq} to rank {self.receiver_rank} was still unsent after "
+                    f"{limit:.1f} s ({self._state.sent} sent so far): {self._stall_reason()}",
+                    operation="wait for a payload to be sent", timeout=limit,
+                ),
+            )
 
     def wait_for_credit(self, timeout: float | None = None) -> int:
         """Wait until the receiver has granted credit; returns the payloads it covers.
@@ -705,19 +691,16 @@ class PayloadSender:
         Raises:
             PayloadTimeout: no credit within ``timeout`` seconds (is the receiver running?).
         """
-        limit = self._limit(timeout)
-        deadline = time.monotonic() + limit
+        limit, deadline = self._deadline(timeout)
         with self._lock:
-            while not self._state.credits:
-                self._raise_if_failed("wait for credit")
-                remaining = _remaining(deadline)
-                if remaining is not None and remaining <= 0:
-                    raise PayloadTimeout(
-                        f"rank {self.receiver_rank} granted no payload credit within "
-                        f"{limit:.1f} s: is its PayloadReceiver running and consuming?",
-                        operation="wait for credit", timeout=limit,
-                    )
-                self._progress.wait(remaining)
+            self._wait_until(
+                self._progress, lambda: self._state.credits > 0, deadline, "wait for credit",
+                lambda: PayloadTimeout(
+                    f"rank {self.receiver_rank} granted no payload credit within "
+                    f"{limit:.1f} s: is its PayloadReceiver running and consuming?",
+                    operation="wait for credit", timeout=limit,
+                ),
+            )
             return self._state.credits
 
     # -- closing -------------------------------------------------------------------------------
@@ -734,8 +717,7 @@ class PayloadSender:
                 goodbye, after ``timeout`` seconds.
             PayloadTransportError: the transport had failed (its cause is chained).
         """
-        limit = self._limit(timeout)
-        deadline = time.monotonic() + limit
+        limit, deadline = self._deadline(timeout)
         with self._lock:
             if self._state.stopped:
                 return
@@ -748,21 +730,23 @@ class PayloadSender:
             self._send_frame(make_frame(FrameKind.BYE, total),
                              min(self.default_timeout, _remaining_or_inf(deadline)), bye=True)
             with self._lock:
-                while not self._state.bye_acked and self._state.error is None:
-                    remaining = _remaining(deadline)
-                    if remaining is not None and remaining <= 0:
-                        raise PayloadTimeout(
-                            f"rank {self.receiver_rank} did not acknowledge the payload "
-                            f"sender's goodbye within {limit:.1f} s",
-                            operation="close the payload sender", timeout=limit,
-                        )
-                    self._progress.wait(remaining)
+                # A failure ends this wait too: the threads are stopped below, then it raises.
+                self._wait_until(
+                    self._progress,
+                    lambda: self._state.bye_acked or self._state.error is not None, deadline,
+                    "close the payload sender",
+                    lambda: PayloadTimeout(
+                        f"rank {self.receiver_rank} did not acknowledge the payload "
+                        f"sender's goodbye within {limit:.1f} s",
+                        operation="close the payload sender", timeout=limit,
+                    ),
+                )
         with self._lock:
             self._state.stopped = True
             self._work.notify_all()
-        self._launcher.join(_join_s(deadline))
+        self._launcher.join(join_s(deadline))
         if self._state.bye_acked:
-            self._reader.join(_join_s(deadline))
+            self._reader.join(join_s(deadline))
         self._raise_if_failed("close the payload sender")
 
     # -- introspection -------------------------------------------------------------------------
@@ -816,7 +800,7 @@ class PayloadSender:
 
     def _launch_loop(self) -> None:
         try:
-            _use_device(self.device)
+            use_device(self.device)
             while True:
                 with self._lock:
                     while True:
@@ -878,17 +862,17 @@ class PayloadSender:
     def _await_reply(self, offer: _Offer) -> FrameKind:
         deadline = time.monotonic() + self.default_timeout
         with self._lock:
-            while self._state.reply is None:
-                self._raise_if_failed("wait for an answer to a payload offer")
-                remaining = _remaining(deadline)
-                if remaining is not None and remaining <= 0:
-                    raise PayloadTransportError(
-                        f"rank {self.receiver_rank} did not answer an offer of {offer.count} "
-                        f"payloads within {self.default_timeout:.1f} s; its receiver is not "
-                        "serving the transport"
-                    )
-                self._progress.wait(remaining)
+            self._wait_until(
+                self._progress, lambda: self._state.reply is not None, deadline,
+                "wait for an answer to a payload offer",
+                lambda: PayloadTransportError(
+                    f"rank {self.receiver_rank} did not answer an offer of {offer.count} "
+                    f"payloads within {self.default_timeout:.1f} s; its receiver is not "
+                    "serving the transport"
+                ),
+            )
             reply = self._state.reply
+            assert reply is not None
             if reply is FrameKind.ACCEPT:
                 self._state.offer_accepted(offer)
             return reply
@@ -896,7 +880,7 @@ class PayloadSender:
     def _read_loop(self) -> None:
         frame = torch.empty(FRAME_WORDS, dtype=torch.int64)
         try:
-            _use_device(self.device)
+            use_device(self.device)
             while True:
                 dist.recv(frame, src=self.receiver_rank, group=self.groups.control)
                 kind, words = read_frame(frame, self.receiver_rank)
@@ -933,34 +917,9 @@ class PayloadSender:
             if self._bye_sent:
                 return
             self._bye_sent = bye
-            work = dist.isend(frame, self.receiver_rank, group=self.groups.control)
-            if work is None:  # pragma: no cover - isend returns work for a member rank
-                raise PayloadTransportError("this rank is not in the payload control group")
-            try:
-                work.wait(timedelta_s(limit))
-            except RuntimeError as exc:
-                raise PayloadTransportError(
-                    f"control frame to rank {self.receiver_rank} not delivered within "
-                    f"{limit:.1f} s: {exc}"
-                ) from exc
+            send_frame(frame, self.receiver_rank, self.groups.control, limit)
 
     # -- errors --------------------------------------------------------------------------------
-
-    def _fail(self, exc: BaseException) -> None:
-        with self._lock:
-            if self._state.error is None:
-                self._state.error = exc
-            self._work.notify_all()
-            self._space.notify_all()
-            self._progress.notify_all()
-
-    def _raise_if_failed(self, operation: str) -> None:
-        error = self._state.error
-        if error is not None:
-            raise PayloadTransportError(
-                f"cannot {operation}: the payload transport to rank {self.receiver_rank} "
-                f"failed ({type(error).__name__}: {error})"
-            ) from error
 
     def _check_usable(self, operation: str) -> None:
         self._raise_if_failed(operation)
@@ -989,35 +948,10 @@ class PayloadSender:
             "registered; retry, raise capacity or the timeout, or consume faster."
         )
 
-    def _limit(self, timeout: float | None) -> float:
-        limit = self.default_timeout if timeout is None else timeout
-        if not limit >= 0:
-            raise ValueError(f"timeout must be >= 0 seconds (or math.inf), got {timeout!r}")
-        return limit
-
-
-def _use_device(device: torch.device) -> None:
-    """Make ``device`` current on the calling thread: NCCL works on the thread's current
-    device, and a new thread starts on device 0 whatever the process set."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-
-
-def _remaining(deadline: float) -> float | None:
-    """Seconds left until ``deadline`` (may be <= 0); None for an infinite deadline."""
-    if math.isinf(deadline):
-        return None
-    return deadline - time.monotonic()
-
 
 def _remaining_or_inf(deadline: float) -> float:
-    left = _remaining(deadline)
+    left = remaining_s(deadline)
     return math.inf if left is None else max(0.0, left)
-
-
-def _join_s(deadline: float) -> float | None:
-    left = _remaining(deadline)
-    return None if left is None else max(0.0, left)
 
 
 # -- the mixin ---------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The payload transport across real processes: gloo on 127.0.0.1, rank 0 is the trainer.
 
-Each test runs module-level rank functions through ``rollout_sync._spawn.run_ranks``; a rank's
-exception comes back to the parent with its traceback. The weight collective here is a plain
+Each test runs module-level rank functions through :func:`run_ranks` (on
+:func:`rollout_sync.distributed.run_processes`); a rank's exception comes back to the parent with
+its traceback. The weight collective here is a plain
 ``torch.distributed`` barrier + broadcast on a separate gloo group, bracketed by the guard on
 the rollouts and by ``hold_receives`` on the trainer (after the barrier: see
 :mod:`rollout_sync.receiver` on when to take it).
@@ -9,6 +10,7 @@ the rollouts and by ``hold_receives`` on the trainer (after the barrier: see
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -39,12 +41,32 @@ from rollout_sync import (
     pauses_generation,
     weight_sync_handler,
 )
-from rollout_sync._spawn import run_ranks
+from rollout_sync.distributed import find_free_port, init_process_group, run_processes
 from rollout_sync.receiver import _Accepted
 
 pytestmark = pytest.mark.multiprocess
 
 TRAINER = 0
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float
+              ) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes joined by gloo on
+    127.0.0.1; returns their results by rank. ``fn`` must be a module-level function."""
+    values = run_processes(_rank_main, world_size, (fn, world_size, find_free_port(), args),
+                           timeout_s=timeout, intra_op_threads=1, what=fn.__name__)
+    return [values[rank] for rank in range(world_size)]
+
+
+def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, port: int,
+               args: tuple[Any, ...]) -> Any:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    init_process_group(rank=rank, world_size=world_size,
+                       init_method=f"tcp://127.0.0.1:{port}", timeout_s=30)
+    value = fn(rank, world_size, *args)
+    # Nobody tears the groups down while a peer still talks on them.
+    dist.barrier()
+    return value
 
 
 # -- payloads ----------------------------------------------------------------------------------
@@ -354,7 +376,7 @@ def _syncs_rank(rank: int, world_size: int, guarded: bool) -> dict[str, Any]:
 
 
 def _run_syncs(guarded: bool) -> tuple[list[dict[str, Any]], Timeline]:
-    results = run_ranks(_syncs_rank, 3, args=(guarded,), timeout=50)
+    results = run_ranks(_syncs_rank, 3, guarded, timeout=50)
     merged = Timeline.from_records(r for result in results for r in result["spans"])
     trainer = results[TRAINER]
     assert_exactly_once_in_order(trainer["seqs"], {r: results[r]["stats"].registered

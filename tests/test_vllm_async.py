@@ -7,19 +7,19 @@ compared with a plain transformers forward of the same weights.
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from vllm_helpers import (  # first: it sets the environment vLLM reads at import
+    NO_FORWARD_DURING,
+    World,
+    check_greedy_output_equals_transformers,
+    running_world,
+)
 
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
@@ -27,101 +27,33 @@ pytest.importorskip("transformers")
 from rollout_sync import (
     PauseTimeout,
     SpanKind,
-    SyncReport,
-    Timeline,
     TornWeightsError,
     WeightMismatchError,
     find_overlaps,
     weight_sync_bracket,
-    weight_sync_handler,
-)
-from rollout_sync.backends.tiny_llama import (
-    build_tiny_llama,
-    find_sync_split,
-    greedy_reference,
-    random_llama_weights,
 )
 from rollout_sync.backends.vllm import (
     KVCachePolicy,
     VLLMAsyncBackend,
-    VLLMEngineConfig,
     WeightsNotLandedError,
     greedy_params,
 )
 
 pytestmark = pytest.mark.vllm
 
-Weights = Mapping[str, torch.Tensor]
-
-
-class Worker:
-    """A rollout worker reduced to its P2R handler; the guard finds ``rollout`` and ``timeline``."""
-
-    def __init__(self, rollout: VLLMAsyncBackend, timeline: Timeline) -> None:
-        self.rollout = rollout
-        self.timeline = timeline
-        self.weight_sync_timeout = 60.0
-        self.reports: list[SyncReport] = []
-
-    def on_weight_sync_report(self, report: SyncReport) -> None:
-        self.reports.append(report)
-
-    @weight_sync_handler
-    def receive_weights(self, weights: Weights, version: int,
-                        during: Callable[[], None] | None = None) -> None:
-        self.rollout.ensure_initialized()
-        if during is not None:
-            during()
-        self.rollout.load_weights(weights)
-        self.rollout.commit_weight_version(version)
-
-
-@dataclass
-class World:
-    backend: VLLMAsyncBackend
-    worker: Worker
-    timeline: Timeline
-    reference: greedy_reference
-    shapes: dict[str, tuple[int, ...]]
-    version: int = 0
-    weights: dict[int, Weights] = field(default_factory=dict)
-    first_sync: dict[str, object] = field(default_factory=dict)
-
-    def weights_of(self, version: int) -> Weights:
-        if version not in self.weights:
-            self.weights[version] = random_llama_weights(self.shapes, seed=1000 + version)
-        return self.weights[version]
-
-    def sync(self, during: Callable[[], None] | None = None) -> int:
-        """A guarded sync to a new version; returns it."""
-        version = self.version + 1
-        self.worker.receive_weights(self.weights_of(version), version, during)
-        self.version = version
-        return version
-
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    model_dir = tmp_path_factory.mktemp("tiny_llama")
-    initial = build_tiny_llama(model_dir, seed=0)
-    timeline = Timeline()
-    backend = VLLMAsyncBackend(
-        VLLMEngineConfig(model_dir, dtype="float32", kv_cache_memory_bytes=64 << 20),
-        timeline=timeline, pause_timeout=30.0, rpc_timeout=60.0,
-    )
-    w = World(backend, Worker(backend, timeline), timeline, greedy_reference(model_dir),
-              {name: tuple(t.shape) for name, t in initial.items()}, weights={0: initial})
-    try:
-        # The first sync starts the engine lazily, inside the bracket: it must start parked.
-        def observe() -> None:
-            w.first_sync["parked_inside"] = backend.parked
-            w.first_sync["in_flight"] = backend.requests_in_flight
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World[VLLMAsyncBackend]]:
+    def observe(w: World[VLLMAsyncBackend]) -> None:
+        w.first_sync["parked_inside"] = w.backend.parked
+        w.first_sync["in_flight"] = w.backend.requests_in_flight
 
-        w.sync(observe)
-        w.first_sync["parked_after"] = backend.parked
+    # The first sync starts the engine lazily, inside the bracket: it must start parked.
+    with running_world(VLLMAsyncBackend, tmp_path_factory.mktemp("tiny_llama"), model_seed=0,
+                       weights_seed=1000, first_sync=observe, pause_timeout=30.0,
+                       rpc_timeout=60.0) as w:
+        w.first_sync["parked_after"] = w.backend.parked
         yield w
-    finally:
-        backend.shutdown()
 
 
 def _long_request_through_sync(
@@ -155,14 +87,7 @@ def test_lazy_start_inside_a_sync_begins_parked_and_resumes(world: World) -> Non
 
 @pytest.mark.timeout(120)
 def test_greedy_output_equals_transformers(world: World) -> None:
-    version = world.sync()
-    prompts = [[1, 5, 9, 33, 7], [3, 4, 5], [200, 100, 50, 25, 12, 6]]
-    results = world.backend.generate(prompts, greedy_params(24), timeout=60)
-    for prompt, result in zip(prompts, results):
-        assert result.ok and result.finish_reason == "length"
-        assert list(result.token_ids) == world.reference(world.weights_of(version), prompt, 24)
-        assert (result.admitted_version, result.completed_version) == (version, version)
-        assert not result.straddled
+    check_greedy_output_equals_transformers(world)
 
 
 @pytest.mark.timeout(180)
@@ -179,12 +104,7 @@ def test_long_request_continues_with_the_new_weights_after_a_keep_mode_sync(worl
     prompt, tokens, old_v, new_v, (seen_before, result) = _long_request_through_sync(
         world, during=during)
     assert len(tokens) == 120
-    old = world.reference(world.weights_of(old_v), prompt, 120)
-    split = find_sync_split(
-        tokens, old,
-        lambda k: world.reference(world.weights_of(new_v), prompt + tokens[:k], len(tokens) - k),
-        at_least=seen_before,
-    )
+    split = world.sync_split(prompt, tokens, old_v, new_v, at_least=seen_before)
     assert split is not None, "tokens after the sync are not the new weights' continuation"
     assert seen_before <= split < len(tokens)
     assert (result.admitted_version, result.completed_version) == (old_v, new_v)
@@ -205,13 +125,7 @@ def test_keep_stale_kv_mixes_versions(world: World) -> None:
         prompt, tokens, old_v, new_v, (seen_before, _) = _long_request_through_sync(world)
     finally:
         world.backend.kv_cache_policy = KVCachePolicy.RECOMPUTE
-    old = world.reference(world.weights_of(old_v), prompt, len(tokens))
-    split = find_sync_split(
-        tokens, old,
-        lambda k: world.reference(world.weights_of(new_v), prompt + tokens[:k], len(tokens) - k),
-        at_least=seen_before,
-    )
-    assert split is None
+    assert world.sync_split(prompt, tokens, old_v, new_v, at_least=seen_before) is None
 
 
 @pytest.mark.timeout(60)
@@ -260,17 +174,14 @@ def _two_part_sync(world: World, *, guarded: bool) -> None:
 
 @pytest.mark.timeout(180)
 def test_no_forward_overlaps_a_write_or_a_sync(world: World) -> None:
-    backend, timeline = world.backend, world.timeline
-    backend.collect_engine_spans()
-    start_ns = time.monotonic_ns()
-    request = backend.submit([11, 12, 13], greedy_params(150))
-    request.wait_for_tokens(4, timeout=60)
-    for _ in range(3):
-        world.sync()
-    _two_part_sync(world, guarded=True)
-    assert request.result(timeout=120).ok
-    backend.collect_engine_spans()
-    spans = [s for s in timeline.spans() if s.start_ns >= start_ns]
+    backend = world.backend
+    with world.spans_recorded() as spans:
+        request = backend.submit([11, 12, 13], greedy_params(150))
+        request.wait_for_tokens(4, timeout=60)
+        for _ in range(3):
+            world.sync()
+        _two_part_sync(world, guarded=True)
+        assert request.result(timeout=120).ok
     forwards = [s for s in spans if s.kind == SpanKind.FORWARD]
     writes = [s for s in spans if s.kind == SpanKind.WEIGHT_WRITE]
     syncs = [s for s in spans if s.kind == SpanKind.SYNC]
@@ -278,19 +189,14 @@ def test_no_forward_overlaps_a_write_or_a_sync(world: World) -> None:
     assert len(forwards) > 100
     # Forwards ran between the syncs, so "no overlap" is not "no forwards".
     assert any(f.start_ns > syncs[0].end_ns and f.end_ns < syncs[-1].start_ns for f in forwards)
-    pairs = [(SpanKind.FORWARD, SpanKind.WEIGHT_WRITE), (SpanKind.FORWARD, SpanKind.SYNC)]
-    assert find_overlaps(spans, pairs) == []
+    assert find_overlaps(spans, NO_FORWARD_DURING) == []
 
 
 @pytest.mark.timeout(180)
 def test_without_the_pause_a_forward_reads_a_half_written_sync(world: World) -> None:
     """The same two-part sync, unguarded: the checker finds the forward inside the sync."""
-    backend, timeline = world.backend, world.timeline
-    backend.collect_engine_spans()
-    start_ns = time.monotonic_ns()
-    _two_part_sync(world, guarded=False)
-    backend.collect_engine_spans()
-    spans = [s for s in timeline.spans() if s.start_ns >= start_ns]
+    with world.spans_recorded() as spans:
+        _two_part_sync(world, guarded=False)
     overlaps = find_overlaps(spans, [(SpanKind.FORWARD, SpanKind.SYNC)])
     assert overlaps, "expected a forward between the two parts of the unguarded sync"
 

@@ -412,6 +412,15 @@ class _VLLMBackendBase(RolloutBase):
         self._in_flight: dict[str, VLLMRequest] = {}
         self._finished = 0
 
+    def __enter__(self) -> Self:
+        """Start the engine (if it is not started yet); :meth:`shutdown` it when the block ends."""
+        self.ensure_initialized()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.shutdown()
+
     # -- engine access, provided by the subclass ---------------------------------------------
 
     def _rpc(self, method: str, *args: Any, timeout: float | None = None) -> Any:
@@ -734,14 +743,6 @@ class VLLMAsyncBackend(_VLLMBackendBase):
         return (f"<{type(self).__name__} {state}: {self.requests_in_flight} requests in flight, "
                 f"weights v{self.weight_version}{' (torn)' if self.weights_torn else ''}>")
 
-    def __enter__(self) -> Self:
-        self.ensure_initialized()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.shutdown()
-
     # -- lifecycle ---------------------------------------------------------------------------
 
     def initialize(self) -> None:
@@ -1002,14 +1003,6 @@ class VLLMBlockingBackend(_VLLMBackendBase):
                  "generating" if self._generating is not None else "idle")
         return (f"<{type(self).__name__} {state}: weights v{self.weight_version}"
                 f"{' (torn)' if self.weights_torn else ''}>")
-
-    def __enter__(self) -> Self:
-        self.ensure_initialized()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.shutdown()
 
     def initialize(self) -> None:
         require_vllm()

@@ -31,7 +31,7 @@ import json
 import struct
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -227,10 +227,7 @@ def build_probe_plan(
         rows = shape[0] if shape else 1
         kind = "op" if param == "weight" and len(shape) == 2 and _is_op_module(module) else "param"
         if kind == "param":
-            served = getattr(module, param, None)
-            if not isinstance(served, torch.Tensor) or served.numel() == 0 or (
-                tuple(served.shape[1:]) != tuple(shape[1:]) or served.shape[0] < offset + rows
-            ):
+            if not _holds_rows(getattr(module, param, None), shape, offset, rows):
                 plan.unverifiable[name] = f"{target}.{param} is not served as a plain tensor"
                 continue
         plan.probes[name] = [Probe(name, target, param, kind, offset, rows)]
@@ -238,6 +235,14 @@ def build_probe_plan(
         claimed.add(target)
     _add_tied_lm_head(model, plan, claimed)
     return plan
+
+
+def _holds_rows(served: object, shape: Sequence[int], row_offset: int, rows: int) -> bool:
+    """Whether ``served`` is a plain tensor with rows ``row_offset : row_offset + rows`` of a
+    tensor of ``shape`` (not repacked by the platform into another layout, or to nothing)."""
+    return (isinstance(served, torch.Tensor) and served.numel() > 0
+            and tuple(served.shape[1:]) == tuple(shape[1:])
+            and served.shape[0] >= row_offset + rows)
 
 
 def _add_tied_lm_head(model: torch.nn.Module, plan: ProbePlan, claimed: set[str]) -> None:
@@ -278,9 +283,7 @@ def copy_in_place(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
     for name, tensor in tensors.items():
         probe = plan.probes[name][0]
         served = getattr(model.get_submodule(probe.module), probe.param)
-        if served.numel() == 0 or tuple(served.shape[1:]) != tuple(tensor.shape[1:]) or (
-            served.shape[0] < probe.row_offset + probe.rows
-        ):
+        if not _holds_rows(served, tensor.shape, probe.row_offset, probe.rows):
             problems.append(f"{name}: {probe.module}.{probe.param} is served with shape "
                             f"{list(served.shape)} (repacked by the platform), not writable in place")
             continue

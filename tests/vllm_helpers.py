@@ -1,0 +1,161 @@
+"""Shared pieces of the vLLM engine tests: one engine per module, a sync worker, exact checks.
+
+Importing this module sets the environment vLLM reads when it is imported, so a test module
+imports it before anything imports vLLM (``pytest.importorskip("vllm")`` included).
+"""
+
+from __future__ import annotations
+
+import os
+
+# In-process engine: a fast start, and plain-object collective_rpc arguments. No CPU binding:
+# the machine is shared.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from rollout_sync import Span, SpanKind, SyncReport, Timeline, weight_sync_handler
+from rollout_sync.backends.tiny_llama import (
+    build_tiny_llama,
+    find_sync_split,
+    greedy_reference,
+    random_llama_weights,
+)
+from rollout_sync.backends.vllm import (
+    VLLMAsyncBackend,
+    VLLMBlockingBackend,
+    VLLMEngineConfig,
+    greedy_params,
+)
+
+Weights = Mapping[str, torch.Tensor]
+B = TypeVar("B", VLLMAsyncBackend, VLLMBlockingBackend)
+
+NO_FORWARD_DURING = [(SpanKind.FORWARD, SpanKind.WEIGHT_WRITE), (SpanKind.FORWARD, SpanKind.SYNC)]
+"""The span pairs that must never overlap: a forward against a weight write, or a whole sync."""
+
+
+class Worker(Generic[B]):
+    """A rollout worker reduced to its P2R handler; the guard finds ``rollout`` and ``timeline``."""
+
+    def __init__(self, rollout: B, timeline: Timeline) -> None:
+        self.rollout = rollout
+        self.timeline = timeline
+        self.weight_sync_timeout = 60.0
+        self.reports: list[SyncReport] = []
+
+    def on_weight_sync_report(self, report: SyncReport) -> None:
+        self.reports.append(report)
+
+    @weight_sync_handler
+    def receive_weights(self, weights: Weights, version: int,
+                        during: Callable[[], None] | None = None) -> None:
+        self.rollout.ensure_initialized()
+        if during is not None:
+            during()
+        self.rollout.load_weights(weights)
+        self.rollout.commit_weight_version(version)
+
+
+@dataclass
+class World(Generic[B]):
+    """A module's engine, the model it serves, and the weights of every version synced to it."""
+
+    backend: B
+    worker: Worker[B]
+    timeline: Timeline
+    reference: greedy_reference
+    shapes: dict[str, tuple[int, ...]]
+    weights_seed: int
+    """Version ``v`` is drawn with seed ``weights_seed + v``."""
+    version: int = 0
+    weights: dict[int, Weights] = field(default_factory=dict)
+    first_sync: dict[str, object] = field(default_factory=dict)
+
+    def weights_of(self, version: int) -> Weights:
+        if version not in self.weights:
+            self.weights[version] = random_llama_weights(self.shapes,
+                                                         seed=self.weights_seed + version)
+        return self.weights[version]
+
+    def sync(self, during: Callable[[], None] | None = None) -> int:
+        """A guarded sync to a new version; returns it."""
+        version = self.version + 1
+        self.worker.receive_weights(self.weights_of(version), version, during)
+        self.version = version
+        return version
+
+    def sync_split(self, prompt: list[int], tokens: list[int], old_version: int,
+                   new_version: int, *, at_least: int) -> int | None:
+        """Where ``tokens`` switch from ``old_version``'s greedy continuation of ``prompt`` to
+        ``new_version``'s continuation of the tokens so far; None if no such point exists."""
+        old = self.reference(self.weights_of(old_version), prompt, len(tokens))
+        return find_sync_split(
+            tokens, old,
+            lambda k: self.reference(self.weights_of(new_version), prompt + tokens[:k],
+                                     len(tokens) - k),
+            at_least=at_least,
+        )
+
+    @contextmanager
+    def spans_recorded(self) -> Iterator[list[Span]]:
+        """Yield a list that, once the ``with`` body has ended, holds every span (the engine's
+        forwards and writes included) that started inside it."""
+        self.backend.collect_engine_spans()
+        start_ns = time.monotonic_ns()
+        spans: list[Span] = []
+        yield spans
+        self.backend.collect_engine_spans()
+        spans.extend(s for s in self.timeline.spans() if s.start_ns >= start_ns)
+
+
+@contextmanager
+def running_world(
+    backend_class: type[B],
+    model_dir: Path,
+    *,
+    model_seed: int,
+    weights_seed: int,
+    first_sync: Callable[[World[B]], None] | None = None,
+    **backend_kwargs: Any,
+) -> Iterator[World[B]]:
+    """A tiny random Llama (float32) in ``model_dir``, served by ``backend_class``.
+
+    The engine starts lazily in a first guarded sync (``first_sync`` runs inside it, after the
+    start) and is shut down when the ``with`` block ends.
+    """
+    initial = build_tiny_llama(model_dir, seed=model_seed)
+    timeline = Timeline()
+    backend = backend_class(
+        VLLMEngineConfig(model_dir, dtype="float32", kv_cache_memory_bytes=64 << 20),
+        timeline=timeline, **backend_kwargs,
+    )
+    world = World(backend, Worker(backend, timeline), timeline, greedy_reference(model_dir),
+                  {name: tuple(t.shape) for name, t in initial.items()}, weights_seed,
+                  weights={0: initial})
+    try:
+        world.sync(None if first_sync is None else lambda: first_sync(world))
+        yield world
+    finally:
+        backend.shutdown()
+
+
+def check_greedy_output_equals_transformers(world: World[Any]) -> None:
+    """Sync a new version, generate greedily, compare every token with transformers."""
+    version = world.sync()
+    prompts = [[1, 5, 9, 33, 7], [3, 4, 5], [200, 100, 50, 25, 12, 6]]
+    results = world.backend.generate(prompts, greedy_params(24), timeout=60)
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.ok and result.finish_reason == "length"
+        assert list(result.token_ids) == world.reference(world.weights_of(version), prompt, 24)
+        assert (result.admitted_version, result.completed_version) == (version, version)
+        assert not result.straddled
+
