@@ -18,13 +18,14 @@ from typing import Any
 
 import torch
 
+from .backend import RolloutBase
 from .guard import SyncReport, weight_sync_bracket, weight_sync_handler
 from .metrics import percentile, summarize
 from .testing import RecordingPacker, TornReadBackend, VersionStampedModel
 from .trace import SpanKind, Timeline
 from .trainer import QueueCommandChannel, TrainerCallbacks, WeightBroadcastCallback
 
-__all__ = ["InProcessDemoConfig", "run_in_process_demo"]
+__all__ = ["InProcessDemoConfig", "InProcessWorker", "run_in_process_demo"]
 
 
 @dataclass(frozen=True)
@@ -40,10 +41,16 @@ class InProcessDemoConfig:
     timeout_s: float = 30.0
 
 
-class _DemoWorker:
-    """A rollout worker reduced to one P2R handler; the guard finds rollout and data_packer."""
+class InProcessWorker:
+    """A rollout worker reduced to one P2R handler, for the in-process demos and tests.
 
-    def __init__(self, rollout: TornReadBackend, packer: RecordingPacker, timeline: Timeline,
+    The guard finds ``rollout`` and ``data_packer``. :meth:`receive_weights` is the guarded
+    handler; :meth:`receive_weights_unguarded` does the same write without pause or hold, and
+    is reported alike, so a run can compare the two. Subclasses change how a version is
+    written by overriding :meth:`write_weights`.
+    """
+
+    def __init__(self, rollout: RolloutBase, packer: object | None, timeline: Timeline | None,
                  timeout_s: float) -> None:
         self.rollout = rollout
         self.data_packer = packer
@@ -54,24 +61,41 @@ class _DemoWorker:
     def on_weight_sync_report(self, report: SyncReport) -> None:
         self.reports.append(report)
 
-    def _write_weights(self, version: int,
-                       weights: Mapping[str, torch.Tensor] | None = None) -> None:
+    def write_weights(self, version: int, weights: Mapping[str, torch.Tensor] | None) -> None:
+        """Write ``weights`` (all of them, validated first) and commit ``version``."""
+        if weights is None:
+            raise ValueError(f"{type(self).__name__} needs the weights of version {version}")
+        self.rollout.ensure_initialized()
+        self.rollout.load_weights(weights)
+        self.rollout.commit_weight_version(version)
+
+    @weight_sync_handler
+    def receive_weights(self, version: int,
+                        weights: Mapping[str, torch.Tensor] | None = None) -> None:
+        self.write_weights(version, weights)
+
+    def receive_weights_unguarded(self, version: int,
+                                  weights: Mapping[str, torch.Tensor] | None = None) -> None:
+        with weight_sync_bracket(None, name="receive_weights", pause=False, hold=False,
+                                 timeline=self.timeline) as bracket:
+            self.write_weights(version, weights)
+        assert bracket.report is not None
+        self.on_weight_sync_report(bracket.report)
+
+
+class _DemoWorker(InProcessWorker):
+    """Writes version-stamped weights (made on the spot when none are pushed)."""
+
+    rollout: TornReadBackend
+    timeline: Timeline
+
+    def write_weights(self, version: int, weights: Mapping[str, torch.Tensor] | None) -> None:
         self.rollout.ensure_initialized()
         if weights is None:
             weights = self.rollout.model.stamped(version)
         with self.timeline.span(SpanKind.WEIGHT_WRITE, f"write v{version}"):
             self.rollout.load_weights(weights)
         self.rollout.commit_weight_version(version)
-
-    receive_weights = weight_sync_handler(_write_weights)
-
-    def receive_weights_unguarded(self, version: int,
-                                  weights: Mapping[str, torch.Tensor] | None = None) -> None:
-        with weight_sync_bracket(None, name="receive_weights", pause=False, hold=False,
-                                 timeline=self.timeline) as bracket:
-            self._write_weights(version, weights)
-        assert bracket.report is not None
-        self.on_weight_sync_report(bracket.report)
 
 
 class _WorkerPusher:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +29,7 @@ from .backends.torch_lm import (
     TorchLMStreamBackend,
     tiny_lm_weights,
 )
-from .guard import SyncReport, weight_sync_bracket, weight_sync_handler
+from .demo import InProcessWorker
 from .metrics import summarize
 from .scheduler import FinishReason, GenerationRequest, GenerationResult
 from .testing import RecordingPacker
@@ -75,35 +74,6 @@ def build_stream_backend(
     )
 
 
-class _StreamDemoWorker:
-    """A rollout worker reduced to one P2R handler; the guard finds rollout and data_packer."""
-
-    def __init__(self, rollout: TorchLMBackend, packer: RecordingPacker, timeline: Timeline,
-                 timeout_s: float) -> None:
-        self.rollout = rollout
-        self.data_packer = packer
-        self.timeline = timeline
-        self.weight_sync_timeout = timeout_s
-        self.reports: list[SyncReport] = []
-
-    def on_weight_sync_report(self, report: SyncReport) -> None:
-        self.reports.append(report)
-
-    def _write_weights(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
-        self.rollout.ensure_initialized()
-        self.rollout.load_weights(weights)
-        self.rollout.commit_weight_version(version)
-
-    receive_weights = weight_sync_handler(_write_weights)
-
-    def receive_weights_unguarded(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
-        with weight_sync_bracket(None, name="receive_weights", pause=False, hold=False,
-                                 timeline=self.timeline) as bracket:
-            self._write_weights(version, weights)
-        assert bracket.report is not None
-        self.on_weight_sync_report(bracket.report)
-
-
 def _request(rng: random.Random, config: StreamDemoConfig) -> GenerationRequest:
     prompt = tuple(rng.randrange(config.model.vocab_size) for _ in range(rng.randint(2, 12)))
     return GenerationRequest(prompt, max_new_tokens=rng.randint(config.min_new_tokens,
@@ -146,7 +116,7 @@ def _run_stream_demo(config: StreamDemoConfig, timeline: Timeline) -> dict[str, 
     else:
         backend = TorchLMBackend(config.model, kv_policy=config.kv_policy,
                                  pause_timeout=config.timeout_s, timeline=timeline)
-    worker = _StreamDemoWorker(backend, packer, timeline, config.timeout_s)
+    worker = InProcessWorker(backend, packer, timeline, config.timeout_s)
     sync = worker.receive_weights if config.guarded else worker.receive_weights_unguarded
     results: list[GenerationResult] = []
 

@@ -12,15 +12,13 @@ import pytest
 import torch
 
 from rollout_sync import (
-    SyncReport,
     Timeline,
     TinyCausalLM,
     TinyLMConfig,
     TorchLMBackend,
     tiny_lm_weights,
-    weight_sync_bracket,
-    weight_sync_handler,
 )
+from rollout_sync.demo import InProcessWorker
 
 
 def tiny_config(**overrides: Any) -> TinyLMConfig:
@@ -44,35 +42,20 @@ def one_torch_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-class SyncWorker:
-    """A rollout worker reduced to a P2R handler, guarded and unguarded; the guard finds
-    ``rollout`` and ``timeline`` on it."""
+class SyncWorker(InProcessWorker):
+    """A rollout worker reduced to a P2R handler, guarded and unguarded, with a hook that runs
+    inside the bracket before the write (to look at the parked state)."""
 
     def __init__(self, rollout: TorchLMBackend, timeline: Timeline | None = None,
                  timeout_s: float = 10.0) -> None:
-        self.rollout = rollout
-        self.timeline = timeline
-        self.weight_sync_timeout = timeout_s
-        self.reports: list[SyncReport] = []
+        super().__init__(rollout, None, timeline, timeout_s)
         self.inside: Callable[[], None] | None = None
-        """Called inside the bracket before the write (to look at the parked state)."""
 
-    def on_weight_sync_report(self, report: SyncReport) -> None:
-        self.reports.append(report)
-
-    def _write(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
+    def write_weights(self, version: int, weights: Mapping[str, torch.Tensor] | None) -> None:
         self.rollout.ensure_initialized()
         if self.inside is not None:
             self.inside()
-        self.rollout.load_weights(weights)
-        self.rollout.commit_weight_version(version)
-
-    receive_weights = weight_sync_handler(_write)
-
-    def receive_weights_unguarded(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
-        with weight_sync_bracket(None, name="receive_weights", pause=False, hold=False,
-                                 timeline=self.timeline):
-            self._write(version, weights)
+        super().write_weights(version, weights)
 
 
 def greedy_continuation(config: TinyLMConfig, weights: Mapping[str, torch.Tensor],

@@ -60,7 +60,7 @@ def build_tiny_llama(directory: str | os.PathLike[str], *, seed: int = 0,
     import transformers
 
     config = transformers.LlamaConfig(**{**TINY_LLAMA, **overrides})
-    config.torch_dtype = torch.float32
+    config.torch_dtype = torch.float32  # type: ignore[misc]  # a property in typing only
     model = transformers.LlamaForCausalLM(config)
     shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     weights = random_llama_weights(shapes, seed)

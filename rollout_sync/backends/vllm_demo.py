@@ -19,12 +19,15 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from ..demo import InProcessWorker
 from ..errors import TornWeightsError
-from ..guard import SyncReport, weight_sync_bracket, weight_sync_handler
 from ..metrics import summarize
 from ..testing import RecordingPacker
 from ..trace import Span, SpanKind, Timeline
@@ -48,21 +51,12 @@ class VLLMDemoConfig:
     timeout_s: float = 60.0
 
 
-class _VLLMDemoWorker:
-    """A rollout worker reduced to one P2R handler; the guard finds rollout and data_packer."""
+class _VLLMDemoWorker(InProcessWorker):
+    """Writes fresh random weights in two partial loads, so an unguarded sync is visible."""
 
-    def __init__(self, rollout: VLLMAsyncBackend, packer: RecordingPacker, timeline: Timeline,
-                 timeout_s: float) -> None:
-        self.rollout = rollout
-        self.data_packer = packer
-        self.timeline = timeline
-        self.weight_sync_timeout = timeout_s
-        self.reports: list[SyncReport] = []
+    rollout: VLLMAsyncBackend
 
-    def on_weight_sync_report(self, report: SyncReport) -> None:
-        self.reports.append(report)
-
-    def _write_weights(self, version: int) -> None:
+    def write_weights(self, version: int, weights: Mapping[str, torch.Tensor] | None) -> None:
         self.rollout.ensure_initialized()
         specs = self.rollout.weight_specs()
         weights = random_llama_weights({s.name: s.shape for s in specs}, seed=version)
@@ -74,15 +68,6 @@ class _VLLMDemoWorker:
         self.rollout.load_weights(first, require_all=False)
         self.rollout.load_weights(second, require_all=False)
         self.rollout.commit_weight_version(version)
-
-    receive_weights = weight_sync_handler(_write_weights)
-
-    def receive_weights_unguarded(self, version: int) -> None:
-        with weight_sync_bracket(None, name="receive_weights", pause=False, hold=False,
-                                 timeline=self.timeline) as bracket:
-            self._write_weights(version)
-        assert bracket.report is not None
-        self.on_weight_sync_report(bracket.report)
 
 
 class _Feeder:
