@@ -101,30 +101,42 @@ def hot_path_ratio(hidden: int, steps: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--seconds", type=float, default=0.25)
     parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=1024,
-                        help="MLP width; the default step (~1 ms) is about one decode step of "
-                        "the tiny torch LM on this CPU")
+    parser.add_argument(
+        "--hidden",
+        type=int,
+        default=1024,
+        help="MLP width; the default step (~1 ms) is about one decode step of "
+        "the tiny torch LM on this CPU",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
 
     gate, lock = Gate(), threading.Lock()
     n = 200_000
-    gate_ns = statistics.median(ns_per_op(gate.enter_section, gate.exit_section, n)
-                                for _ in range(5))
+    gate_ns = statistics.median(
+        ns_per_op(gate.enter_section, gate.exit_section, n) for _ in range(5)
+    )
     lock_ns = statistics.median(ns_per_op(lock.acquire, lock.release, n) for _ in range(5))
-    print(f"uncontended enter+exit: Gate section {gate_ns:7.1f} ns   "
-          f"threading.Lock {lock_ns:7.1f} ns   (x{gate_ns / lock_ns:.1f})")
+    print(
+        f"uncontended enter+exit: Gate section {gate_ns:7.1f} ns   "
+        f"threading.Lock {lock_ns:7.1f} ns   (x{gate_ns / lock_ns:.1f})"
+    )
 
     g_step, u_step = hot_path_ratio(args.hidden, args.steps)
-    print(f"hot path, {args.steps} interleaved steps (MLP hidden={args.hidden}, batch 32, "
-          "1 torch thread):")
-    print(f"  per step guarded {g_step * 1e6:8.1f} us   unguarded {u_step * 1e6:8.1f} us   "
-          f"(gate cost in context: {(g_step - u_step) * 1e6:.1f} us/step)")
+    print(
+        f"hot path, {args.steps} interleaved steps (MLP hidden={args.hidden}, batch 32, "
+        "1 torch thread):"
+    )
+    print(
+        f"  per step guarded {g_step * 1e6:8.1f} us   unguarded {u_step * 1e6:8.1f} us   "
+        f"(gate cost in context: {(g_step - u_step) * 1e6:.1f} us/step)"
+    )
     print(f"  forwards/s ratio guarded/unguarded  {u_step / g_step:.4f}   (target >= 0.99)")
 
     ratios = []
@@ -136,10 +148,14 @@ def main() -> None:
             g = guarded_rate(args.hidden, args.seconds)
             u = unguarded_rate(args.hidden, args.seconds)
         ratios.append(g / u)
-    print(f"end to end, ThreadedRolloutBackend vs plain thread loop, {args.rounds} alternating "
-          f"rounds of {args.seconds} s:")
-    print(f"  median ratio {statistics.median(ratios):.3f}   "
-          f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
+    print(
+        f"end to end, ThreadedRolloutBackend vs plain thread loop, {args.rounds} alternating "
+        f"rounds of {args.seconds} s:"
+    )
+    print(
+        f"  median ratio {statistics.median(ratios):.3f}   "
+        f"(min {min(ratios):.3f}, max {max(ratios):.3f})"
+    )
 
 
 if __name__ == "__main__":

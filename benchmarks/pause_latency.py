@@ -51,8 +51,16 @@ def _wait_steps(scheduler: RolloutTaskScheduler, steps: int, timeout: float = 30
         time.sleep(0.0002)
 
 
-def park_latency(config: TinyLMConfig, *, syncs: int, drain: bool, max_concurrent: int,
-                 min_tokens: int, max_tokens: int, seed: int) -> dict[str, float]:
+def park_latency(
+    config: TinyLMConfig,
+    *,
+    syncs: int,
+    drain: bool,
+    max_concurrent: int,
+    min_tokens: int,
+    max_tokens: int,
+    seed: int,
+) -> dict[str, float]:
     """Run ``syncs`` syncs against a loaded scheduler; time each park."""
     rng = random.Random(seed)
     timeline = Timeline()
@@ -92,17 +100,21 @@ def park_latency(config: TinyLMConfig, *, syncs: int, drain: bool, max_concurren
     }
 
 
-def throughput(config: TinyLMConfig, *, guard_steps: bool, requests: int, tokens: int,
-               max_concurrent: int) -> float:
+def throughput(
+    config: TinyLMConfig, *, guard_steps: bool, requests: int, tokens: int, max_concurrent: int
+) -> float:
     """Decode tokens/s of one scheduler run to completion, no sync pending."""
     backend = TorchLMStreamBackend(config, max_concurrent=max_concurrent)
     backend.ensure_initialized()
-    scheduler = RolloutTaskScheduler(backend, max_concurrent=max_concurrent,
-                                     gate=backend.generation_gate, guard_steps=guard_steps)
+    scheduler = RolloutTaskScheduler(
+        backend,
+        max_concurrent=max_concurrent,
+        gate=backend.generation_gate,
+        guard_steps=guard_steps,
+    )
     rng = random.Random(1)
     for _ in range(requests):
-        scheduler.put([rng.randrange(config.vocab_size) for _ in range(8)],
-                      max_new_tokens=tokens)
+        scheduler.put([rng.randrange(config.vocab_size) for _ in range(8)], max_new_tokens=tokens)
     started = time.perf_counter()
     scheduler.start()
     scheduler.wait_idle(120)
@@ -113,9 +125,9 @@ def throughput(config: TinyLMConfig, *, guard_steps: bool, requests: int, tokens
     return produced / elapsed
 
 
-def interleaved_decode_rate(config: TinyLMConfig, *, steps: int, tokens: int,
-                            max_concurrent: int, control: bool = False
-                            ) -> tuple[float, float, float]:
+def interleaved_decode_rate(
+    config: TinyLMConfig, *, steps: int, tokens: int, max_concurrent: int, control: bool = False
+) -> tuple[float, float, float]:
     """Guarded vs unguarded decode steps, alternated step by step in one run.
 
     Driven by hand, in pairs of adjacent steps, one with the guard (side A) and one without
@@ -136,10 +148,11 @@ def interleaved_decode_rate(config: TinyLMConfig, *, steps: int, tokens: int,
     for pair in range(steps // 2):
         times: dict[str, float] = {}
         admitted = False
-        for side in (("A", "B") if pair % 2 == 0 else ("B", "A")):
+        for side in ("A", "B") if pair % 2 == 0 else ("B", "A"):
             while scheduler.statistics().queued < max_concurrent:
-                scheduler.put([rng.randrange(config.vocab_size) for _ in range(8)],
-                              max_new_tokens=tokens)
+                scheduler.put(
+                    [rng.randrange(config.vocab_size) for _ in range(8)], max_new_tokens=tokens
+                )
             scheduler.guard_steps = side == "A" or control
             report = scheduler.step()
             admitted = admitted or report.admitted > 0
@@ -161,42 +174,69 @@ def main() -> int:
     parser.add_argument("--min-tokens", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=5, help="throughput rounds per variant")
-    parser.add_argument("--interleaved-steps", type=int, default=2000,
-                        help="steps of the step-by-step alternated throughput measurement")
+    parser.add_argument(
+        "--interleaved-steps",
+        type=int,
+        default=2000,
+        help="steps of the step-by-step alternated throughput measurement",
+    )
     parser.add_argument("--torch-threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.torch_threads)
     config = TinyLMConfig()
-    print(f"tiny LM: {config.n_layers} layers, d_model {config.d_model}, vocab "
-          f"{config.vocab_size}; max_concurrent {args.max_concurrent}; generations of "
-          f"{args.min_tokens}..{args.max_tokens} tokens; torch threads {args.torch_threads}\n")
+    print(
+        f"tiny LM: {config.n_layers} layers, d_model {config.d_model}, vocab "
+        f"{config.vocab_size}; max_concurrent {args.max_concurrent}; generations of "
+        f"{args.min_tokens}..{args.max_tokens} tokens; torch threads {args.torch_threads}\n"
+    )
 
     def parks(syncs: int, drain: bool) -> dict[str, float]:
-        return park_latency(config, syncs=syncs, drain=drain,
-                            max_concurrent=args.max_concurrent, min_tokens=args.min_tokens,
-                            max_tokens=args.max_tokens, seed=0)
+        return park_latency(
+            config,
+            syncs=syncs,
+            drain=drain,
+            max_concurrent=args.max_concurrent,
+            min_tokens=args.min_tokens,
+            max_tokens=args.max_tokens,
+            seed=0,
+        )
 
     boundary = parks(args.syncs, drain=False)
     drained = parks(args.drain_syncs, drain=True)
     print("time to park (paused() entry -> parked)")
-    print(f"{'mode':<15} {'syncs':>6} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9} "
-          f"{'in flight':>10} {'step p50':>9} {'step p99':>9}")
-    for name, n, r in (("step boundary", args.syncs, boundary),
-                       ("drain", args.drain_syncs, drained)):
-        print(f"{name:<15} {n:>6} {r['park_p50_ms']:>9.3f} {r['park_p99_ms']:>9.3f} "
-              f"{r['park_max_ms']:>9.3f} {r['in_flight_mean']:>10.1f} {r['step_p50_ms']:>9.3f} "
-              f"{r['step_p99_ms']:>9.3f}")
-    print(f"\nstep-boundary park p99 / decode step p99: "
-          f"{boundary['park_p99_ms'] / boundary['step_p99_ms']:.2f}  (target <= 1); "
-          f"/ decode step p50: {boundary['park_p99_ms'] / boundary['step_p50_ms']:.2f}")
-    print(f"drain park p50 / step-boundary park p50: "
-          f"{drained['park_p50_ms'] / boundary['park_p50_ms']:.1f}x")
+    print(
+        f"{'mode':<15} {'syncs':>6} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9} "
+        f"{'in flight':>10} {'step p50':>9} {'step p99':>9}"
+    )
+    for name, n, r in (
+        ("step boundary", args.syncs, boundary),
+        ("drain", args.drain_syncs, drained),
+    ):
+        print(
+            f"{name:<15} {n:>6} {r['park_p50_ms']:>9.3f} {r['park_p99_ms']:>9.3f} "
+            f"{r['park_max_ms']:>9.3f} {r['in_flight_mean']:>10.1f} {r['step_p50_ms']:>9.3f} "
+            f"{r['step_p99_ms']:>9.3f}"
+        )
+    print(
+        f"\nstep-boundary park p99 / decode step p99: "
+        f"{boundary['park_p99_ms'] / boundary['step_p99_ms']:.2f}  (target <= 1); "
+        f"/ decode step p50: {boundary['park_p99_ms'] / boundary['step_p50_ms']:.2f}"
+    )
+    print(
+        f"drain park p50 / step-boundary park p50: "
+        f"{drained['park_p50_ms'] / boundary['park_p50_ms']:.1f}x"
+    )
 
     requests, tokens = 4 * args.max_concurrent, 64
 
     def tokens_per_s(guard_steps: bool) -> float:
-        return throughput(config, guard_steps=guard_steps, requests=requests, tokens=tokens,
-                          max_concurrent=args.max_concurrent)
+        return throughput(
+            config,
+            guard_steps=guard_steps,
+            requests=requests,
+            tokens=tokens,
+            max_concurrent=args.max_concurrent,
+        )
 
     tokens_per_s(True)  # warm-up
     guarded: list[float] = []
@@ -206,28 +246,44 @@ def main() -> int:
         unguarded.append(tokens_per_s(False))
     g, u = statistics.median(guarded), statistics.median(unguarded)
     g_best, u_best = max(guarded), max(unguarded)
-    print(f"\ndecode throughput, no sync pending ({args.rounds} alternated rounds, "
-          f"{requests} x {tokens} tokens)")
+    print(
+        f"\ndecode throughput, no sync pending ({args.rounds} alternated rounds, "
+        f"{requests} x {tokens} tokens)"
+    )
     print(f"{'':<15} {'median':>10} {'best':>10}")
     print(f"{'guarded':<15} {g:>10.0f} {g_best:>10.0f} tokens/s")
     print(f"{'unguarded':<15} {u:>10.0f} {u_best:>10.0f} tokens/s")
-    print(f"guarded / unguarded: median {g / u:.3f}, best {g_best / u_best:.3f}  "
-          "(end-to-end runs carry the machine's noise)")
-    ig, iu, paired = interleaved_decode_rate(config, steps=args.interleaved_steps,
-                                             tokens=tokens, max_concurrent=args.max_concurrent)
-    _, _, floor = interleaved_decode_rate(config, steps=args.interleaved_steps, tokens=tokens,
-                                          max_concurrent=args.max_concurrent, control=True)
-    print(f"\ndecode steps alternated guarded/unguarded in one run ({args.interleaved_steps} "
-          "steps in G-U / U-G pairs, prefill pairs excluded)")
+    print(
+        f"guarded / unguarded: median {g / u:.3f}, best {g_best / u_best:.3f}  "
+        "(end-to-end runs carry the machine's noise)"
+    )
+    ig, iu, paired = interleaved_decode_rate(
+        config, steps=args.interleaved_steps, tokens=tokens, max_concurrent=args.max_concurrent
+    )
+    _, _, floor = interleaved_decode_rate(
+        config,
+        steps=args.interleaved_steps,
+        tokens=tokens,
+        max_concurrent=args.max_concurrent,
+        control=True,
+    )
+    print(
+        f"\ndecode steps alternated guarded/unguarded in one run ({args.interleaved_steps} "
+        "steps in G-U / U-G pairs, prefill pairs excluded)"
+    )
     print(f"{'guarded':<15} {ig:>10.0f} tokens/s")
     print(f"{'unguarded':<15} {iu:>10.0f} tokens/s")
-    print(f"guarded / unguarded: {paired:.3f} (median over pairs; {ig / iu:.3f} from the "
-          "totals)  (target >= 0.99)")
+    print(
+        f"guarded / unguarded: {paired:.3f} (median over pairs; {ig / iu:.3f} from the "
+        "totals)  (target >= 0.99)"
+    )
     print(f"A/A control, both sides guarded: {floor:.3f} (the noise floor of that ratio)")
     cost = gate_section_cost_s()
     step = boundary["step_p50_ms"] / 1e3
-    print(f"gate section enter+exit: {cost * 1e6:.2f} us per step vs a {step * 1e3:.3f} ms "
-          f"step: guard cost bound {step / (step + cost):.4f}")
+    print(
+        f"gate section enter+exit: {cost * 1e6:.2f} us per step vs a {step * 1e3:.3f} ms "
+        f"step: guard cost bound {step / (step + cost):.4f}"
+    )
     return 0
 
 

@@ -51,8 +51,9 @@ class CopyPusher:
         self.backend = backend
         self.buffers = {k: torch.empty_like(v) for k, v in weights.items()}
 
-    def push_weights(self, weights: Mapping[str, torch.Tensor], *, version: int,
-                     timeout: float) -> None:
+    def push_weights(
+        self, weights: Mapping[str, torch.Tensor], *, version: int, timeout: float
+    ) -> None:
         for name, tensor in weights.items():
             self.buffers[name].copy_(tensor, non_blocking=True)
 
@@ -93,15 +94,17 @@ def build(device: torch.device, hidden: int, layers: int) -> Setup:
 
     pusher = CopyPusher(gather(), "nccl" if device.type == "cuda" else "gloo")
     callbacks = {
-        mode: WeightBroadcastCallback(gather, pusher=pusher, timer="auto" if mode == "on" else None,
-                                      sync_on_run_begin=False)
+        mode: WeightBroadcastCallback(
+            gather, pusher=pusher, timer="auto" if mode == "on" else None, sync_on_run_begin=False
+        )
         for mode in ("on", "off")
     }
     return Setup(model, optimizer, inputs, callbacks)
 
 
-def run_block(setup: Setup, mode: str, device: torch.device, first_step: int, steps: int,
-              log_every: int) -> tuple[float, HostSyncCount]:
+def run_block(
+    setup: Setup, mode: str, device: torch.device, first_step: int, steps: int, log_every: int
+) -> tuple[float, HostSyncCount]:
     callbacks = TrainerCallbacks([setup.callbacks[mode]])
     _sync(device)
     started = time.perf_counter()
@@ -123,8 +126,9 @@ def _add(total: HostSyncCount, more: HostSyncCount) -> None:
     total.debug_mode_warnings += more.debug_mode_warnings
 
 
-def compare(device: torch.device, hidden: int, layers: int, blocks: int, steps: int,
-            log_every: int) -> dict[str, Run]:
+def compare(
+    device: torch.device, hidden: int, layers: int, blocks: int, steps: int, log_every: int
+) -> dict[str, Run]:
     """Alternating blocks of the same loop, timer on and off; the order flips every block."""
     setup = build(device, hidden, layers)
     for mode in ("on", "off"):
@@ -132,7 +136,7 @@ def compare(device: torch.device, hidden: int, layers: int, blocks: int, steps: 
     runs = {mode: Run([], HostSyncCount(), setup.callbacks[mode]) for mode in ("on", "off")}
     step = steps
     for block in range(blocks):
-        for mode in (("on", "off") if block % 2 == 0 else ("off", "on")):
+        for mode in ("on", "off") if block % 2 == 0 else ("off", "on"):
             step_s, syncs = run_block(setup, mode, device, step, steps, log_every)
             step += steps
             runs[mode].step_s.append(step_s)
@@ -168,8 +172,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=25, help="steps per block")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--log-every", type=int, default=1,
-                        help="steps between logged steps (reports)")
+    parser.add_argument(
+        "--log-every", type=int, default=1, help="steps between logged steps (reports)"
+    )
     parser.add_argument("--bare-iterations", type=int, default=20000)
     args = parser.parse_args()
     want = args.device
@@ -186,22 +191,30 @@ def main() -> int:
     timer = on.callback.timer
     assert timer is not None
 
-    print(f"timer overhead: {device.type}, MLP {args.layers}x{args.hidden}, "
-          f"{args.blocks} blocks x {args.steps} steps per mode, timer clock "
-          f"{timer.clock.value}, log every {args.log_every} step(s)")
+    print(
+        f"timer overhead: {device.type}, MLP {args.layers}x{args.hidden}, "
+        f"{args.blocks} blocks x {args.steps} steps per mode, timer clock "
+        f"{timer.clock.value}, log every {args.log_every} step(s)"
+    )
     print()
-    print(f"{'mode':<10}{'median step ms':>16}{'min block ms':>14}{'max block ms':>14}"
-          f"{'host syncs':>12}")
+    print(
+        f"{'mode':<10}{'median step ms':>16}{'min block ms':>14}{'max block ms':>14}"
+        f"{'host syncs':>12}"
+    )
     for name, run in (("timer on", on), ("timer off", off)):
         syncs = str(run.syncs.total) if device.type == "cuda" else "n/a"
-        print(f"{name:<10}{statistics.median(run.step_s) * 1e3:>16.3f}"
-              f"{min(run.step_s) * 1e3:>14.3f}{max(run.step_s) * 1e3:>14.3f}{syncs:>12}")
+        print(
+            f"{name:<10}{statistics.median(run.step_s) * 1e3:>16.3f}"
+            f"{min(run.step_s) * 1e3:>14.3f}{max(run.step_s) * 1e3:>14.3f}{syncs:>12}"
+        )
     print()
     print(f"step time ratio on/off:     {med_on / med_off:.4f}")
     print(f"difference per step:        {(med_on - med_off) * 1e6:+.1f} us (noise included)")
     stats = timer.statistics()
-    print(f"timer: {stats.measured} measured, {stats.harvested} harvested, {stats.pending} "
-          f"pending, {stats.skipped} skipped, {stats.event_pairs} event pairs alive")
+    print(
+        f"timer: {stats.measured} measured, {stats.harvested} harvested, {stats.pending} "
+        f"pending, {stats.skipped} skipped, {stats.event_pairs} event pairs alive"
+    )
     if device.type == "cuda":
         added = on.syncs.total - off.syncs.total
         print(f"host syncs added by timer:  {added}  (on: {on.syncs}; off: {off.syncs})")
@@ -209,8 +222,10 @@ def main() -> int:
             print("FAIL: the timer synchronized the host")
             return 1
     else:
-        print("host syncs added by timer:  skipped (no CUDA device: the CPU path uses "
-              "perf_counter and has no device to synchronize)")
+        print(
+            "host syncs added by timer:  skipped (no CUDA device: the CPU path uses "
+            "perf_counter and has no device to synchronize)"
+        )
 
     print()
     print("bare measure() + harvest(), empty body:")

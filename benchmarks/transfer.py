@@ -85,8 +85,9 @@ def _timed(fn: Callable[[], object]) -> float:
 
 def _bench_process(rank: int, port: int, args: argparse.Namespace) -> dict[str, Any] | None:
     world = args.replicas + 1
-    init_process_group(rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
-                       timeout_s=args.timeout)
+    init_process_group(
+        rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}", timeout_s=args.timeout
+    )
     groups = build_sync_groups(0, range(1, world), timeout_s=args.timeout)
     weights = _model(args.model_mb, args.tensor_kb, seed=rank)
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
@@ -134,13 +135,19 @@ def _bench_process(rank: int, port: int, args: argparse.Namespace) -> dict[str, 
     workers: list[RolloutWorker] = []
 
     def guarded() -> Callable[[], tuple[float, float]]:
-        config = TransferConfig(bucket_bytes=int(args.default_bucket_mb * (1 << 20)),
-                                timeout_s=args.timeout)
+        config = TransferConfig(
+            bucket_bytes=int(args.default_bucket_mb * (1 << 20)), timeout_s=args.timeout
+        )
         p2r_t = groups.p2r_transfer(config=config)
         r2r_t = groups.r2r_transfer(config=config)
         packer = RecordingPacker()
-        worker = RolloutWorker(_IdleRollout(weights), p2r=p2r_t if rank != 0 else None,
-                               r2r=r2r_t, data_packer=packer, weight_sync_timeout=args.timeout)
+        worker = RolloutWorker(
+            _IdleRollout(weights),
+            p2r=p2r_t if rank != 0 else None,
+            r2r=r2r_t,
+            data_packer=packer,
+            weight_sync_timeout=args.timeout,
+        )
         workers.append(worker)
         version = [0]
 
@@ -168,6 +175,7 @@ def _bench_process(rank: int, port: int, args: argparse.Namespace) -> dict[str, 
         """Packing the model into a flat buffer and unpacking it again, locally: the memory
         traffic a bucketed transfer adds to the raw broadcast's (one pack on the source, one
         unpack on each receiver)."""
+
         def pack() -> None:
             if rank == 0:
                 torch._foreach_copy_(views, list(weights.values()))
@@ -182,7 +190,9 @@ def _bench_process(rank: int, port: int, args: argparse.Namespace) -> dict[str, 
     views = [flat[a:b].view(torch.float32) for a, b in itertools.pairwise(offsets)]
     guarded_run = guarded()
     methods: list[tuple[str, float | None, Callable[[], tuple[float, float]]]] = [
-        ("raw broadcast", None, raw), ("local pack/unpack", None, copies)]
+        ("raw broadcast", None, raw),
+        ("local pack/unpack", None, copies),
+    ]
     methods += [("bucketed", b, bucketed(b)) for b in args.buckets]
     methods.append(("guarded", args.default_bucket_mb, guarded_run))
     samples: dict[int, list[tuple[float, float]]] = {i: [] for i in range(len(methods))}
@@ -195,8 +205,11 @@ def _bench_process(rank: int, port: int, args: argparse.Namespace) -> dict[str, 
     # The bracket's own time (pause, egress hold, fence, bookkeeping) against the handler's
     # (init, transfer, commit), from the guard's per-sync reports: immune to load noise.
     reports = [r for w in workers for r in w.sync_reports]
-    bracket = {"bracket_s": sum(r.total_s - r.handler_s for r in reports),
-               "handler_s": sum(r.handler_s for r in reports), "syncs": len(reports)}
+    bracket = {
+        "bracket_s": sum(r.total_s - r.handler_s for r in reports),
+        "handler_s": sum(r.handler_s for r in reports),
+        "syncs": len(reports),
+    }
     if rank != 0:
         return {"bracket": bracket}
     rows = []
@@ -205,28 +218,57 @@ def _bench_process(rank: int, port: int, args: argparse.Namespace) -> dict[str, 
         r2r_s = statistics.median(s[1] for s in samples[i])
         if name == "local pack/unpack":
             # One pack and one unpack per hop: P2R and R2R each add both.
-            rows.append({"method": name, "bucket_mb": None, "p2r_ms": (p2r_s + r2r_s) * 1e3,
-                         "r2r_ms": (p2r_s + r2r_s) * 1e3 if groups.r2r is not None else 0.0,
-                         "total_ms": 0.0, "mb_per_s": float("nan")})
+            rows.append(
+                {
+                    "method": name,
+                    "bucket_mb": None,
+                    "p2r_ms": (p2r_s + r2r_s) * 1e3,
+                    "r2r_ms": (p2r_s + r2r_s) * 1e3 if groups.r2r is not None else 0.0,
+                    "total_ms": 0.0,
+                    "mb_per_s": float("nan"),
+                }
+            )
             continue
-        rows.append({"method": name, "bucket_mb": bucket, "p2r_ms": p2r_s * 1e3,
-                     "r2r_ms": r2r_s * 1e3, "total_ms": (p2r_s + r2r_s) * 1e3,
-                     "mb_per_s": 2 * nbytes / 1e6 / (p2r_s + r2r_s) if groups.r2r is not None
-                     else nbytes / 1e6 / p2r_s})
+        rows.append(
+            {
+                "method": name,
+                "bucket_mb": bucket,
+                "p2r_ms": p2r_s * 1e3,
+                "r2r_ms": r2r_s * 1e3,
+                "total_ms": (p2r_s + r2r_s) * 1e3,
+                "mb_per_s": 2 * nbytes / 1e6 / (p2r_s + r2r_s)
+                if groups.r2r is not None
+                else nbytes / 1e6 / p2r_s,
+            }
+        )
     return {"nbytes": nbytes, "tensors": len(weights), "rows": rows, "bracket": bracket}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--model-mb", type=float, default=100.0)
-    parser.add_argument("--tensor-kb", type=float, default=40.0,
-                        help="size of each tensor (default 40 KiB: ~2500 tensors per 100 MB)")
-    parser.add_argument("--buckets", type=float, nargs="+", default=[1.0, 4.0, 16.0, 64.0],
-                        help="bucket sizes to sweep, MiB")
-    parser.add_argument("--default-bucket-mb", type=float, default=16.0,
-                        help="bucket size of the guarded run (compare with the same bucketed)")
+    parser.add_argument(
+        "--tensor-kb",
+        type=float,
+        default=40.0,
+        help="size of each tensor (default 40 KiB: ~2500 tensors per 100 MB)",
+    )
+    parser.add_argument(
+        "--buckets",
+        type=float,
+        nargs="+",
+        default=[1.0, 4.0, 16.0, 64.0],
+        help="bucket sizes to sweep, MiB",
+    )
+    parser.add_argument(
+        "--default-bucket-mb",
+        type=float,
+        default=16.0,
+        help="bucket size of the guarded run (compare with the same bucketed)",
+    )
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -235,9 +277,14 @@ def main(argv: list[str] | None = None) -> int:
         args.buckets = sorted([*args.buckets, args.default_bucket_mb])
 
     started = time.perf_counter()
-    values = run_processes(_bench_process, args.replicas + 1, (find_free_port(), args),
-                           timeout_s=args.timeout * 4 + 120, what="benchmarks/transfer.py",
-                           intra_op_threads=1)
+    values = run_processes(
+        _bench_process,
+        args.replicas + 1,
+        (find_free_port(), args),
+        timeout_s=args.timeout * 4 + 120,
+        what="benchmarks/transfer.py",
+        intra_op_threads=1,
+    )
     result = values[0]
     rows = result["rows"]
     raw = rows[0]
@@ -248,15 +295,21 @@ def main(argv: list[str] | None = None) -> int:
     copy_row["method"] = "raw + copies"
     bracket_s = sum(v["bracket"]["bracket_s"] for v in values.values() if v)
     handler_s = sum(v["bracket"]["handler_s"] for v in values.values() if v)
-    print(f"model: {result['nbytes'] / 1e6:.1f} MB in {result['tensors']} tensors; trainer + "
-          f"{args.replicas} replicas (gloo, loopback); median of {args.iterations} iterations")
-    print(f"{'method':<16}{'bucket MB':>10}{'P2R ms':>10}{'R2R ms':>10}{'total ms':>10}"
-          f"{'MB/s':>10}{'vs raw':>9}")
+    print(
+        f"model: {result['nbytes'] / 1e6:.1f} MB in {result['tensors']} tensors; trainer + "
+        f"{args.replicas} replicas (gloo, loopback); median of {args.iterations} iterations"
+    )
+    print(
+        f"{'method':<16}{'bucket MB':>10}{'P2R ms':>10}{'R2R ms':>10}{'total ms':>10}"
+        f"{'MB/s':>10}{'vs raw':>9}"
+    )
     for row in rows:
         bucket = "-" if row["bucket_mb"] is None else f"{row['bucket_mb']:g}"
-        print(f"{row['method']:<16}{bucket:>10}{row['p2r_ms']:>10.1f}{row['r2r_ms']:>10.1f}"
-              f"{row['total_ms']:>10.1f}{row['mb_per_s']:>10.0f}"
-              f"{row['mb_per_s'] / raw['mb_per_s']:>9.2f}")
+        print(
+            f"{row['method']:<16}{bucket:>10}{row['p2r_ms']:>10.1f}{row['r2r_ms']:>10.1f}"
+            f"{row['total_ms']:>10.1f}{row['mb_per_s']:>10.0f}"
+            f"{row['mb_per_s'] / raw['mb_per_s']:>9.2f}"
+        )
     bucketed = [r for r in rows if r["method"] == "bucketed"]
     best = max(bucketed, key=lambda r: r["mb_per_s"])
     guarded = next(r for r in rows if r["method"] == "guarded")
@@ -269,20 +322,29 @@ def main(argv: list[str] | None = None) -> int:
         "guard_overhead": guarded["total_ms"] / same["total_ms"] - 1.0,
         "bracket_overhead": bracket_s / handler_s if handler_s else float("nan"),
     }
-    print(f"\nbucketed / raw bytes/s (best, {best['bucket_mb']:g} MB buckets): "
-          f"{ratios['best_bucketed_over_raw']:.2f}   (target >= 0.9)")
-    print(f"bucketed / (raw + local pack and unpack copies):  "
-          f"{ratios['best_bucketed_over_raw_plus_copies']:.2f}   (how much of the copying the "
-          "pipeline hides)")
+    print(
+        f"\nbucketed / raw bytes/s (best, {best['bucket_mb']:g} MB buckets): "
+        f"{ratios['best_bucketed_over_raw']:.2f}   (target >= 0.9)"
+    )
+    print(
+        f"bucketed / (raw + local pack and unpack copies):  "
+        f"{ratios['best_bucketed_over_raw_plus_copies']:.2f}   (how much of the copying the "
+        "pipeline hides)"
+    )
     print(f"guarded / raw bytes/s:                        {ratios['guarded_over_raw']:.2f}")
-    print(f"guard overhead, end to end (guarded / bucketed time - 1, {guarded['bucket_mb']:g} MB):"
-          f" {ratios['guard_overhead'] * 100:+.1f}%   (target <= 5%; noisy under load)")
-    print(f"guard overhead, bracket only (pause + hold + fence / handler time, from the "
-          f"SyncReports): {ratios['bracket_overhead'] * 100:.2f}%")
+    print(
+        f"guard overhead, end to end (guarded / bucketed time - 1, {guarded['bucket_mb']:g} MB):"
+        f" {ratios['guard_overhead'] * 100:+.1f}%   (target <= 5%; noisy under load)"
+    )
+    print(
+        f"guard overhead, bracket only (pause + hold + fence / handler time, from the "
+        f"SyncReports): {ratios['bracket_overhead'] * 100:.2f}%"
+    )
     print(f"wall: {time.perf_counter() - started:.1f} s")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "result": result,
-                                               "ratios": ratios}, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "result": result, "ratios": ratios}, indent=2)
+        )
     return 0
 
 

@@ -71,8 +71,11 @@ class CaseResult:
 def _payload(size: int) -> dict[str, torch.Tensor]:
     """About ``size`` bytes of a rollout result: token ids, logprobs and a reward."""
     n = max(1, (size - 4) // 12)
-    return {"tokens": torch.arange(n, dtype=torch.int64), "logprobs": torch.randn(n),
-            "reward": torch.tensor(1.0)}
+    return {
+        "tokens": torch.arange(n, dtype=torch.int64),
+        "logprobs": torch.randn(n),
+        "reward": torch.tensor(1.0),
+    }
 
 
 def _run_case(sender: PayloadSender, config: Config, size: int, holds: bool) -> CaseResult:
@@ -103,14 +106,20 @@ def _run_case(sender: PayloadSender, config: Config, size: int, holds: bool) -> 
     if holds:
         syncer.join(30)
     after = sender.statistics()
-    return CaseResult(size, holds, count, elapsed, after.bytes_sent - before.bytes_sent,
-                      after.transfers - before.transfers, tuple(drains))
+    return CaseResult(
+        size,
+        holds,
+        count,
+        elapsed,
+        after.bytes_sent - before.bytes_sent,
+        after.transfers - before.transfers,
+        tuple(drains),
+    )
 
 
 def _bench_rank(rank: int, port: int, config: Config) -> Any:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    init_process_group(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
-                       timeout_s=30)
+    init_process_group(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}", timeout_s=30)
     result = _bench_side(rank, config)
     dist.barrier()  # nobody tears the groups down while a peer still talks on them
     return result
@@ -123,12 +132,12 @@ def _bench_side(rank: int, config: Config) -> Any:
         taken = sum(1 for _ in receiver.iter_payloads(timeout=60))
         receiver.close(30)
         return taken
-    sender = PayloadSender(groups, 0, capacity=config.capacity,
-                           max_in_flight=config.max_in_flight)
+    sender = PayloadSender(groups, 0, capacity=config.capacity, max_in_flight=config.max_in_flight)
     sender.wait_for_credit(30)
     _run_case(sender, Config(config.sizes[:1], 0.2, 10, 2, 0, 0, 0), config.sizes[0], False)
-    results = [_run_case(sender, config, size, holds)
-               for size in config.sizes for holds in (False, True)]
+    results = [
+        _run_case(sender, config, size, holds) for size in config.sizes for holds in (False, True)
+    ]
     sender.close(60)
     return results
 
@@ -141,31 +150,51 @@ def _fmt_size(size: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="1024,262144",
-                        help="payload sizes in bytes, comma-separated (default 1024,262144)")
-    parser.add_argument("--seconds", type=float, default=2.0,
-                        help="registration time per case (default 2.0)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--sizes",
+        default="1024,262144",
+        help="payload sizes in bytes, comma-separated (default 1024,262144)",
+    )
+    parser.add_argument(
+        "--seconds", type=float, default=2.0, help="registration time per case (default 2.0)"
+    )
     parser.add_argument("--hold-every-ms", type=float, default=10.0)
     parser.add_argument("--hold-ms", type=float, default=2.0)
     parser.add_argument("--capacity", type=int, default=64)
     parser.add_argument("--max-in-flight", type=int, default=32)
     parser.add_argument("--window", type=int, default=64)
     args = parser.parse_args(argv)
-    config = Config(tuple(int(s) for s in args.sizes.split(",")), args.seconds,
-                    args.hold_every_ms, args.hold_ms, args.capacity, args.max_in_flight,
-                    args.window)
-    results = run_processes(_bench_rank, 2, (find_free_port(), config), intra_op_threads=1,
-                            timeout_s=60 + 3 * len(config.sizes) * config.seconds * 2)[1]
+    config = Config(
+        tuple(int(s) for s in args.sizes.split(",")),
+        args.seconds,
+        args.hold_every_ms,
+        args.hold_ms,
+        args.capacity,
+        args.max_in_flight,
+        args.window,
+    )
+    results = run_processes(
+        _bench_rank,
+        2,
+        (find_free_port(), config),
+        intra_op_threads=1,
+        timeout_s=60 + 3 * len(config.sizes) * config.seconds * 2,
+    )[1]
 
     hold_label = f"{config.hold_ms:g} ms / {config.hold_every_ms:g} ms"
-    print(f"payload transport, gloo on 127.0.0.1, 1 rollout -> 1 trainer, "
-          f"capacity {config.capacity}, max_in_flight {config.max_in_flight}, "
-          f"window {config.window}, {config.seconds:g} s per case")
-    header = (f"{'payload':>9}  {'holds':>16}  {'payloads':>8}  {'payloads/s':>10}  "
-              f"{'MB/s':>8}  {'per xfer':>8}  {'holds':>5}  {'drain p50 ms':>12}  "
-              f"{'drain p99 ms':>12}")
+    print(
+        f"payload transport, gloo on 127.0.0.1, 1 rollout -> 1 trainer, "
+        f"capacity {config.capacity}, max_in_flight {config.max_in_flight}, "
+        f"window {config.window}, {config.seconds:g} s per case"
+    )
+    header = (
+        f"{'payload':>9}  {'holds':>16}  {'payloads':>8}  {'payloads/s':>10}  "
+        f"{'MB/s':>8}  {'per xfer':>8}  {'holds':>5}  {'drain p50 ms':>12}  "
+        f"{'drain p99 ms':>12}"
+    )
     print(header)
     print("-" * len(header))
     by_key: dict[tuple[int, bool], CaseResult] = {}
@@ -174,18 +203,24 @@ def main(argv: list[str] | None = None) -> int:
         drain = summarize(list(r.drains_s))
         p50 = f"{drain.p50_ms:.3f}" if r.drains_s else "-"
         p99 = f"{drain.p99_ms:.3f}" if r.drains_s else "-"
-        print(f"{_fmt_size(r.size):>9}  {hold_label if r.holds else 'none':>16}  "
-              f"{r.payloads:>8}  {r.payloads_per_s:>10.0f}  {r.mb_per_s:>8.1f}  "
-              f"{r.payloads / max(1, r.transfers):>8.1f}  {len(r.drains_s):>5}  {p50:>12}  "
-              f"{p99:>12}")
+        print(
+            f"{_fmt_size(r.size):>9}  {hold_label if r.holds else 'none':>16}  "
+            f"{r.payloads:>8}  {r.payloads_per_s:>10.0f}  {r.mb_per_s:>8.1f}  "
+            f"{r.payloads / max(1, r.transfers):>8.1f}  {len(r.drains_s):>5}  {p50:>12}  "
+            f"{p99:>12}"
+        )
     held_fraction = config.hold_ms / config.hold_every_ms
-    print(f"\nthroughput with holds / without (holds keep egress shut "
-          f"{held_fraction:.0%} of the time):")
+    print(
+        f"\nthroughput with holds / without (holds keep egress shut "
+        f"{held_fraction:.0%} of the time):"
+    )
     for size in config.sizes:
         plain, held = by_key[(size, False)], by_key[(size, True)]
         ratio = held.payloads_per_s / plain.payloads_per_s
-        print(f"  {_fmt_size(size):>9}: payloads/s {ratio:.2f}x"
-              f"   MB/s {held.mb_per_s / plain.mb_per_s:.2f}x")
+        print(
+            f"  {_fmt_size(size):>9}: payloads/s {ratio:.2f}x"
+            f"   MB/s {held.mb_per_s / plain.mb_per_s:.2f}x"
+        )
     return 0
 
 

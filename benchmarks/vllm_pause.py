@@ -77,8 +77,7 @@ def _pause_modes(backend: VLLMAsyncBackend, runs: int, long_tokens: int) -> dict
     return rows
 
 
-def _throughput(backend: VLLMAsyncBackend, runs: int, streams: int,
-                tokens: int) -> dict[str, Any]:
+def _throughput(backend: VLLMAsyncBackend, runs: int, streams: int, tokens: int) -> dict[str, Any]:
     engine = backend.engine
     prompts = [[5 + i, 6, 7, 8] for i in range(streams)]
     params = greedy_params(tokens)
@@ -89,8 +88,9 @@ def _throughput(backend: VLLMAsyncBackend, runs: int, streams: int,
             from vllm.inputs import TokensPrompt
 
             last = None
-            async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), params,
-                                             f"raw-{next(counter)}"):
+            async for out in engine.generate(
+                TokensPrompt(prompt_token_ids=prompt), params, f"raw-{next(counter)}"
+            ):
                 last = out
             assert last is not None
             return len(last.outputs[0].token_ids)
@@ -122,22 +122,27 @@ def _throughput(backend: VLLMAsyncBackend, runs: int, streams: int,
     names = list(cases)
     for i in range(runs):
         # Rotate the order so that drift in the machine's load does not favour one case.
-        for name in names[i % 3:] + names[: i % 3]:
+        for name in names[i % 3 :] + names[: i % 3]:
             samples[name].append(cases[name]())
     rates: dict[str, Any] = {name: statistics.median(values) for name, values in samples.items()}
     # Ratios run by run (each from three adjacent measurements), then the median: robust to
     # load that drifts over the benchmark.
     for name in ("backend", "backend+trace"):
         rates[f"{name}/raw"] = statistics.median(
-            b / r for b, r in zip(samples[name], samples["raw"]))
+            b / r for b, r in zip(samples[name], samples["raw"], strict=True)
+        )
     return rates
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=7, help="repetitions per case (default 7)")
-    parser.add_argument("--long-tokens", type=int, default=480,
-                        help="tokens of the long request in flight (default 480)")
+    parser.add_argument(
+        "--long-tokens",
+        type=int,
+        default=480,
+        help="tokens of the long request in flight (default 480)",
+    )
     parser.add_argument("--streams", type=int, default=4, help="concurrent requests, tokens/s")
     parser.add_argument("--tokens", type=int, default=256, help="tokens per request, tokens/s")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON too")
@@ -150,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             backend = VLLMAsyncBackend(
                 VLLMEngineConfig(tmp, dtype="float32", kv_cache_memory_bytes=64 << 20),
-                timeline=Timeline(), pause_timeout=120.0,
+                timeline=Timeline(),
+                pause_timeout=120.0,
             )
         except VLLMUnavailableError as exc:
             print(exc, file=sys.stderr)
@@ -159,17 +165,25 @@ def main(argv: list[str] | None = None) -> int:
             modes = _pause_modes(backend, args.runs, args.long_tokens)
             rates = _throughput(backend, args.runs, args.streams, args.tokens)
 
-    print(f"Pause modes, a {args.long_tokens}-token request in flight, {args.runs} runs "
-          "(ms; sync = pause + verified weight write + resume)")
-    print(f"{'mode':<7}{'park p50':>10}{'park max':>10}{'write p50':>11}{'sync p50':>10}"
-          f"{'sync max':>10}  request ends (reason/tokens)")
+    print(
+        f"Pause modes, a {args.long_tokens}-token request in flight, {args.runs} runs "
+        "(ms; sync = pause + verified weight write + resume)"
+    )
+    print(
+        f"{'mode':<7}{'park p50':>10}{'park max':>10}{'write p50':>11}{'sync p50':>10}"
+        f"{'sync max':>10}  request ends (reason/tokens)"
+    )
     for mode, row in modes.items():
-        print(f"{mode:<7}{row['park_ms_p50']:>10.1f}{row['park_ms_max']:>10.1f}"
-              f"{row['write_ms_p50']:>11.1f}{row['sync_ms_p50']:>10.1f}{row['sync_ms_max']:>10.1f}"
-              f"  {row['request_end']}")
+        print(
+            f"{mode:<7}{row['park_ms_p50']:>10.1f}{row['park_ms_max']:>10.1f}"
+            f"{row['write_ms_p50']:>11.1f}{row['sync_ms_p50']:>10.1f}{row['sync_ms_max']:>10.1f}"
+            f"  {row['request_end']}"
+        )
     print()
-    print(f"Decode tokens/s, {args.streams} requests x {args.tokens} tokens, no sync pending "
-          f"(median of {args.runs})")
+    print(
+        f"Decode tokens/s, {args.streams} requests x {args.tokens} tokens, no sync pending "
+        f"(median of {args.runs})"
+    )
     for name in ("raw", "backend", "backend+trace"):
         print(f"{name:<15}{rates[name]:>10.1f}")
     keep, wait = modes["keep"], modes["wait"]

@@ -148,9 +148,18 @@ def coalesce(buffers: Sequence[torch.Tensor]) -> torch.Tensor | None:
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
     for d in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16,
-        torch.complex64, torch.complex128,
-        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.complex64,
+        torch.complex128,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
     )
 }
 
@@ -171,29 +180,36 @@ def pack_payload(
             supported dtype, or ``meta`` is not JSON-serialisable. Nothing is allocated then.
     """
     if not isinstance(tensors, Mapping):
-        raise TypeError(f"payload tensors must be a mapping of name to tensor, got "
-                        f"{type(tensors).__name__}")
+        raise TypeError(
+            f"payload tensors must be a mapping of name to tensor, got {type(tensors).__name__}"
+        )
     entries: list[list[Any]] = []
     offset = 0
     for name, tensor in tensors.items():
         if not isinstance(name, str):
             raise TypeError(f"payload tensor names must be str, got {name!r}")
         if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
-            raise TypeError(f"payload entry {name!r} must be a dense torch.Tensor, got "
-                            f"{type(tensor).__name__}")
+            raise TypeError(
+                f"payload entry {name!r} must be a dense torch.Tensor, got {type(tensor).__name__}"
+            )
         dtype_name = str(tensor.dtype).removeprefix("torch.")
         if dtype_name not in _DTYPES:
-            raise ValueError(f"payload entry {name!r} has unsupported dtype {tensor.dtype}; "
-                             f"supported: {', '.join(sorted(_DTYPES))}")
+            raise ValueError(
+                f"payload entry {name!r} has unsupported dtype {tensor.dtype}; "
+                f"supported: {', '.join(sorted(_DTYPES))}"
+            )
         nbytes = tensor.numel() * tensor.element_size()
         entries.append([name, dtype_name, list(tensor.shape), offset, nbytes])
         offset = _aligned(offset + nbytes)
     try:
-        manifest = json.dumps({"meta": dict(meta or {}), "tensors": entries},
-                              separators=(",", ":"), allow_nan=True).encode()
+        manifest = json.dumps(
+            {"meta": dict(meta or {}), "tensors": entries}, separators=(",", ":"), allow_nan=True
+        ).encode()
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"payload metadata must be JSON-serialisable (small scalars, strings, "
-                         f"lists, dicts; send arrays as tensors): {exc}") from exc
+        raise ValueError(
+            f"payload metadata must be JSON-serialisable (small scalars, strings, "
+            f"lists, dicts; send arrays as tensors): {exc}"
+        ) from exc
     data_start = _aligned(8 + len(manifest))
     # offset is aligned after every tensor, so the whole buffer's size is aligned too.
     head = bytearray(data_start)
@@ -224,8 +240,9 @@ def unpack_payload(buffer: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[
             tensors[name] = raw.view(_DTYPES[dtype_name]).reshape(shape)
         meta: dict[str, Any] = manifest["meta"]
     except (ValueError, KeyError, TypeError, RuntimeError) as exc:
-        raise PayloadTransportError(f"received a malformed payload buffer of "
-                                    f"{buffer.numel()} bytes: {exc}") from exc
+        raise PayloadTransportError(
+            f"received a malformed payload buffer of {buffer.numel()} bytes: {exc}"
+        ) from exc
     return tensors, meta
 
 
@@ -252,9 +269,7 @@ def timedelta_s(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=max(seconds, 1e-3))
 
 
-def wait_works(
-    works: Sequence[dist.Work], device: torch.device, timeout: float, what: str
-) -> None:
+def wait_works(works: Sequence[dist.Work], device: torch.device, timeout: float, what: str) -> None:
     """Wait until ``works`` have *completed* (not merely been enqueued), within ``timeout`` s.
 
     On gloo ``wait`` returns on completion. On NCCL it only makes the current stream wait, so
@@ -325,8 +340,14 @@ class TransportEnd:
     _state: _FailureRecord
     _conditions: tuple[threading.Condition, ...]
 
-    def __init__(self, *, name: str, default_timeout: float,
-                 hold_timeout_error: type[GateTimeout], failure_subject: str) -> None:
+    def __init__(
+        self,
+        *,
+        name: str,
+        default_timeout: float,
+        hold_timeout_error: type[GateTimeout],
+        failure_subject: str,
+    ) -> None:
         self.default_timeout = default_timeout
         # Private: the bookkeeping counts every hold, so a hold must come through _hold.
         self._gate = Gate(

@@ -282,8 +282,9 @@ class ThreadedRolloutBackend(RolloutBase):
             if timeline is None:
                 yield
             else:
-                with timeline.span(SpanKind.PAUSE, "generation paused",
-                                   park_ms=(time.monotonic_ns() - start) / 1e6):
+                with timeline.span(
+                    SpanKind.PAUSE, "generation paused", park_ms=(time.monotonic_ns() - start) / 1e6
+                ):
                     yield
 
     def statistics(self) -> BackendStatistics:

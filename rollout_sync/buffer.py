@@ -118,8 +118,10 @@ class WeightBuffer:
         reverse_fence: bool = True,
     ) -> None:
         if mode not in _ASYNC_MODES:
-            raise ValueError(f"a WeightBuffer serves an async mode, got {mode}; "
-                             "SyncMode.SYNC writes the served tensors directly")
+            raise ValueError(
+                f"a WeightBuffer serves an async mode, got {mode}; "
+                "SyncMode.SYNC writes the served tensors directly"
+            )
         if not served:
             raise ValueError("a WeightBuffer needs at least one served tensor to clone")
         with torch.no_grad():
@@ -145,8 +147,10 @@ class WeightBuffer:
     def __repr__(self) -> str:
         s = self.statistics()
         state = "writing" if s.writing else "installing" if s.installing else "idle"
-        return (f"<WeightBuffer {self.mode.value} {state}: published v{s.published_version}, "
-                f"installed v{s.installed_version}, {s.superseded} superseded>")
+        return (
+            f"<WeightBuffer {self.mode.value} {state}: published v{s.published_version}, "
+            f"installed v{s.installed_version}, {s.superseded} superseded>"
+        )
 
     # -- the writer (the weight-sync thread) ---------------------------------------------------
 
@@ -167,8 +171,10 @@ class WeightBuffer:
         deadline = time.monotonic() + limit
         with self._lock:
             if self._writing:
-                raise RuntimeError("WeightBuffer.write: another write is in progress; "
-                                   "only the weight-sync thread writes the buffer")
+                raise RuntimeError(
+                    "WeightBuffer.write: another write is in progress; "
+                    "only the weight-sync thread writes the buffer"
+                )
             if self.reverse_fence and self._installing:
                 self._fence_waits += 1
                 while self._installing:
@@ -177,7 +183,8 @@ class WeightBuffer:
                         raise FenceTimeout(
                             f"WeightBuffer.write: an install of v{self._published} was "
                             f"still reading the buffer after {limit:.1f} s (reverse fence); "
-                            "is a safe point stuck?")
+                            "is a safe point stuck?"
+                        )
             install_event = self._install_event
             self._writing = True
             if self._published is not None and not self._published_installed:
@@ -227,9 +234,11 @@ class WeightBuffer:
         event: Any = None
         ok = False
         try:
-            span = (self.timeline.span(SpanKind.WEIGHT_WRITE, f"install v{version}",
-                                       previous=previous)
-                    if self.timeline is not None else None)
+            span = (
+                self.timeline.span(SpanKind.WEIGHT_WRITE, f"install v{version}", previous=previous)
+                if self.timeline is not None
+                else None
+            )
             if span is None:
                 rollout.load_weights(self.tensors)
             else:
@@ -283,8 +292,9 @@ def _record_event_if_cuda(tensors: Mapping[str, torch.Tensor]) -> Any:
 def _wait_event(event: Any, deadline: float, limit: float, what: str) -> None:
     while not event.query():
         if time.monotonic() > deadline:
-            raise FenceTimeout(f"WeightBuffer.write: {what} did not complete within "
-                               f"{limit:.1f} s (reverse fence)")
+            raise FenceTimeout(
+                f"WeightBuffer.write: {what} did not complete within {limit:.1f} s (reverse fence)"
+            )
         time.sleep(50e-6)  # polling a CUDA event; synchronize() would not honour the limit
 
 
@@ -372,10 +382,13 @@ class WeightSyncThread:
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        state = ("stopped" if self._stopped else "running" if self._thread.is_alive()
-                 else "not started")
-        return (f"<WeightSyncThread {state}: {self._queue.qsize()} queued, {self._done} done, "
-                f"{self._failed} failed>")
+        state = (
+            "stopped" if self._stopped else "running" if self._thread.is_alive() else "not started"
+        )
+        return (
+            f"<WeightSyncThread {state}: {self._queue.qsize()} queued, {self._done} done, "
+            f"{self._failed} failed>"
+        )
 
     def start(self) -> WeightSyncThread:
         with self._lock:
@@ -390,8 +403,9 @@ class WeightSyncThread:
             raise ValueError(f"job kind must be 'p2r' or 'r2r', got {kind!r}")
         with self._lock:
             if self._stopped:
-                raise WeightSyncThreadError(f"{kind} job submitted after the weight-sync "
-                                            "thread was stopped")
+                raise WeightSyncThreadError(
+                    f"{kind} job submitted after the weight-sync thread was stopped"
+                )
         self.start()
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         priority = _P2R_PRIORITY if kind == "p2r" else _R2R_PRIORITY
@@ -420,7 +434,8 @@ class WeightSyncThread:
             raise WeightSyncThreadError(
                 f"the weight-sync thread did not drain and stop within {timeout:.1f} s "
                 f"({self._queue.qsize()} job(s) still queued; a transfer is likely waiting for "
-                "a peer)")
+                "a peer)"
+            )
         if self._error is not None:
             raise WeightSyncThreadError("the weight-sync thread failed") from self._error
 

@@ -34,37 +34,68 @@ def _build_parser() -> argparse.ArgumentParser:
         "bit-identical to the trainer. Guarded by default; --in-process runs the threads-only "
         "demo.",
     )
-    demo.add_argument("--replicas", type=int, default=3,
-                      help="rollout replica processes next to the trainer process (default 3)")
-    demo.add_argument("--steps", type=int, default=30,
-                      help="training steps, each a P2R plus an R2R (default 30)")
-    demo.add_argument("--backend", default=None,
-                      help="rollout engine, by name: torch_lm (the tiny torch LM under the "
-                      "stream scheduler; the default) or torn_read (a fake model stamped with "
-                      "its version; the default with --in-process, and with an async --mode, "
-                      "which the stream LM does not run); vllm runs a tiny Llama on vLLM in "
-                      "this process (needs the extra: pip install 'rollout-sync[vllm]')")
-    demo.add_argument("--mode", choices=[m.value for m in SyncMode], default="sync",
-                      help="weight sync mode (default sync: pause generation, write in place)")
-    demo.add_argument("--model-mb", type=float, default=8.0,
-                      help="--backend torn_read: size of the synced model in MiB (default 8); "
-                      "torch_lm syncs the tiny LM's own parameters")
-    demo.add_argument("--bucket-mb", type=float, default=4.0,
-                      help="transfer bucket size in MiB (default 4)")
+    demo.add_argument(
+        "--replicas",
+        type=int,
+        default=3,
+        help="rollout replica processes next to the trainer process (default 3)",
+    )
+    demo.add_argument(
+        "--steps", type=int, default=30, help="training steps, each a P2R plus an R2R (default 30)"
+    )
+    demo.add_argument(
+        "--backend",
+        default=None,
+        help="rollout engine, by name: torch_lm (the tiny torch LM under the "
+        "stream scheduler; the default) or torn_read (a fake model stamped with "
+        "its version; the default with --in-process, and with an async --mode, "
+        "which the stream LM does not run); vllm runs a tiny Llama on vLLM in "
+        "this process (needs the extra: pip install 'rollout-sync[vllm]')",
+    )
+    demo.add_argument(
+        "--mode",
+        choices=[m.value for m in SyncMode],
+        default="sync",
+        help="weight sync mode (default sync: pause generation, write in place)",
+    )
+    demo.add_argument(
+        "--model-mb",
+        type=float,
+        default=8.0,
+        help="--backend torn_read: size of the synced model in MiB (default 8); "
+        "torch_lm syncs the tiny LM's own parameters",
+    )
+    demo.add_argument(
+        "--bucket-mb", type=float, default=4.0, help="transfer bucket size in MiB (default 4)"
+    )
     demo.add_argument("--checksums", action="store_true", help="checksum every bucket")
-    demo.add_argument("--in-process", action="store_true",
-                      help="run the single-process demo instead (threads, no torch.distributed)")
-    demo.add_argument("--syncs", type=int, default=200,
-                      help="weight syncs of the --in-process demo (default 200)")
-    demo.add_argument("--stream", action="store_true",
-                      help="with --in-process --backend torch_lm: stream generation on the "
-                      "scheduler thread (without it, blocking generate and syncs alternate)")
-    demo.add_argument("--unguarded", action="store_true",
-                      help="run without the guard: expect torn reads and egress overlaps")
-    demo.add_argument("--trace", metavar="PATH",
-                      help="write the timeline as Chrome/Perfetto trace JSON")
-    demo.add_argument("--json", action="store_true",
-                      help="also print the report as one JSON object on the last line")
+    demo.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run the single-process demo instead (threads, no torch.distributed)",
+    )
+    demo.add_argument(
+        "--syncs", type=int, default=200, help="weight syncs of the --in-process demo (default 200)"
+    )
+    demo.add_argument(
+        "--stream",
+        action="store_true",
+        help="with --in-process --backend torch_lm: stream generation on the "
+        "scheduler thread (without it, blocking generate and syncs alternate)",
+    )
+    demo.add_argument(
+        "--unguarded",
+        action="store_true",
+        help="run without the guard: expect torn reads and egress overlaps",
+    )
+    demo.add_argument(
+        "--trace", metavar="PATH", help="write the timeline as Chrome/Perfetto trace JSON"
+    )
+    demo.add_argument(
+        "--json",
+        action="store_true",
+        help="also print the report as one JSON object on the last line",
+    )
     return parser
 
 
@@ -81,8 +112,9 @@ def _format_report(report: dict[str, Any]) -> str:
 
 
 def _hazards(report: dict[str, Any]) -> int:
-    return int(report["torn_reads"] + report["egress_overlaps"]
-               + report.get("forward_write_overlaps", 0))
+    return int(
+        report["torn_reads"] + report["egress_overlaps"] + report.get("forward_write_overlaps", 0)
+    )
 
 
 def _broken(report: dict[str, Any]) -> str | None:
@@ -104,12 +136,17 @@ def _verdict(report: dict[str, Any]) -> str:
         return f"FAIL: {broken}."
     hazards = _hazards(report)
     if report["guarded"]:
-        return ("OK: no forward read torn weights and no payload transfer overlapped a weight "
-                "sync." if hazards == 0 else f"FAIL: {hazards} hazards observed while guarded.")
-    return (f"Unguarded: {report['torn_reads']} torn reads, "
-            f"{report.get('forward_write_overlaps', 0)} forward/weight-write overlaps, "
-            f"{report['egress_overlaps']} payload-transfer/weight-sync overlaps - the hazards the "
-            "guard prevents.")
+        return (
+            "OK: no forward read torn weights and no payload transfer overlapped a weight sync."
+            if hazards == 0
+            else f"FAIL: {hazards} hazards observed while guarded."
+        )
+    return (
+        f"Unguarded: {report['torn_reads']} torn reads, "
+        f"{report.get('forward_write_overlaps', 0)} forward/weight-write overlaps, "
+        f"{report['egress_overlaps']} payload-transfer/weight-sync overlaps - the hazards the "
+        "guard prevents."
+    )
 
 
 def _run_vllm_demo(args: argparse.Namespace, timeline: Timeline) -> dict[str, Any] | None:
@@ -120,8 +157,7 @@ def _run_vllm_demo(args: argparse.Namespace, timeline: Timeline) -> dict[str, An
     try:
         from .backends.vllm_demo import VLLMDemoConfig, run_vllm_demo
 
-        return run_vllm_demo(VLLMDemoConfig(syncs=args.syncs, guarded=not args.unguarded),
-                             timeline)
+        return run_vllm_demo(VLLMDemoConfig(syncs=args.syncs, guarded=not args.unguarded), timeline)
     except VLLMUnavailableError as exc:
         print(f"rollout-sync demo --backend vllm: {exc}", file=sys.stderr)
         return None
@@ -131,8 +167,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     timeline = Timeline()
     mode = SyncMode(args.mode)
     if args.backend is None:
-        args.backend = ("torch_lm" if mode is SyncMode.SYNC and not args.in_process
-                        else "torn_read")
+        args.backend = "torch_lm" if mode is SyncMode.SYNC and not args.in_process else "torn_read"
     if args.stream and not (args.in_process and args.backend == "torch_lm"):
         raise SystemExit("--stream needs --backend torch_lm (with --in-process)")
     if args.backend == "vllm":
@@ -145,8 +180,7 @@ def _run_demo(args: argparse.Namespace) -> int:
             raise SystemExit("--syncs must be at least 1")
         if args.backend == "torch_lm":
             report = run_stream_demo(
-                StreamDemoConfig(syncs=args.syncs, guarded=not args.unguarded,
-                                 stream=args.stream),
+                StreamDemoConfig(syncs=args.syncs, guarded=not args.unguarded, stream=args.stream),
                 timeline,
             )
         else:
@@ -160,14 +194,20 @@ def _run_demo(args: argparse.Namespace) -> int:
             raise SystemExit(f"unknown --backend {args.backend!r}; known: {sorted(DEMO_BACKENDS)}")
         modes = sorted(m.value for m in DEMO_BACKENDS[args.backend].modes)
         if mode.value not in modes:
-            raise SystemExit(f"--backend {args.backend} runs --mode {'/'.join(modes)}, not "
-                             f"{mode.value}; use --backend torn_read for the async modes")
+            raise SystemExit(
+                f"--backend {args.backend} runs --mode {'/'.join(modes)}, not "
+                f"{mode.value}; use --backend torn_read for the async modes"
+            )
         defaults = DistributedDemoConfig()
         numel = max(1, int(args.model_mb * (1 << 20) / 4 / defaults.num_tensors))
         report = run_distributed_demo(
             DistributedDemoConfig(
-                replicas=args.replicas, steps=args.steps, backend=args.backend,
-                mode=mode, guarded=not args.unguarded, numel=numel,
+                replicas=args.replicas,
+                steps=args.steps,
+                backend=args.backend,
+                mode=mode,
+                guarded=not args.unguarded,
+                numel=numel,
                 bucket_bytes=max(64, int(args.bucket_mb * (1 << 20))),
                 checksums=args.checksums,
             ),

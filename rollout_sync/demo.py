@@ -50,8 +50,13 @@ class InProcessWorker:
     written by overriding :meth:`write_weights`.
     """
 
-    def __init__(self, rollout: RolloutBase, packer: object | None, timeline: Timeline | None,
-                 timeout_s: float) -> None:
+    def __init__(
+        self,
+        rollout: RolloutBase,
+        packer: object | None,
+        timeline: Timeline | None,
+        timeout_s: float,
+    ) -> None:
         self.rollout = rollout
         self.data_packer = packer
         self.timeline = timeline
@@ -70,14 +75,17 @@ class InProcessWorker:
         self.rollout.commit_weight_version(version)
 
     @weight_sync_handler
-    def receive_weights(self, version: int,
-                        weights: Mapping[str, torch.Tensor] | None = None) -> None:
+    def receive_weights(
+        self, version: int, weights: Mapping[str, torch.Tensor] | None = None
+    ) -> None:
         self.write_weights(version, weights)
 
-    def receive_weights_unguarded(self, version: int,
-                                  weights: Mapping[str, torch.Tensor] | None = None) -> None:
-        with weight_sync_bracket(None, name="receive_weights", pause=False, hold=False,
-                                 timeline=self.timeline) as bracket:
+    def receive_weights_unguarded(
+        self, version: int, weights: Mapping[str, torch.Tensor] | None = None
+    ) -> None:
+        with weight_sync_bracket(
+            None, name="receive_weights", pause=False, hold=False, timeline=self.timeline
+        ) as bracket:
             self.write_weights(version, weights)
         assert bracket.report is not None
         self.on_weight_sync_report(bracket.report)
@@ -109,8 +117,9 @@ class _WorkerPusher:
         self.channel = channel
         self.receive = worker.receive_weights if guarded else worker.receive_weights_unguarded
 
-    def push_weights(self, weights: Mapping[str, torch.Tensor], *, version: int,
-                     timeout: float) -> None:
+    def push_weights(
+        self, weights: Mapping[str, torch.Tensor], *, version: int, timeout: float
+    ) -> None:
         command = self.channel.receive(timeout)
         if command.version != version:
             raise RuntimeError(f"announced v{command.version}, pushing v{version}")
@@ -123,10 +132,12 @@ def run_in_process_demo(
     """Run the in-process demo and return its report (see the CLI for the keys)."""
     timeline = timeline if timeline is not None else Timeline()
     model = VersionStampedModel(config.num_tensors, config.numel, timeline=timeline)
-    packer = RecordingPacker(capacity=32, send_s=config.send_s, timeline=timeline,
-                             default_timeout=config.timeout_s)
-    backend = TornReadBackend(model, packer=packer, pause_timeout=config.timeout_s,
-                              timeline=timeline)
+    packer = RecordingPacker(
+        capacity=32, send_s=config.send_s, timeline=timeline, default_timeout=config.timeout_s
+    )
+    backend = TornReadBackend(
+        model, packer=packer, pause_timeout=config.timeout_s, timeline=timeline
+    )
     worker = _DemoWorker(backend, packer, timeline, config.timeout_s)
     channel = QueueCommandChannel()
     # The trainer's side: stamps the weights of the version about to be pushed.
@@ -161,8 +172,11 @@ def run_in_process_demo(
     drain = summarize([r.egress_drain_s for r in worker.reports])
     handler = summarize([r.handler_s for r in worker.reports])
     fence = summarize([r.fence_s for r in worker.reports])
-    egress_overlaps = [o for o in timeline.overlaps()
-                       if o.first.kind in (SpanKind.PAYLOAD_SEND, SpanKind.PAYLOAD_RECV)]
+    egress_overlaps = [
+        o
+        for o in timeline.overlaps()
+        if o.first.kind in (SpanKind.PAYLOAD_SEND, SpanKind.PAYLOAD_RECV)
+    ]
     return {
         "mode": "in_process",
         "guarded": config.guarded,

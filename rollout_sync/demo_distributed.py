@@ -162,8 +162,13 @@ DEMO_BACKENDS: dict[str, DemoBackend] = {}
 """Engines the demo can run, by name."""
 
 
-def register_demo_backend(name: str, engine: EngineFactory, trainer_model: TrainerModel, *,
-                          modes: Iterable[SyncMode] = (SyncMode.SYNC,)) -> None:
+def register_demo_backend(
+    name: str,
+    engine: EngineFactory,
+    trainer_model: TrainerModel,
+    *,
+    modes: Iterable[SyncMode] = (SyncMode.SYNC,),
+) -> None:
     """Make an engine available as ``--backend name``.
 
     Register at import time of a module that the demo imports, since the processes are
@@ -182,14 +187,20 @@ class _StreamingLM(TorchLMStreamBackend):
     then the scheduler, then ships what is left.
     """
 
-    def __init__(self, config: DistributedDemoConfig, timeline: Timeline,
-                 sender: PayloadSender, seed: int) -> None:
-        super().__init__(config.model, max_concurrent=config.max_concurrent,
-                         pause_timeout=config.timeout_s, timeline=timeline)
+    def __init__(
+        self, config: DistributedDemoConfig, timeline: Timeline, sender: PayloadSender, seed: int
+    ) -> None:
+        super().__init__(
+            config.model,
+            max_concurrent=config.max_concurrent,
+            pause_timeout=config.timeout_s,
+            timeline=timeline,
+        )
         self.demo = config
         self.sender = sender
         self.results: dict[str, int] = dict.fromkeys(
-            ("results_straddled_sync", "results_cancelled", "results_failed"), 0)
+            ("results_straddled_sync", "results_cancelled", "results_failed"), 0
+        )
         self._rng = random.Random(seed)
         self._stopping = threading.Event()
         self._feeder: threading.Thread | None = None
@@ -213,8 +224,10 @@ class _StreamingLM(TorchLMStreamBackend):
             if self._feeder is not None:
                 self._feeder.join(timeout)
                 if self._feeder.is_alive():
-                    raise TimeoutError(f"the demo's feeder thread did not stop within "
-                                       f"{timeout:.1f} s (blocked registering a payload?)")
+                    raise TimeoutError(
+                        f"the demo's feeder thread did not stop within "
+                        f"{timeout:.1f} s (blocked registering a payload?)"
+                    )
         finally:
             super().stop(max(0.0, deadline - time.monotonic()), finish_active=finish_active)
         self._ship(self.get_all(), max(0.0, deadline - time.monotonic()))
@@ -225,8 +238,7 @@ class _StreamingLM(TorchLMStreamBackend):
         try:
             while not self._stopping.is_set():
                 backlog = self.scheduler.statistics()
-                for _ in range(2 * self.scheduler.max_concurrent - backlog.queued
-                               - backlog.active):
+                for _ in range(2 * self.scheduler.max_concurrent - backlog.queued - backlog.active):
                     self.put(self._request())
                 try:
                     # Bounded so that a stop is seen while nothing finishes (a long sync).
@@ -241,8 +253,10 @@ class _StreamingLM(TorchLMStreamBackend):
         rng, cfg = self._rng, self.demo
         prompt = tuple(rng.randrange(cfg.model.vocab_size) for _ in range(rng.randint(2, 12)))
         return GenerationRequest(
-            prompt, max_new_tokens=rng.randint(cfg.min_new_tokens, cfg.max_new_tokens),
-            sampling=SamplingParams(temperature=1.0, seed=rng.getrandbits(32)))
+            prompt,
+            max_new_tokens=rng.randint(cfg.min_new_tokens, cfg.max_new_tokens),
+            sampling=SamplingParams(temperature=1.0, seed=rng.getrandbits(32)),
+        )
 
     def _ship(self, results: Sequence[GenerationResult], timeout: float) -> None:
         for result in results:
@@ -256,8 +270,9 @@ class _StreamingLM(TorchLMStreamBackend):
                 {
                     "tokens": torch.tensor(result.tokens, dtype=torch.int64),
                     "logprobs": torch.tensor(result.logprobs, dtype=torch.float32),
-                    "weight_versions": torch.tensor(result.token_weight_versions,
-                                                    dtype=torch.int64),
+                    "weight_versions": torch.tensor(
+                        result.token_weight_versions, dtype=torch.int64
+                    ),
                 },
                 {
                     "request_id": result.request_id,
@@ -271,21 +286,27 @@ class _StreamingLM(TorchLMStreamBackend):
             self.results["results_straddled_sync"] += result.straddled_sync
 
 
-def _torch_lm_engine(config: DistributedDemoConfig, timeline: Timeline,
-                     sender: PayloadSender) -> DemoEngine:
+def _torch_lm_engine(
+    config: DistributedDemoConfig, timeline: Timeline, sender: PayloadSender
+) -> DemoEngine:
     engine = _StreamingLM(config, timeline, sender, seed=config.seed * 1009 + dist.get_rank())
 
     def counters() -> dict[str, int]:
         stats = engine.statistics()
-        return {"forwards": stats.forwards, "torn_forwards": stats.torn_forwards,
-                "generation_pauses": engine.scheduler.statistics().pauses, "installs": 0,
-                **engine.results}
+        return {
+            "forwards": stats.forwards,
+            "torn_forwards": stats.torn_forwards,
+            "generation_pauses": engine.scheduler.statistics().pauses,
+            "installs": 0,
+            **engine.results,
+        }
 
     return DemoEngine(engine, counters)
 
 
-def _torch_lm_trainer(config: DistributedDemoConfig) -> tuple[dict[str, torch.Tensor],
-                                                               Callable[[int], None]]:
+def _torch_lm_trainer(
+    config: DistributedDemoConfig,
+) -> tuple[dict[str, torch.Tensor], Callable[[int], None]]:
     """The trainer's TinyLM: seeded apart from the replicas' version 0, moved every step."""
     model = TinyCausalLM.build(config.model, seed=config.seed + 1)
     weights = {name: param.detach() for name, param in model.named_parameters()}
@@ -294,8 +315,9 @@ def _torch_lm_trainer(config: DistributedDemoConfig) -> tuple[dict[str, torch.Te
     def advance(step: int) -> None:
         with torch.no_grad():
             for tensor in weights.values():
-                tensor.add_(torch.randn(tensor.shape, generator=noise, dtype=tensor.dtype),
-                            alpha=1e-2)
+                tensor.add_(
+                    torch.randn(tensor.shape, generator=noise, dtype=tensor.dtype), alpha=1e-2
+                )
 
     return weights, advance
 
@@ -309,35 +331,39 @@ class _SenderPacker:
     def submit(self, payload: Any, timeout: float | None = None) -> None:
         self.sender.register_payload(
             {"weight_versions": torch.tensor(payload["versions"], dtype=torch.int64)},
-            timeout=timeout)
+            timeout=timeout,
+        )
 
 
-def _torn_read_engine(config: DistributedDemoConfig, timeline: Timeline,
-                      sender: PayloadSender) -> DemoEngine:
+def _torn_read_engine(
+    config: DistributedDemoConfig, timeline: Timeline, sender: PayloadSender
+) -> DemoEngine:
     model = VersionStampedModel(config.num_tensors, config.numel, timeline=timeline)
     packer = _SenderPacker(sender)
     backend: TornReadBackend
     if config.mode is SyncMode.SYNC:
-        backend = TornReadBackend(model, packer=packer, pause_timeout=config.timeout_s,
-                                  timeline=timeline)
+        backend = TornReadBackend(
+            model, packer=packer, pause_timeout=config.timeout_s, timeline=timeline
+        )
     else:
-        backend = AsyncTornReadBackend(model, packer=packer, pause_timeout=config.timeout_s,
-                                       timeline=timeline)
+        backend = AsyncTornReadBackend(
+            model, packer=packer, pause_timeout=config.timeout_s, timeline=timeline
+        )
 
     def counters() -> dict[str, int]:
         return {
             "forwards": model.forwards,
             "torn_forwards": model.torn_reads,
             "generation_pauses": backend.generation_gate.statistics().exclusive_acquired,
-            "installs": len(backend.installs) if isinstance(backend, AsyncTornReadBackend)
-            else 0,
+            "installs": len(backend.installs) if isinstance(backend, AsyncTornReadBackend) else 0,
         }
 
     return DemoEngine(backend, counters)
 
 
-def _torn_read_trainer(config: DistributedDemoConfig) -> tuple[dict[str, torch.Tensor],
-                                                                Callable[[int], None]]:
+def _torn_read_trainer(
+    config: DistributedDemoConfig,
+) -> tuple[dict[str, torch.Tensor], Callable[[int], None]]:
     """Version ``v`` is ``v + pattern`` with the pattern in [0, 0.5): the stamp a forward reads
     (``int(x)``) is ``v``, and the bytes differ from element to element, so the bit-identical
     check compares real data, not a constant."""
@@ -373,10 +399,15 @@ def weights_digest(weights: Mapping[str, torch.Tensor]) -> str:
 # -- the processes -----------------------------------------------------------------------------
 
 
-def _demo_process(rank: int, config: DistributedDemoConfig, port: int,
-                  queues: dict[int, Any]) -> dict[str, Any]:
-    init_process_group(rank=rank, world_size=config.replicas + 1,
-                       init_method=f"tcp://127.0.0.1:{port}", timeout_s=config.timeout_s)
+def _demo_process(
+    rank: int, config: DistributedDemoConfig, port: int, queues: dict[int, Any]
+) -> dict[str, Any]:
+    init_process_group(
+        rank=rank,
+        world_size=config.replicas + 1,
+        init_method=f"tcp://127.0.0.1:{port}",
+        timeout_s=config.timeout_s,
+    )
     groups = build_sync_groups(0, range(1, config.replicas + 1), timeout_s=config.timeout_s)
     # The control group's timeout is the longest a reader waits for the next frame, so it
     # must outlast any hold (transport.py); credit expiry keeps an idle pair talking anyway.
@@ -410,8 +441,10 @@ class _ReplicaCommands:
                 self.queues[rank].put(Stop(), timeout=timeout)
 
     def receive(self, timeout: float) -> WeightSyncCommand:
-        raise TypeError("the replicas take their commands from their queues "
-                        "(RolloutWorker(commands=...)), not from this channel")
+        raise TypeError(
+            "the replicas take their commands from their queues "
+            "(RolloutWorker(commands=...)), not from this channel"
+        )
 
 
 class _Rollouts:
@@ -425,8 +458,9 @@ class _Rollouts:
         self.payloads = self.tokens = self.nbytes = self.invalid = 0
         self.stale: list[int] = []
 
-    def take_for(self, receiver: PayloadReceiver, seconds: float,
-                 trainer_version: int) -> dict[str, Any]:
+    def take_for(
+        self, receiver: PayloadReceiver, seconds: float, trainer_version: int
+    ) -> dict[str, Any]:
         """Take what arrives for ``seconds``; the step's training metrics."""
         before = (self.payloads, self.tokens)
         deadline = time.monotonic() + seconds
@@ -447,24 +481,43 @@ class _Rollouts:
         logprobs = payload.tensors.get("logprobs")
         if tokens is not None and logprobs is not None:
             self.tokens += tokens.numel()
-            if not (tokens.numel() == logprobs.numel() == versions.numel()
-                    and bool(torch.isfinite(logprobs).all()) and bool((logprobs <= 0).all())):
+            if not (
+                tokens.numel() == logprobs.numel() == versions.numel()
+                and bool(torch.isfinite(logprobs).all())
+                and bool((logprobs <= 0).all())
+            ):
                 self.invalid += 1
 
 
-def _trainer(config: DistributedDemoConfig, groups: SyncGroups, payloads: PayloadGroups,
-             queues: Mapping[int, Any], timeline: Timeline) -> dict[str, Any]:
+def _trainer(
+    config: DistributedDemoConfig,
+    groups: SyncGroups,
+    payloads: PayloadGroups,
+    queues: Mapping[int, Any],
+    timeline: Timeline,
+) -> dict[str, Any]:
     weights, advance = DEMO_BACKENDS[config.backend].trainer_model(config)
     transfer = groups.p2r_transfer(config=_transfer_config(config), timeline=timeline)
     assert transfer is not None  # the trainer is the P2R source
-    receiver = PayloadReceiver(payloads, groups.replicas, window=config.payload_window,
-                               timeline=timeline, default_timeout=config.timeout_s)
+    receiver = PayloadReceiver(
+        payloads,
+        groups.replicas,
+        window=config.payload_window,
+        timeline=timeline,
+        default_timeout=config.timeout_s,
+    )
     # Unguarded, the trainer keeps receiving payloads through its weight sends.
-    pusher = TransferWeightPusher(transfer, barrier=groups.p2r_barrier,
-                                  receiver=receiver if config.guarded else None)
+    pusher = TransferWeightPusher(
+        transfer, barrier=groups.p2r_barrier, receiver=receiver if config.guarded else None
+    )
     broadcast = WeightBroadcastCallback(
-        lambda: weights, pusher=pusher, channel=_ReplicaCommands(queues, groups.replicas),
-        timeout=config.timeout_s, sync_on_run_begin=False, report_every_step=True)
+        lambda: weights,
+        pusher=pusher,
+        channel=_ReplicaCommands(queues, groups.replicas),
+        timeout=config.timeout_s,
+        sync_on_run_begin=False,
+        report_every_step=True,
+    )
     callbacks = TrainerCallbacks([broadcast])
     rollouts = _Rollouts()
     digests: dict[int, str] = {}
@@ -504,11 +557,21 @@ def _trainer(config: DistributedDemoConfig, groups: SyncGroups, payloads: Payloa
     }
 
 
-def _replica(rank: int, config: DistributedDemoConfig, groups: SyncGroups,
-             payloads: PayloadGroups, commands: Any, timeline: Timeline) -> dict[str, Any]:
-    sender = PayloadSender(payloads, receiver_rank=groups.trainer,
-                           capacity=config.payload_capacity, timeline=timeline,
-                           default_timeout=config.timeout_s)
+def _replica(
+    rank: int,
+    config: DistributedDemoConfig,
+    groups: SyncGroups,
+    payloads: PayloadGroups,
+    commands: Any,
+    timeline: Timeline,
+) -> dict[str, Any]:
+    sender = PayloadSender(
+        payloads,
+        receiver_rank=groups.trainer,
+        capacity=config.payload_capacity,
+        timeline=timeline,
+        default_timeout=config.timeout_s,
+    )
     digests: dict[int, str] = {}
 
     def on_transfer(stats: TransferStats, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -521,12 +584,18 @@ def _replica(rank: int, config: DistributedDemoConfig, groups: SyncGroups,
         engine = DEMO_BACKENDS[config.backend].engine(config, timeline, sender)
         transfer_config = _transfer_config(config)
         worker = RolloutWorker(
-            engine.rollout, mode=config.mode, commands=commands, timeline=timeline,
+            engine.rollout,
+            mode=config.mode,
+            commands=commands,
+            timeline=timeline,
             p2r=groups.p2r_transfer(config=transfer_config, timeline=timeline),
             p2r_barrier=groups.p2r_barrier,
             r2r=groups.r2r_transfer(config=transfer_config, timeline=timeline),
-            data_packer=sender, weight_sync_timeout=config.timeout_s, guarded=config.guarded,
-            on_transfer=on_transfer)
+            data_packer=sender,
+            weight_sync_timeout=config.timeout_s,
+            guarded=config.guarded,
+            on_transfer=on_transfer,
+        )
         try:
             results = worker.run(idle_timeout_s=config.timeout_s * 4)
             # Async modes: let a safe point install the last version received before stopping.
@@ -545,23 +614,25 @@ def _replica(rank: int, config: DistributedDemoConfig, groups: SyncGroups,
         "final_version": worker.rollout.weight_version,
         "weights_torn": worker.rollout.weights_torn,
         "counters": engine.counters(),
-        "superseded": (worker.weight_buffer.statistics().superseded
-                       if worker.weight_buffer is not None else 0),
+        "superseded": (
+            worker.weight_buffer.statistics().superseded if worker.weight_buffer is not None else 0
+        ),
         "payloads_registered": sent.registered,
         "payloads_sent": sent.sent,
         "failed": [r.error for r in results if not r.ok],
         "syncs": sum(r.ok and isinstance(r.command, (P2R, R2R)) for r in results),
-        "transfers": [asdict(r.value) for r in results
-                      if r.ok and isinstance(r.value, TransferStats)],
-        "reports": [{"handler": s.handler, **s.to_metrics(prefix="")}
-                    for s in worker.sync_reports],
+        "transfers": [
+            asdict(r.value) for r in results if r.ok and isinstance(r.value, TransferStats)
+        ],
+        "reports": [{"handler": s.handler, **s.to_metrics(prefix="")} for s in worker.sync_reports],
         "spans": timeline.to_records(),
     }
 
 
 def _transfer_config(config: DistributedDemoConfig) -> TransferConfig:
-    return TransferConfig(bucket_bytes=config.bucket_bytes, checksums=config.checksums,
-                          timeout_s=config.timeout_s)
+    return TransferConfig(
+        bucket_bytes=config.bucket_bytes, checksums=config.checksums, timeout_s=config.timeout_s
+    )
 
 
 def _received_weights(worker: RolloutWorker) -> Mapping[str, torch.Tensor]:
@@ -574,8 +645,9 @@ def _received_weights(worker: RolloutWorker) -> Mapping[str, torch.Tensor]:
 # -- the controller ----------------------------------------------------------------------------
 
 
-def run_distributed_demo(config: DistributedDemoConfig,
-                         timeline: Timeline | None = None) -> dict[str, Any]:
+def run_distributed_demo(
+    config: DistributedDemoConfig, timeline: Timeline | None = None
+) -> dict[str, Any]:
     """Run the demo (spawning ``replicas + 1`` processes) and return its report.
 
     Raises:
@@ -587,12 +659,13 @@ def run_distributed_demo(config: DistributedDemoConfig,
     if config.replicas < 1 or config.steps < 1:
         raise ValueError("the demo needs at least one replica and one step")
     if config.backend not in DEMO_BACKENDS:
-        raise KeyError(f"unknown demo backend {config.backend!r}; "
-                       f"known: {sorted(DEMO_BACKENDS)}")
+        raise KeyError(f"unknown demo backend {config.backend!r}; known: {sorted(DEMO_BACKENDS)}")
     modes = DEMO_BACKENDS[config.backend].modes
     if config.mode not in modes:
-        raise ValueError(f"demo backend {config.backend!r} runs the sync modes "
-                         f"{sorted(m.value for m in modes)}, not {config.mode.value!r}")
+        raise ValueError(
+            f"demo backend {config.backend!r} runs the sync modes "
+            f"{sorted(m.value for m in modes)}, not {config.mode.value!r}"
+        )
     timeline = timeline if timeline is not None else Timeline()
     ctx = multiprocessing.get_context("spawn")
     queues = {rank: ctx.Queue() for rank in range(1, config.replicas + 1)}
@@ -600,9 +673,14 @@ def run_distributed_demo(config: DistributedDemoConfig,
     # The limit covers spawning (a few seconds each on a busy machine) and every step.
     limit = 60.0 + config.steps * (config.step_interval_s + 2.0)
     try:
-        values = run_processes(_demo_process, config.replicas + 1,
-                               (config, find_free_port(), queues), timeout_s=limit,
-                               what="rollout-sync demo", intra_op_threads=1)
+        values = run_processes(
+            _demo_process,
+            config.replicas + 1,
+            (config, find_free_port(), queues),
+            timeout_s=limit,
+            what="rollout-sync demo",
+            intra_op_threads=1,
+        )
     finally:
         for q in queues.values():
             q.close()
@@ -610,8 +688,9 @@ def run_distributed_demo(config: DistributedDemoConfig,
     wall_s = time.perf_counter() - started
     for value in values.values():
         timeline.extend(Timeline.from_records(value["spans"]).spans())
-    return _report(config, values[0], [values[r] for r in range(1, config.replicas + 1)],
-                   timeline, wall_s)
+    return _report(
+        config, values[0], [values[r] for r in range(1, config.replicas + 1)], timeline, wall_s
+    )
 
 
 def _span_key(span: Span) -> tuple[int, int, int, int]:
@@ -622,12 +701,15 @@ def _p(values: Sequence[float], q: float) -> float:
     return percentile(list(values), q)
 
 
-def _report(config: DistributedDemoConfig, trainer: dict[str, Any],
-            replicas: list[dict[str, Any]], timeline: Timeline,
-            wall_s: float) -> dict[str, Any]:
+def _report(
+    config: DistributedDemoConfig,
+    trainer: dict[str, Any],
+    replicas: list[dict[str, Any]],
+    timeline: Timeline,
+    wall_s: float,
+) -> dict[str, Any]:
     overlaps = timeline.overlaps()
-    egress = [o for o in overlaps if o.first.kind in (SpanKind.PAYLOAD_SEND,
-                                                      SpanKind.PAYLOAD_RECV)]
+    egress = [o for o in overlaps if o.first.kind in (SpanKind.PAYLOAD_SEND, SpanKind.PAYLOAD_RECV)]
     forward_writes = [o for o in overlaps if o.first.kind == SpanKind.FORWARD]
     # A forward is torn if the engine's own detector saw it (the LM's seqlock, the stamps of
     # the fake model) or if it overlapped a weight write: counted once either way.
@@ -640,10 +722,14 @@ def _report(config: DistributedDemoConfig, trainer: dict[str, Any],
         return _p([r[key] for r in receives], q)
 
     p2r_rates = [t["nbytes"] / 1e6 / t["total_s"] for t in trainer["transfers"]]
-    r2r_rates = [t["nbytes"] / 1e6 / t["total_s"] for t in replicas[0]["transfers"]
-                 if t["role"] == "send"] if config.replicas > 1 else []
-    sync_ms = [m["weight_sync_time_ms"] for m in trainer["step_metrics"]
-               if "weight_sync_time_ms" in m]
+    r2r_rates = (
+        [t["nbytes"] / 1e6 / t["total_s"] for t in replicas[0]["transfers"] if t["role"] == "send"]
+        if config.replicas > 1
+        else []
+    )
+    sync_ms = [
+        m["weight_sync_time_ms"] for m in trainer["step_metrics"] if "weight_sync_time_ms" in m
+    ]
     # Every version a replica received is compared with the trainer's weights of that version.
     # In sync mode every replica receives every version; async modes may skip superseded ones.
     step_mismatches = versions_checked = 0

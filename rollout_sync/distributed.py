@@ -72,8 +72,9 @@ class CollectiveError(RolloutSyncError):
 class CollectiveTimeout(CollectiveError, TimeoutError):
     """A collective did not complete within its limit (a peer hung or never joined)."""
 
-    def __init__(self, message: str, *, operation: str, group: Sequence[int],
-                 timeout: float) -> None:
+    def __init__(
+        self, message: str, *, operation: str, group: Sequence[int], timeout: float
+    ) -> None:
         super().__init__(message, operation=operation, group=group)
         self.timeout = timeout
 
@@ -124,12 +125,15 @@ def init_process_group(
         kwargs["rank"] = rank
     if world_size is not None:
         kwargs["world_size"] = world_size
-    dist.init_process_group(backend, init_method=init_method, timeout=_timedelta(timeout_s),
-                            **kwargs)
+    dist.init_process_group(
+        backend, init_method=init_method, timeout=_timedelta(timeout_s), **kwargs
+    )
 
 
 def new_group(
-    ranks: Sequence[int], *, timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
+    ranks: Sequence[int],
+    *,
+    timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
     backend: str | None = None,
 ) -> dist.ProcessGroup:
     """A sub-group of ``ranks`` (global ranks) whose collectives default to ``timeout_s``.
@@ -138,8 +142,9 @@ def new_group(
     as every other ``new_group`` call (torch.distributed's rule). A rank outside ``ranks`` gets
     a placeholder it must not use.
     """
-    group: dist.ProcessGroup | None = dist.new_group(sorted(ranks), timeout=_timedelta(timeout_s),
-                                                     backend=backend)
+    group: dist.ProcessGroup | None = dist.new_group(
+        sorted(ranks), timeout=_timedelta(timeout_s), backend=backend
+    )
     if group is None:  # pragma: no cover - torch returns a placeholder, not None, today
         raise RuntimeError(f"new_group({list(ranks)}) returned no group")
     return group
@@ -177,18 +182,23 @@ def wait_work(
                 f"{operation} did not complete within {timeout_s:.1f} s on the group of ranks "
                 f"{list(ranks)} (a peer hung, died, or never reached the same collective). "
                 "The group is unusable now; re-create it.",
-                operation=operation, group=ranks, timeout=timeout_s,
+                operation=operation,
+                group=ranks,
+                timeout=timeout_s,
             ) from exc
         raise CollectiveError(
             f"{operation} failed on the group of ranks {list(ranks)}: {text.strip()[:500]} "
             "(a peer most likely died; check its log). The group is unusable now; re-create it.",
-            operation=operation, group=ranks,
+            operation=operation,
+            group=ranks,
         ) from exc
     if completed is False:
         raise CollectiveTimeout(
             f"{operation} did not complete within {timeout_s:.1f} s on the group of ranks "
             f"{list(ranks)}",
-            operation=operation, group=ranks, timeout=timeout_s,
+            operation=operation,
+            group=ranks,
+            timeout=timeout_s,
         )
 
 
@@ -214,10 +224,10 @@ class GroupProcessError(RolloutSyncError, ChildProcessError):
         results: the return values of the children that did finish, by rank.
     """
 
-    def __init__(self, failures: list[ChildFailure], results: dict[int, Any],
-                 what: str) -> None:
-        parts = [f"--- rank {f.rank} (exit code {f.exitcode}) ---\n{f.error.rstrip()}"
-                 for f in failures]
+    def __init__(self, failures: list[ChildFailure], results: dict[int, Any], what: str) -> None:
+        parts = [
+            f"--- rank {f.rank} (exit code {f.exitcode}) ---\n{f.error.rstrip()}" for f in failures
+        ]
         super().__init__(f"{what}: {len(failures)} child process(es) failed\n" + "\n".join(parts))
         self.failures = failures
         self.results = results
@@ -297,9 +307,12 @@ def run_processes(
     os.environ.update(env or {})
     try:
         procs = {
-            rank: ctx.Process(target=_child_main,
-                              args=(target, rank, args, results_queue, intra_op_threads),
-                              name=f"{what}-rank{rank}", daemon=True)
+            rank: ctx.Process(
+                target=_child_main,
+                args=(target, rank, args, results_queue, intra_op_threads),
+                name=f"{what}-rank{rank}",
+                daemon=True,
+            )
             for rank in range(nprocs)
         }
         for proc in procs.values():
@@ -327,10 +340,14 @@ def run_processes(
                     _drain_reports(results_queue, values, failures, reported, wait_s=0.2)
                     if rank not in reported:
                         reported.add(rank)
-                        failures.append(ChildFailure(
-                            rank, proc.exitcode,
-                            f"exited with code {proc.exitcode} without reporting a result "
-                            "(killed, crashed in native code, or called os._exit)"))
+                        failures.append(
+                            ChildFailure(
+                                rank,
+                                proc.exitcode,
+                                f"exited with code {proc.exitcode} without reporting a result "
+                                "(killed, crashed in native code, or called os._exit)",
+                            )
+                        )
             if failures and first_failure_at is None:
                 first_failure_at = time.monotonic()
             pending = [r for r, p in procs.items() if r not in reported and r not in expected]
@@ -339,12 +356,15 @@ def run_processes(
                 break
             now = time.monotonic()
             give_up = now > deadline or (
-                first_failure_at is not None and now > first_failure_at + grace_s)
+                first_failure_at is not None and now > first_failure_at + grace_s
+            )
             if give_up:
                 for rank in pending + unexpected_alive:
-                    why = ("killed after the group's limit of " f"{timeout_s:.1f} s"
-                           if now > deadline else
-                           f"killed {grace_s:.1f} s after another rank failed")
+                    why = (
+                        f"killed after the group's limit of {timeout_s:.1f} s"
+                        if now > deadline
+                        else f"killed {grace_s:.1f} s after another rank failed"
+                    )
                     failures.append(ChildFailure(rank, None, f"still running: {why}"))
                 break
             if not pending:

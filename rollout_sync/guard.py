@@ -224,8 +224,9 @@ class WeightSyncBracket:
             finally:
                 self._finish(body_done, fence_done, error)
 
-    def _finish(self, body_done: float | None, fence_done: float | None,
-                error: BaseException | None) -> None:
+    def _finish(
+        self, body_done: float | None, fence_done: float | None, error: BaseException | None
+    ) -> None:
         end = time.perf_counter()
         body_end = body_done if body_done is not None else self._drained
         self.report = SyncReport(

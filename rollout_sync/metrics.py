@@ -376,5 +376,7 @@ class WeightSyncTimer:
 
     def __repr__(self) -> str:
         s = self.statistics()
-        return (f"<WeightSyncTimer {s.clock.value}: {s.pending} pending, {s.harvested} harvested, "
-                f"{s.event_pairs} event pairs>")
+        return (
+            f"<WeightSyncTimer {s.clock.value}: {s.pending} pending, {s.harvested} harvested, "
+            f"{s.event_pairs} event pairs>"
+        )

@@ -91,8 +91,9 @@ def _import_wandb() -> ModuleType | None:
     try:
         return importlib.import_module("wandb")
     except Exception as exc:
-        _log.warning("wandb is installed but failed to import (%s); metrics go to logging only",
-                     exc)
+        _log.warning(
+            "wandb is installed but failed to import (%s); metrics go to logging only", exc
+        )
         return None
 
 

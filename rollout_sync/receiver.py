@@ -234,8 +234,13 @@ class _ReceiverState:
         peer.receiving += count
         self._next_ticket += 1
         self.in_flight.add(self._next_ticket)
-        return _Accepted(self._next_ticket, first_seq, tuple(offer_sizes(words, count)),
-                         tuple(request_ids), bool(coalesced))
+        return _Accepted(
+            self._next_ticket,
+            first_seq,
+            tuple(offer_sizes(words, count)),
+            tuple(request_ids),
+            bool(coalesced),
+        )
 
     def on_received(self, accepted: _Accepted, payloads: list[ReceivedPayload]) -> None:
         self.in_flight.discard(accepted.ticket)
@@ -294,8 +299,7 @@ class _ReceiverState:
 
     @property
     def lost(self) -> int:
-        return sum(p.announced - p.received for p in self.peers.values()
-                   if p.announced is not None)
+        return sum(p.announced - p.received for p in self.peers.values() if p.announced is not None)
 
 
 class PayloadReceiver(TransportEnd):
@@ -362,8 +366,12 @@ class PayloadReceiver(TransportEnd):
         self._data_lock = threading.Lock()
         """One transfer on the data group at a time, over all senders."""
         self._readers = [
-            threading.Thread(target=self._read_loop, args=(rank,), daemon=True,
-                             name=f"payload-receiver-from-{rank}")
+            threading.Thread(
+                target=self._read_loop,
+                args=(rank,),
+                daemon=True,
+                name=f"payload-receiver-from-{rank}",
+            )
             for rank in ranks
         ]
         for reader in self._readers:
@@ -395,7 +403,8 @@ class PayloadReceiver(TransportEnd):
                 if remaining is not None and remaining <= 0:
                     raise PayloadTimeout(
                         f"no payload arrived within {limit:.1f} s ({self._idle_reason()})",
-                        operation="receive a payload", timeout=limit,
+                        operation="receive a payload",
+                        timeout=limit,
                     )
                 self._arrived.wait(remaining)
         self._top_up_after_take(payload.source)
@@ -465,12 +474,15 @@ class PayloadReceiver(TransportEnd):
             target = self._state.flush_target()
             if target is not None:
                 self._wait_until(
-                    self._progress, lambda: self._state.flushed(target), deadline,
+                    self._progress,
+                    lambda: self._state.flushed(target),
+                    deadline,
                     "flush pending payload receives",
                     lambda: IngressHoldTimeout(
                         f"payload receives in flight did not complete within {limit:.1f} s "
                         f"({len(self._state.in_flight)} transfers; a sender may have died)",
-                        operation="flush pending payload receives", timeout=limit,
+                        operation="flush pending payload receives",
+                        timeout=limit,
                         sections_running=len(self._state.in_flight),
                     ),
                 )
@@ -493,14 +505,19 @@ class PayloadReceiver(TransportEnd):
             return PayloadTimeout(
                 f"payload senders on ranks {open_ranks} had not closed after "
                 f"{limit:.1f} s; close them first (PayloadSender.close)",
-                operation="close the payload receiver", timeout=limit,
+                operation="close the payload receiver",
+                timeout=limit,
             )
 
         with self._lock:
             # After a failure the other readers may wait for ever on a dead peer: it raises now.
-            self._wait_until(self._arrived,
-                             lambda: self._state.closed_readers >= len(self._readers), deadline,
-                             "close the payload receiver", timed_out)
+            self._wait_until(
+                self._arrived,
+                lambda: self._state.closed_readers >= len(self._readers),
+                deadline,
+                "close the payload receiver",
+                timed_out,
+            )
         for reader in self._readers:
             reader.join(join_s(deadline))
         self._raise_if_failed("close the payload receiver")
@@ -599,15 +616,26 @@ class PayloadReceiver(TransportEnd):
             buffers = self._receive_transfer(rank, accepted)
             if self.timeline is not None:
                 self.timeline.add_span(
-                    SpanKind.PAYLOAD_RECV, f"payloads from rank {rank}", start,
-                    first_seq=accepted.first_seq, count=len(buffers),
+                    SpanKind.PAYLOAD_RECV,
+                    f"payloads from rank {rank}",
+                    start,
+                    first_seq=accepted.first_seq,
+                    count=len(buffers),
                     bytes=sum(accepted.sizes),
                 )
             payloads = []
             for i, buffer in enumerate(buffers):
                 tensors, meta = unpack_payload(buffer)
-                payloads.append(ReceivedPayload(rank, accepted.first_seq + i, tensors, meta,
-                                                accepted.request_ids[i], buffer.numel()))
+                payloads.append(
+                    ReceivedPayload(
+                        rank,
+                        accepted.first_seq + i,
+                        tensors,
+                        meta,
+                        accepted.request_ids[i],
+                        buffer.numel(),
+                    )
+                )
             # Delivered inside the section: a hold that waited for this transfer sees it counted.
             with self._lock:
                 self._state.on_received(accepted, payloads)
@@ -621,13 +649,18 @@ class PayloadReceiver(TransportEnd):
         if accepted.coalesced:
             messages = [torch.empty(sum(accepted.sizes), dtype=torch.uint8, device=self.device)]
         else:
-            messages = [torch.empty(n, dtype=torch.uint8, device=self.device)
-                        for n in accepted.sizes]
+            messages = [
+                torch.empty(n, dtype=torch.uint8, device=self.device) for n in accepted.sizes
+            ]
         with self._data_lock:
             ops = [dist.P2POp(dist.irecv, m, rank, group=self.groups.data) for m in messages]
             works = dist.batch_isend_irecv(ops)
-            wait_works(works, self.device, self.default_timeout,
-                       f"receiving {len(accepted.sizes)} payloads from rank {rank}")
+            wait_works(
+                works,
+                self.device,
+                self.default_timeout,
+                f"receiving {len(accepted.sizes)} payloads from rank {rank}",
+            )
         if accepted.coalesced:
             return list(torch.split(messages[0], list(accepted.sizes)))
         return messages
@@ -649,8 +682,12 @@ class PayloadReceiver(TransportEnd):
                 grant = self._state.grant(rank)
             if grant is not None:
                 request_id, credits = grant
-                self._send_frame(rank, make_frame(FrameKind.REQUEST, request_id, credits,
-                                                  self._state.request_timeout_us))
+                self._send_frame(
+                    rank,
+                    make_frame(
+                        FrameKind.REQUEST, request_id, credits, self._state.request_timeout_us
+                    ),
+                )
 
     def _send_frame(self, rank: int, frame: torch.Tensor) -> None:
         """Send a control frame to ``rank``; the caller holds that rank's send lock."""

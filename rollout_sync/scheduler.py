@@ -115,8 +115,9 @@ class GenerationRequest:
         # operator.index accepts numpy and torch integers and refuses floats, so a prompt of
         # 3.7 is an error here rather than a silently truncated token.
         object.__setattr__(self, "prompt", tuple(operator.index(t) for t in self.prompt))
-        object.__setattr__(self, "stop_token_ids",
-                           tuple(operator.index(t) for t in self.stop_token_ids))
+        object.__setattr__(
+            self, "stop_token_ids", tuple(operator.index(t) for t in self.stop_token_ids)
+        )
 
 
 @dataclass(frozen=True)
@@ -361,12 +362,16 @@ class RolloutTaskScheduler:
         self.pause_timeout = pause_timeout
         self.timeline = timeline
         self.name = name
-        self.gate = gate if gate is not None else Gate(
-            name,
-            section_noun="decode step",
-            close_verb="park",
-            default_timeout=pause_timeout,
-            timeout_error=PauseTimeout,
+        self.gate = (
+            gate
+            if gate is not None
+            else Gate(
+                name,
+                section_noun="decode step",
+                close_verb="park",
+                default_timeout=pause_timeout,
+                timeout_error=PauseTimeout,
+            )
         )
         self.guard_steps = guard_steps
         self.unsafe_admission_race = unsafe_admission_race
@@ -411,8 +416,9 @@ class RolloutTaskScheduler:
                     f"the {self.name!r} scheduler was already started; a scheduler runs once "
                     "(make a new one)"
                 )
-            self._thread = threading.Thread(target=self._run, name=f"{self.name}-scheduler",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name=f"{self.name}-scheduler", daemon=True
+            )
         self._thread.start()
 
     def stop(self, timeout: float = 30.0, *, finish_active: bool = False) -> None:
@@ -490,8 +496,9 @@ class RolloutTaskScheduler:
         self.engine.validate_request(request)
         with self._changed:
             if self._stopped or self._stopping:
-                raise RuntimeError(f"the {self.name!r} scheduler is stopped; it admits no new "
-                                   "request")
+                raise RuntimeError(
+                    f"the {self.name!r} scheduler is stopped; it admits no new request"
+                )
             self.raise_if_failed()
             request_id = next(self._ids)
             self._queue.append((request_id, request))
@@ -609,9 +616,13 @@ class RolloutTaskScheduler:
                 if self.timeline is None:
                     yield report
                 else:
-                    with self.timeline.span(SpanKind.PAUSE, f"{self.name} paused",
-                                            park_ms=park_s * 1e3, drained=drain,
-                                            in_flight=in_flight):
+                    with self.timeline.span(
+                        SpanKind.PAUSE,
+                        f"{self.name} paused",
+                        park_ms=park_s * 1e3,
+                        drained=drain,
+                        in_flight=in_flight,
+                    ):
                         yield report
             finally:
                 self.gate.release_exclusive()
@@ -700,8 +711,7 @@ class RolloutTaskScheduler:
     def _end_unfinished_locked(self, error: BaseException | None) -> None:
         """Turn every queued and active request into a result: cancelled, or failed with
         ``error``."""
-        unfinished = list(self._active) + [self._new_state(rid, req)
-                                           for rid, req in self._queue]
+        unfinished = list(self._active) + [self._new_state(rid, req) for rid, req in self._queue]
         self._active.clear()
         self._queue.clear()
         for state in unfinished:
@@ -748,13 +758,23 @@ class RolloutTaskScheduler:
                 if guarded:
                     self.gate.exit_section()
             if batch and self.timeline is not None:
-                self.timeline.add_span(SCHEDULER_STEP_SPAN, f"{self.name} step", section_ns,
-                                       admitted=admitted, batch=len(batch), finished=finished)
+                self.timeline.add_span(
+                    SCHEDULER_STEP_SPAN,
+                    f"{self.name} step",
+                    section_ns,
+                    admitted=admitted,
+                    batch=len(batch),
+                    finished=finished,
+                )
         finally:
             self._stepping_thread = None
             self._stepping.release()
-        return StepReport(admitted=admitted, decoded=len(batch), finished=finished,
-                          duration_s=time.perf_counter() - started)
+        return StepReport(
+            admitted=admitted,
+            decoded=len(batch),
+            finished=finished,
+            duration_s=time.perf_counter() - started,
+        )
 
     def _admit(self) -> int:
         """Admit queued requests; called inside the step's gate section, so never in a pause."""

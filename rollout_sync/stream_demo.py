@@ -76,8 +76,9 @@ def build_stream_backend(
 
 def _request(rng: random.Random, config: StreamDemoConfig) -> GenerationRequest:
     prompt = tuple(rng.randrange(config.model.vocab_size) for _ in range(rng.randint(2, 12)))
-    return GenerationRequest(prompt, max_new_tokens=rng.randint(config.min_new_tokens,
-                                                                config.max_new_tokens))
+    return GenerationRequest(
+        prompt, max_new_tokens=rng.randint(config.min_new_tokens, config.max_new_tokens)
+    )
 
 
 def _wait_until_sent(packer: RecordingPacker, count: int, timeout: float) -> None:
@@ -86,14 +87,13 @@ def _wait_until_sent(packer: RecordingPacker, count: int, timeout: float) -> Non
     deadline = time.monotonic() + timeout
     while len(packer.sent) < count:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the packer sent {len(packer.sent)} of {count} payloads in "
-                               f"{timeout:.1f} s")
+            raise TimeoutError(
+                f"the packer sent {len(packer.sent)} of {count} payloads in {timeout:.1f} s"
+            )
         time.sleep(0.001)
 
 
-def run_stream_demo(
-    config: StreamDemoConfig, timeline: Timeline | None = None
-) -> dict[str, Any]:
+def run_stream_demo(config: StreamDemoConfig, timeline: Timeline | None = None) -> dict[str, Any]:
     """Run the torch_lm demo and return its report (the CLI prints it)."""
     threads = torch.get_num_threads()
     if config.torch_threads is not None:
@@ -108,14 +108,19 @@ def _run_stream_demo(config: StreamDemoConfig, timeline: Timeline) -> dict[str, 
     rng = random.Random(config.seed)
     # A trainer's successive weights: two seeds, alternating, so every sync changes every tensor.
     weight_sets = [tiny_lm_weights(config.model, config.seed + 1 + i) for i in range(2)]
-    packer = RecordingPacker(capacity=64, send_s=config.send_s, timeline=timeline,
-                             default_timeout=config.timeout_s)
+    packer = RecordingPacker(
+        capacity=64, send_s=config.send_s, timeline=timeline, default_timeout=config.timeout_s
+    )
     backend: TorchLMBackend
     if config.stream:
         backend = build_stream_backend(config, timeline)
     else:
-        backend = TorchLMBackend(config.model, kv_policy=config.kv_policy,
-                                 pause_timeout=config.timeout_s, timeline=timeline)
+        backend = TorchLMBackend(
+            config.model,
+            kv_policy=config.kv_policy,
+            pause_timeout=config.timeout_s,
+            timeline=timeline,
+        )
     worker = InProcessWorker(backend, packer, timeline, config.timeout_s)
     sync = worker.receive_weights if config.guarded else worker.receive_weights_unguarded
     results: list[GenerationResult] = []
@@ -123,8 +128,14 @@ def _run_stream_demo(config: StreamDemoConfig, timeline: Timeline) -> dict[str, 
     def ship(done: list[GenerationResult]) -> None:
         for result in done:
             results.append(result)
-            packer.submit({"request_id": result.request_id, "tokens": result.tokens,
-                           "versions": result.token_weight_versions}, timeout=config.timeout_s)
+            packer.submit(
+                {
+                    "request_id": result.request_id,
+                    "tokens": result.tokens,
+                    "versions": result.token_weight_versions,
+                },
+                timeout=config.timeout_s,
+            )
 
     packer.start()
     started = time.perf_counter()
@@ -142,8 +153,9 @@ def _run_stream_demo(config: StreamDemoConfig, timeline: Timeline) -> dict[str, 
             ship(backend.get_all())
         else:
             for version in range(1, config.syncs + 1):
-                ship(backend.generate([_request(rng, config)
-                                       for _ in range(config.max_concurrent)]))
+                ship(
+                    backend.generate([_request(rng, config) for _ in range(config.max_concurrent)])
+                )
                 sync(version, weight_sets[version % 2])
         _wait_until_sent(packer, len(results), config.timeout_s)
     finally:
@@ -175,8 +187,7 @@ def _run_stream_demo(config: StreamDemoConfig, timeline: Timeline) -> dict[str, 
         "results": len(results),
         "results_finished": len(finished),
         "results_failed": sum(1 for r in results if r.finish_reason is FinishReason.ERROR),
-        "results_cancelled": sum(1 for r in results
-                                 if r.finish_reason is FinishReason.CANCELLED),
+        "results_cancelled": sum(1 for r in results if r.finish_reason is FinishReason.CANCELLED),
         "results_straddled_sync": sum(1 for r in results if r.straddled_sync),
         "payloads_sent": len(packer.sent),
         "tokens": tokens,

@@ -136,8 +136,9 @@ class VersionStampedModel:
             self.forwards += 1
             self.torn_reads += result.torn
         if self.timeline is not None:
-            self.timeline.add_span(SpanKind.FORWARD, "forward", start,
-                                   versions=sorted(set(seen)), torn=result.torn)
+            self.timeline.add_span(
+                SpanKind.FORWARD, "forward", start, versions=sorted(set(seen)), torn=result.torn
+            )
         return result
 
     def stamped(self, version: int) -> dict[str, torch.Tensor]:
@@ -230,8 +231,9 @@ class AsyncTornReadBackend(TornReadBackend):
     def _install_at(self, at: SyncMode) -> None:
         report = install_inference_sync(self, self.weight_buffer, at=at)
         if report is not None:
-            self.installs.append(InstallRecord(report.version, self._forward_index, at,
-                                               threading.get_ident()))
+            self.installs.append(
+                InstallRecord(report.version, self._forward_index, at, threading.get_ident())
+            )
 
 
 class RecordingRollout(RolloutBase):
@@ -346,8 +348,9 @@ class RecordingPacker:
     # -- the sender ----------------------------------------------------------------------------
 
     def start(self) -> RecordingPacker:
-        self._thread = threading.Thread(target=self._send_forever, name="packer-sender",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._send_forever, name="packer-sender", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -472,8 +475,10 @@ class FakeCudaStream:
     def _query(self, seq: int | None) -> bool:
         with self._lock:
             self.queries += 1
-            if self.complete_after_queries is not None and \
-                    self.queries >= self.complete_after_queries:
+            if (
+                self.complete_after_queries is not None
+                and self.queries >= self.complete_after_queries
+            ):
                 self._completed = self._recorded
             return seq is not None and seq < self._completed
 
@@ -536,8 +541,9 @@ class HostSyncCount:
 
     @property
     def total(self) -> int:
-        return (self.explicit + self.device_reads + self.early_elapsed_time
-                + self.debug_mode_warnings)
+        return (
+            self.explicit + self.device_reads + self.early_elapsed_time + self.debug_mode_warnings
+        )
 
 
 @contextmanager
@@ -568,8 +574,7 @@ def count_host_syncs() -> Iterator[HostSyncCount]:
 
         setattr(owner, name, wrapper)
         restore.append(
-            (lambda: setattr(owner, name, original)) if had_own
-            else (lambda: delattr(owner, name))
+            (lambda: setattr(owner, name, original)) if had_own else (lambda: delattr(owner, name))
         )
 
     def explicit(*args: Any, **kwargs: Any) -> None:
@@ -602,9 +607,7 @@ def count_host_syncs() -> Iterator[HostSyncCount]:
             finally:
                 if cuda:
                     torch.cuda.set_sync_debug_mode(previous_mode)
-        counts.debug_mode_warnings = sum(
-            "synchroniz" in str(w.message).lower() for w in caught
-        )
+        counts.debug_mode_warnings = sum("synchroniz" in str(w.message).lower() for w in caught)
     finally:
         for undo in reversed(restore):
             undo()

@@ -96,8 +96,11 @@ class Timeline:
 
     def add_span(self, kind: str, name: str, start_ns: int, **args: Any) -> None:
         """Record a span that started at ``start_ns`` (``time.monotonic_ns()``) and ends now."""
-        self.add(Span(kind, name, start_ns, time.monotonic_ns(), os.getpid(),
-                      threading.get_ident(), args))
+        self.add(
+            Span(
+                kind, name, start_ns, time.monotonic_ns(), os.getpid(), threading.get_ident(), args
+            )
+        )
 
     def add(self, span: Span) -> None:
         with self._lock:
@@ -168,8 +171,9 @@ def find_overlaps(
     pids = {pid for pid, _ in by_key}
     for pid in sorted(pids):
         for kind_a, kind_b in pairs:
-            found.extend(_intersections(by_key.get((pid, kind_a), []),
-                                        by_key.get((pid, kind_b), [])))
+            found.extend(
+                _intersections(by_key.get((pid, kind_a), []), by_key.get((pid, kind_b), []))
+            )
     return found
 
 
@@ -187,4 +191,3 @@ def _intersections(a: list[Span], b: list[Span]) -> Iterator[Overlap]:
             if b[j].end_ns > x.start_ns:
                 yield Overlap(x, b[j])
             j += 1
-

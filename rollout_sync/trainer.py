@@ -188,8 +188,10 @@ class TrainerCallbacks:
     ) -> dict[str, Any] | None:
         """Run every callback's ``step_end``; see :func:`merge_step_metrics` for what raises."""
         contributions = [
-            (self._source(i, cb), cb.step_end(step, reduced_losses, update_successful,
-                                              train_metrics))
+            (
+                self._source(i, cb),
+                cb.step_end(step, reduced_losses, update_successful, train_metrics),
+            )
             for i, cb in enumerate(self.callbacks)
         ]
         if train_metrics is None and all(m is None for _, m in contributions):
@@ -284,13 +286,24 @@ class BroadcastCommandChannel:
         self.device = torch.device(device)
 
     def announce(self, command: WeightSyncCommand, timeout: float) -> None:
-        values = [_HEADER_MAGIC, int(command.kind), command.step, command.version,
-                  command.num_tensors, command.nbytes]
+        values = [
+            _HEADER_MAGIC,
+            int(command.kind),
+            command.step,
+            command.version,
+            command.num_tensors,
+            command.nbytes,
+        ]
         header = torch.tensor(values, dtype=torch.int64)
         if self.device.type == "cuda":
             header = header.pin_memory().to(self.device, non_blocking=True)
-        _broadcast_and_wait(header, self.src, self.group, timeout,
-                            f"announcing {command.kind.name} step {command.step}")
+        _broadcast_and_wait(
+            header,
+            self.src,
+            self.group,
+            timeout,
+            f"announcing {command.kind.name} step {command.step}",
+        )
 
     def receive(self, timeout: float) -> WeightSyncCommand:
         header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
@@ -394,15 +407,24 @@ class BroadcastWeightPusher:
         nbytes = sum(t.numel() * t.element_size() for t in into.values())
         if len(into) != command.num_tensors or nbytes != command.nbytes:
             raise WeightMismatchError(
-                [(f"announced {command.num_tensors} tensors, {command.nbytes} bytes; "
-                  f"receiving into {len(into)} tensors, {nbytes} bytes")],
+                [
+                    (
+                        f"announced {command.num_tensors} tensors, {command.nbytes} bytes; "
+                        f"receiving into {len(into)} tensors, {nbytes} bytes"
+                    )
+                ],
                 context=f"weights v{command.version} (step {command.step})",
             )
         for name, tensor in into.items():
             if not tensor.is_contiguous():
                 raise ValueError(f"cannot receive {name!r} into a non-contiguous tensor")
-        _broadcast_all(list(into.values()), self.src, self.group, timeout,
-                       f"receiving weights v{command.version}")
+        _broadcast_all(
+            list(into.values()),
+            self.src,
+            self.group,
+            timeout,
+            f"receiving weights v{command.version}",
+        )
 
     def __repr__(self) -> str:
         return f"<BroadcastWeightPusher src={self.src}>"
@@ -446,13 +468,16 @@ class TransferWeightPusher:
         receiver: PayloadReceiver | None = None,
     ) -> None:
         if not transfer.is_source:
-            raise ValueError(f"TransferWeightPusher runs on the P2R source (rank {transfer.src}), "
-                             f"not on rank {dist.get_rank()}")
+            raise ValueError(
+                f"TransferWeightPusher runs on the P2R source (rank {transfer.src}), "
+                f"not on rank {dist.get_rank()}"
+            )
         if receiver is not None and barrier is None:
             raise ValueError(
                 "holding payload receives needs the P2R barrier first: without it the hold can "
                 "wait for a replica that waits for this trainer to receive (pass "
-                "barrier=sync_groups.p2r_barrier)")
+                "barrier=sync_groups.p2r_barrier)"
+            )
         self.transfer = transfer
         self.barrier = barrier
         self.receiver = receiver
@@ -482,7 +507,8 @@ class TransferWeightPusher:
             self.barrier(timeout)
         barrier_done = time.perf_counter()
         hold: AbstractContextManager[None] = (
-            nullcontext() if self.receiver is None else self.receiver.hold_receives(timeout))
+            nullcontext() if self.receiver is None else self.receiver.hold_receives(timeout)
+        )
         with hold:
             held = time.perf_counter()
             self.last_stats = self.transfer.send(weights, version=version)
@@ -507,14 +533,20 @@ class _FunctionPusher:
 
 
 def _broadcast_and_wait(
-    tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None, timeout: float,
+    tensor: torch.Tensor,
+    src: int,
+    group: dist.ProcessGroup | None,
+    timeout: float,
     operation: str,
 ) -> None:
     _broadcast_all([tensor], src, group, timeout, operation)
 
 
 def _broadcast_all(
-    tensors: Sequence[torch.Tensor], src: int, group: dist.ProcessGroup | None, timeout: float,
+    tensors: Sequence[torch.Tensor],
+    src: int,
+    group: dist.ProcessGroup | None,
+    timeout: float,
     operation: str,
 ) -> None:
     """Broadcast each tensor, then wait for all (what ``async_op=False`` does).
@@ -734,5 +766,7 @@ class WeightBroadcastCallback(TrainerCallback):
 
     def __repr__(self) -> str:
         s = self.statistics()
-        return (f"<WeightBroadcastCallback v{s.version}: {s.syncs} syncs, {s.bytes} bytes, "
-                f"timer={self.timer!r}>")
+        return (
+            f"<WeightBroadcastCallback v{s.version}: {s.syncs} syncs, {s.bytes} bytes, "
+            f"timer={self.timer!r}>"
+        )

@@ -102,8 +102,15 @@ class WeightTransferError(RolloutSyncError):
             whole.
     """
 
-    def __init__(self, message: str, *, operation: str, version: int | None = None,
-                 tensors_written: int = 0, complete: bool = False) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        operation: str,
+        version: int | None = None,
+        tensors_written: int = 0,
+        complete: bool = False,
+    ) -> None:
         super().__init__(message)
         self.operation = operation
         self.version = version
@@ -127,8 +134,9 @@ class ManifestRejected(WeightTransferError):
         rejected_by: global ranks that said no.
     """
 
-    def __init__(self, message: str, *, operation: str, version: int | None,
-                 rejected_by: Sequence[int]) -> None:
+    def __init__(
+        self, message: str, *, operation: str, version: int | None, rejected_by: Sequence[int]
+    ) -> None:
         super().__init__(message, operation=operation, version=version)
         self.rejected_by = tuple(rejected_by)
 
@@ -141,11 +149,24 @@ class ChecksumMismatchError(WeightTransferError):
         failed_ranks: global ranks that reported a failure in the commit vote.
     """
 
-    def __init__(self, message: str, *, operation: str, version: int | None,
-                 tensors_written: int, buckets: Sequence[int],
-                 failed_ranks: Sequence[int], complete: bool = False) -> None:
-        super().__init__(message, operation=operation, version=version,
-                         tensors_written=tensors_written, complete=complete)
+    def __init__(
+        self,
+        message: str,
+        *,
+        operation: str,
+        version: int | None,
+        tensors_written: int,
+        buckets: Sequence[int],
+        failed_ranks: Sequence[int],
+        complete: bool = False,
+    ) -> None:
+        super().__init__(
+            message,
+            operation=operation,
+            version=version,
+            tensors_written=tensors_written,
+            complete=complete,
+        )
         self.buckets = tuple(buckets)
         self.failed_ranks = tuple(failed_ranks)
 
@@ -297,15 +318,18 @@ class WeightManifest:
         bucket, offset = 0, 0
         for name, tensor in weights.items():
             if tensor.layout is not torch.strided:
-                raise ManifestError(f"{name}: only dense (strided) tensors can be transferred, "
-                                    f"got layout {tensor.layout}")
+                raise ManifestError(
+                    f"{name}: only dense (strided) tensors can be transferred, "
+                    f"got layout {tensor.layout}"
+                )
             nbytes = tensor.numel() * tensor.element_size()
             start = _align(offset)
             if start + nbytes > bucket_bytes and offset > 0:
                 sizes.append(_align(offset))
                 bucket, start = bucket + 1, 0
-            entries.append(ManifestEntry(name, tuple(tensor.shape), tensor.dtype, bucket, start,
-                                         nbytes))
+            entries.append(
+                ManifestEntry(name, tuple(tensor.shape), tensor.dtype, bucket, start, nbytes)
+            )
             offset = start + nbytes
         sizes.append(max(_align(offset), ALIGN_BYTES))
         manifest = cls(tuple(entries), tuple(sizes), require_all, checksums, None)
@@ -365,9 +389,13 @@ class WeightManifest:
             "require_all": self.require_all,
             "checksums": self.checksums,
             "bucket_nbytes": list(self.bucket_nbytes),
-            "entries": [[e.name, list(e.shape), str(e.dtype), e.bucket, e.offset, e.nbytes]
-                        for e in self.entries],
-            "origin": None if self.origin is None else {
+            "entries": [
+                [e.name, list(e.shape), str(e.dtype), e.bucket, e.offset, e.nbytes]
+                for e in self.entries
+            ],
+            "origin": None
+            if self.origin is None
+            else {
                 "version": self.origin.version,
                 "layout": self.origin.layout,
                 "checksums": [list(c) for c in self.origin.checksums],
@@ -385,19 +413,38 @@ class WeightManifest:
         try:
             doc = json.loads(data.decode())
             if doc.get("format") != _MANIFEST_FORMAT:
-                raise ManifestError(f"manifest format {doc.get('format')!r} is not "
-                                    f"{_MANIFEST_FORMAT}; are both sides the same version?")
+                raise ManifestError(
+                    f"manifest format {doc.get('format')!r} is not "
+                    f"{_MANIFEST_FORMAT}; are both sides the same version?"
+                )
             entries = tuple(
-                ManifestEntry(str(name), tuple(int(d) for d in shape), _dtype_from_name(dtype),
-                              int(bucket), int(offset), int(nbytes))
+                ManifestEntry(
+                    str(name),
+                    tuple(int(d) for d in shape),
+                    _dtype_from_name(dtype),
+                    int(bucket),
+                    int(offset),
+                    int(nbytes),
+                )
                 for name, shape, dtype, bucket, offset, nbytes in doc["entries"]
             )
             origin_doc = doc.get("origin")
-            origin = None if origin_doc is None else OriginChecksums(
-                int(origin_doc["version"]), str(origin_doc["layout"]),
-                tuple((int(a), int(b)) for a, b in origin_doc["checksums"]))
-            manifest = cls(entries, tuple(int(n) for n in doc["bucket_nbytes"]),
-                           bool(doc["require_all"]), bool(doc["checksums"]), origin)
+            origin = (
+                None
+                if origin_doc is None
+                else OriginChecksums(
+                    int(origin_doc["version"]),
+                    str(origin_doc["layout"]),
+                    tuple((int(a), int(b)) for a, b in origin_doc["checksums"]),
+                )
+            )
+            manifest = cls(
+                entries,
+                tuple(int(n) for n in doc["bucket_nbytes"]),
+                bool(doc["require_all"]),
+                bool(doc["checksums"]),
+                origin,
+            )
         except ManifestError:
             raise
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
@@ -420,10 +467,16 @@ class WeightManifest:
                 numel *= d
             if not 0 <= e.bucket < len(self.bucket_nbytes):
                 raise ManifestError(f"{e.name}: bucket {e.bucket} out of range")
-            if (e.offset % ALIGN_BYTES or e.offset < 0 or e.nbytes != numel * elem
-                    or e.offset + e.nbytes > self.bucket_nbytes[e.bucket]):
-                raise ManifestError(f"{e.name}: inconsistent layout (offset {e.offset}, "
-                                    f"{e.nbytes} bytes, bucket of {self.bucket_nbytes[e.bucket]})")
+            if (
+                e.offset % ALIGN_BYTES
+                or e.offset < 0
+                or e.nbytes != numel * elem
+                or e.offset + e.nbytes > self.bucket_nbytes[e.bucket]
+            ):
+                raise ManifestError(
+                    f"{e.name}: inconsistent layout (offset {e.offset}, "
+                    f"{e.nbytes} bytes, bucket of {self.bucket_nbytes[e.bucket]})"
+                )
 
 
 def _align(n: int) -> int:
@@ -445,7 +498,7 @@ def bucket_checksum(data: torch.Tensor) -> torch.Tensor:
     n = words.numel()
     rows = n // _CHECKSUM_COLS
     main = words[: rows * _CHECKSUM_COLS].view(rows, _CHECKSUM_COLS)
-    tail = words[rows * _CHECKSUM_COLS:]
+    tail = words[rows * _CHECKSUM_COLS :]
     device = data.device
     col_sum = main.sum(0, dtype=torch.int64)
     row_sum = main.sum(1, dtype=torch.int64)
@@ -456,9 +509,11 @@ def bucket_checksum(data: torch.Tensor) -> torch.Tensor:
     # Every term is reduced below 2**31 before summing, so no sum can overflow int64 for any
     # bucket up to 2**32 words.
     p = _CHECKSUM_PRIME
-    weighted = (((col_sum.remainder(p) * col_w).remainder(p)).sum()
-                + ((row_sum.remainder(p) * row_w.remainder(p)).remainder(p)).sum()
-                + ((tail.to(torch.int64).remainder(p) * tail_w).remainder(p)).sum() * 7)
+    weighted = (
+        ((col_sum.remainder(p) * col_w).remainder(p)).sum()
+        + ((row_sum.remainder(p) * row_w.remainder(p)).remainder(p)).sum()
+        + ((tail.to(torch.int64).remainder(p) * tail_w).remainder(p)).sum() * 7
+    )
     return torch.stack([plain, weighted])
 
 
@@ -550,8 +605,10 @@ class WeightTransfer:
         self._views: tuple[WeightManifest, tuple[int, ...], list[list[torch.Tensor]]] | None = None
 
     def __repr__(self) -> str:
-        return (f"<WeightTransfer src={self.src} group={list(self.ranks)} "
-                f"bucket_bytes={self.config.bucket_bytes} device={self.device}>")
+        return (
+            f"<WeightTransfer src={self.src} group={list(self.ranks)} "
+            f"bucket_bytes={self.config.bucket_bytes} device={self.device}>"
+        )
 
     @property
     def is_source(self) -> bool:
@@ -591,8 +648,13 @@ class WeightTransfer:
             self._broadcast_abort(op, version, f"{type(exc).__name__}: {exc}")
             raise
         self._broadcast_manifest(data, version, op)
-        self._vote(ok=True, op=f"{op}: manifest vote", version=version, written=0,
-                   reject_message="rejected the manifest; nothing was written")
+        self._vote(
+            ok=True,
+            op=f"{op}: manifest vote",
+            version=version,
+            written=0,
+            reject_message="rejected the manifest; nothing was written",
+        )
         manifest_done = time.perf_counter()
         checksums = self._send_buckets(manifest, weights, op, version)
         failed = self._vote_ranks(ok=True, op=f"{op}: commit vote", version=version, written=0)
@@ -600,31 +662,56 @@ class WeightTransfer:
             raise ChecksumMismatchError(
                 f"{op}: ranks {failed} reported a failure after receiving (a checksum mismatch "
                 "or a failed write); their weights are torn until the next complete sync",
-                operation=op, version=version, tensors_written=0, buckets=(),
-                failed_ranks=failed)
+                operation=op,
+                version=version,
+                tensors_written=0,
+                buckets=(),
+                failed_ranks=failed,
+            )
         end = time.perf_counter()
-        return TransferStats("send", version, len(manifest.entries), manifest.num_buckets,
-                             manifest.nbytes, manifest_done - start, end - manifest_done,
-                             end - start, 0, 0,
-                             tuple(checksums) if checksums else None, manifest.layout)
+        return TransferStats(
+            "send",
+            version,
+            len(manifest.entries),
+            manifest.num_buckets,
+            manifest.nbytes,
+            manifest_done - start,
+            end - manifest_done,
+            end - start,
+            0,
+            0,
+            tuple(checksums) if checksums else None,
+            manifest.layout,
+        )
 
-    def _encode(self, weights: Mapping[str, torch.Tensor], require_all: bool,
-                origin: OriginChecksums | None) -> tuple[WeightManifest, bytes]:
+    def _encode(
+        self, weights: Mapping[str, torch.Tensor], require_all: bool, origin: OriginChecksums | None
+    ) -> tuple[WeightManifest, bytes]:
         """The manifest of ``weights`` and its bytes, reused while the layout is unchanged."""
-        key = (tuple((n, t.shape, t.dtype, t.layout) for n, t in weights.items()),
-               self.config.bucket_bytes, require_all, self.config.checksums, origin)
+        key = (
+            tuple((n, t.shape, t.dtype, t.layout) for n, t in weights.items()),
+            self.config.bucket_bytes,
+            require_all,
+            self.config.checksums,
+            origin,
+        )
         cached = self._encoded
         if cached is not None and cached[0] == key:
             return cached[1], cached[2]
         manifest = WeightManifest.build(
-            weights, bucket_bytes=self.config.bucket_bytes, require_all=require_all,
-            checksums=self.config.checksums, origin=origin)
+            weights,
+            bucket_bytes=self.config.bucket_bytes,
+            require_all=require_all,
+            checksums=self.config.checksums,
+            origin=origin,
+        )
         data = manifest.to_bytes()
         self._encoded = (key, manifest, data)
         return manifest, data
 
-    def _send_buckets(self, manifest: WeightManifest, weights: Mapping[str, torch.Tensor],
-                      op: str, version: int) -> list[tuple[int, int]]:
+    def _send_buckets(
+        self, manifest: WeightManifest, weights: Mapping[str, torch.Tensor], op: str, version: int
+    ) -> list[tuple[int, int]]:
         tail = CHECKSUM_BYTES if manifest.checksums else 0
         buffers = self._bucket_buffers(manifest, tail)
         views = self._bucket_views(manifest, buffers, tail)
@@ -663,21 +750,30 @@ class WeightTransfer:
         """Tell receivers waiting for a manifest that none is coming (a size of -1)."""
         header = torch.tensor([-1, version], dtype=torch.int64, device=self.device)
         try:
-            self._collective(lambda: dist.broadcast(header, self.src, group=self.group,
-                                                    async_op=True),
-                             f"{op}: abort ({reason})", version=version, written=0)
+            self._collective(
+                lambda: dist.broadcast(header, self.src, group=self.group, async_op=True),
+                f"{op}: abort ({reason})",
+                version=version,
+                written=0,
+            )
         except WeightTransferError:
             pass  # the error that made the source abort is the one to report
 
     def _broadcast_manifest(self, data: bytes, version: int, op: str) -> None:
         header = torch.tensor([len(data), version], dtype=torch.int64, device=self.device)
-        self._collective(lambda: dist.broadcast(header, self.src, group=self.group,
-                                                async_op=True),
-                         f"{op}: manifest header", version=version, written=0)
+        self._collective(
+            lambda: dist.broadcast(header, self.src, group=self.group, async_op=True),
+            f"{op}: manifest header",
+            version=version,
+            written=0,
+        )
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
-        self._collective(lambda: dist.broadcast(payload, self.src, group=self.group,
-                                                async_op=True),
-                         f"{op}: manifest", version=version, written=0)
+        self._collective(
+            lambda: dist.broadcast(payload, self.src, group=self.group, async_op=True),
+            f"{op}: manifest",
+            version=version,
+            written=0,
+        )
 
     # -- a receiver ----------------------------------------------------------------------------
 
@@ -714,52 +810,89 @@ class WeightTransfer:
         op = f"receive from rank {self.src} on rank {me}"
         version, manifest, problem = self._receive_manifest(op, into, allow_subset)
         op = f"receive version {version} from rank {self.src} on rank {me}"
-        self._vote(ok=problem is None, op=f"{op}: manifest vote", version=version, written=0,
-                   reject_message="rejected the manifest; nothing was written",
-                   own_error=problem)
+        self._vote(
+            ok=problem is None,
+            op=f"{op}: manifest vote",
+            version=version,
+            written=0,
+            reject_message="rejected the manifest; nothing was written",
+            own_error=problem,
+        )
         assert manifest is not None  # a missing manifest always comes with a problem (raised)
         manifest_done = time.perf_counter()
         outcome = _Outcome()
         self._receive_buckets(manifest, into, op, version, outcome, write_kind)
-        failed = self._vote_ranks(ok=outcome.failure is None, op=f"{op}: commit vote",
-                                  version=version, written=outcome.tensors_written)
+        failed = self._vote_ranks(
+            ok=outcome.failure is None,
+            op=f"{op}: commit vote",
+            version=version,
+            written=outcome.tensors_written,
+        )
         if outcome.failure is not None:
             raise ChecksumMismatchError(
                 f"{op}: {outcome.failure}; {outcome.tensors_written} target tensor(s) were "
                 "written before it, so the targets are torn until the next complete sync",
-                operation=op, version=version, tensors_written=outcome.tensors_written,
-                buckets=outcome.failed_buckets, failed_ranks=failed)
+                operation=op,
+                version=version,
+                tensors_written=outcome.tensors_written,
+                buckets=outcome.failed_buckets,
+                failed_ranks=failed,
+            )
         if failed:
             raise ChecksumMismatchError(
                 f"{op}: ranks {failed} reported a failure after receiving; this rank received "
                 f"version {version} whole, so its targets are complete (not torn)",
-                operation=op, version=version, tensors_written=outcome.tensors_written,
-                buckets=(), failed_ranks=failed, complete=True)
+                operation=op,
+                version=version,
+                tensors_written=outcome.tensors_written,
+                buckets=(),
+                failed_ranks=failed,
+                complete=True,
+            )
         end = time.perf_counter()
         checksums = tuple(outcome.source_checksums) if manifest.checksums else None
-        return TransferStats("receive", version, len(manifest.entries),
-                             manifest.num_buckets, manifest.nbytes, manifest_done - start,
-                             end - manifest_done, end - start, outcome.tensors_written,
-                             outcome.checksums_verified, checksums, manifest.layout)
+        return TransferStats(
+            "receive",
+            version,
+            len(manifest.entries),
+            manifest.num_buckets,
+            manifest.nbytes,
+            manifest_done - start,
+            end - manifest_done,
+            end - start,
+            outcome.tensors_written,
+            outcome.checksums_verified,
+            checksums,
+            manifest.layout,
+        )
 
     def _receive_manifest(
         self, op: str, into: Mapping[str, torch.Tensor], allow_subset: bool
     ) -> tuple[int, WeightManifest | None, BaseException | None]:
         """Receive and check the manifest; (version, manifest, this rank's objection)."""
         header = torch.zeros(_HEADER_WORDS, dtype=torch.int64, device=self.device)
-        self._collective(lambda: dist.broadcast(header, self.src, group=self.group,
-                                                async_op=True),
-                         f"{op}: manifest header", version=None, written=0)
+        self._collective(
+            lambda: dist.broadcast(header, self.src, group=self.group, async_op=True),
+            f"{op}: manifest header",
+            version=None,
+            written=0,
+        )
         size, version = (int(x) for x in header.tolist())
         if size < 0:
             raise ManifestRejected(
                 f"{op}: the source rank {self.src} aborted the transfer of version {version} "
                 "before sending a manifest (see its log); nothing was written",
-                operation=op, version=version, rejected_by=(self.src,))
+                operation=op,
+                version=version,
+                rejected_by=(self.src,),
+            )
         payload = torch.empty(size, dtype=torch.uint8, device=self.device)
-        self._collective(lambda: dist.broadcast(payload, self.src, group=self.group,
-                                                async_op=True),
-                         f"{op}: manifest", version=version, written=0)
+        self._collective(
+            lambda: dist.broadcast(payload, self.src, group=self.group, async_op=True),
+            f"{op}: manifest",
+            version=version,
+            written=0,
+        )
         data = payload.cpu().numpy().tobytes()
         try:
             cached = self._decoded
@@ -774,15 +907,27 @@ class WeightTransfer:
             if not manifest.require_all and not allow_subset:
                 raise ManifestError(
                     f"{op}: the source sent a subset ({len(manifest.entries)} of "
-                    f"{len(into)} weights) and this receiver requires a full sync")
-            check_weights_match(manifest.specs, into, require_all=manifest.require_all,
-                                context=f"weights of version {version} from rank {self.src}")
+                    f"{len(into)} weights) and this receiver requires a full sync"
+                )
+            check_weights_match(
+                manifest.specs,
+                into,
+                require_all=manifest.require_all,
+                context=f"weights of version {version} from rank {self.src}",
+            )
         except (RolloutSyncError, ValueError) as exc:
             return version, manifest, exc
         return version, manifest, None
 
-    def _receive_buckets(self, manifest: WeightManifest, into: Mapping[str, torch.Tensor],
-                         op: str, version: int, outcome: _Outcome, write_kind: str) -> None:
+    def _receive_buckets(
+        self,
+        manifest: WeightManifest,
+        into: Mapping[str, torch.Tensor],
+        op: str,
+        version: int,
+        outcome: _Outcome,
+        write_kind: str,
+    ) -> None:
         tail = CHECKSUM_BYTES if manifest.checksums else 0
         buffers = self._bucket_buffers(manifest, tail)
         views = self._bucket_views(manifest, buffers, tail)
@@ -812,8 +957,11 @@ class WeightTransfer:
                     self._finish(in_flight.pop(0), op, n, version, outcome.tensors_written)
                 finally:
                     if k in write_starts and self.timeline is not None:
-                        self.timeline.add_span(write_kind, f"receive bucket {k + 1}/{n} "
-                                               f"v{version} in place", write_starts[k])
+                        self.timeline.add_span(
+                            write_kind,
+                            f"receive bucket {k + 1}/{n} v{version} in place",
+                            write_starts[k],
+                        )
                 if direct[k] is not None:
                     continue
                 flat = flats[k]
@@ -822,8 +970,9 @@ class WeightTransfer:
                 if outcome.failure is not None:
                     continue  # keep the collectives matched; write nothing more
                 if tail:
-                    outcome.failure = self._verify(flat, manifest.bucket_nbytes[k], k,
-                                                   manifest.origin, outcome)
+                    outcome.failure = self._verify(
+                        flat, manifest.bucket_nbytes[k], k, manifest.origin, outcome
+                    )
                     if outcome.failure is not None:
                         outcome.failed_buckets.append(k)
                         continue
@@ -836,19 +985,29 @@ class WeightTransfer:
                     with self.timeline.span(write_kind, f"write bucket {k + 1}/{n} v{version}"):
                         torch._foreach_copy_(targets, views[k])
 
-    def _verify(self, flat: torch.Tensor, size: int, k: int, origin: OriginChecksums | None,
-                outcome: _Outcome) -> str | None:
+    def _verify(
+        self,
+        flat: torch.Tensor,
+        size: int,
+        k: int,
+        origin: OriginChecksums | None,
+        outcome: _Outcome,
+    ) -> str | None:
         """Check bucket ``k``'s checksum tail (and the origin's); the failure, or ``None``."""
         got = [int(x) for x in bucket_checksum(flat[:size]).tolist()]
         sent = [int(x) for x in flat[size:].view(torch.int64).tolist()]
         outcome.source_checksums.append((sent[0], sent[1]))
         if got != sent:
-            return (f"bucket {k} arrived with checksum {got} but rank {self.src} sent {sent} "
-                    "(bytes corrupted in transit or in this rank's buffer)")
+            return (
+                f"bucket {k} arrived with checksum {got} but rank {self.src} sent {sent} "
+                "(bytes corrupted in transit or in this rank's buffer)"
+            )
         if origin is not None and list(origin.checksums[k]) != got:
-            return (f"bucket {k} has checksum {got} but the original sender of version "
-                    f"{origin.version} sent {list(origin.checksums[k])}: the source replica "
-                    f"rank {self.src} is serving bytes that differ from what it received")
+            return (
+                f"bucket {k} has checksum {got} but the original sender of version "
+                f"{origin.version} sent {list(origin.checksums[k])}: the source replica "
+                f"rank {self.src} is serving bytes that differ from what it received"
+            )
         outcome.checksums_verified += 1
         return None
 
@@ -858,14 +1017,19 @@ class WeightTransfer:
         """Two flat buffers big enough for the largest bucket (one if there is one bucket)."""
         need = max(manifest.bucket_nbytes) + tail
         count = 1 if manifest.num_buckets == 1 else 2
-        if (len(self._buffers) < count or self._buffers[0].numel() < need
-                or self._buffers[0].device != self.device):
-            self._buffers = [torch.empty(need, dtype=torch.uint8, device=self.device)
-                             for _ in range(count)]
+        if (
+            len(self._buffers) < count
+            or self._buffers[0].numel() < need
+            or self._buffers[0].device != self.device
+        ):
+            self._buffers = [
+                torch.empty(need, dtype=torch.uint8, device=self.device) for _ in range(count)
+            ]
         return self._buffers[:count]
 
-    def _direct(self, manifest: WeightManifest, k: int,
-                tensors: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    def _direct(
+        self, manifest: WeightManifest, k: int, tensors: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor | None:
         """Bucket ``k`` as a byte view of its one tensor, if it is exactly that tensor."""
         entries = manifest.buckets[k]
         if len(entries) != 1 or entries[0].nbytes != manifest.bucket_nbytes[k]:
@@ -875,16 +1039,21 @@ class WeightTransfer:
             return None
         return tensor.detach().reshape(-1).view(torch.uint8)
 
-    def _bucket_views(self, manifest: WeightManifest, buffers: list[torch.Tensor],
-                      tail: int) -> list[list[torch.Tensor]]:
+    def _bucket_views(
+        self, manifest: WeightManifest, buffers: list[torch.Tensor], tail: int
+    ) -> list[list[torch.Tensor]]:
         """Typed, shaped views of every entry in its bucket's buffer (kept per layout)."""
         ptrs = tuple(b.data_ptr() for b in buffers)
         cached = self._views
         if cached is not None and cached[0] is manifest and cached[1] == ptrs:
             return cached[2]
         views = [
-            [buffers[k % len(buffers)][e.offset: e.offset + e.nbytes].view(e.dtype).view(e.shape)
-             for e in entries]
+            [
+                buffers[k % len(buffers)][e.offset : e.offset + e.nbytes]
+                .view(e.dtype)
+                .view(e.shape)
+                for e in entries
+            ]
             for k, entries in enumerate(manifest.buckets)
         ]
         self._views = (manifest, ptrs, views)
@@ -896,18 +1065,30 @@ class WeightTransfer:
         assert work is not None
         return work, k, start_ns
 
-    def _finish(self, launched: tuple[dist.Work, int, int], op: str, n: int,
-                version: int | None, written: int) -> None:
+    def _finish(
+        self,
+        launched: tuple[dist.Work, int, int],
+        op: str,
+        n: int,
+        version: int | None,
+        written: int,
+    ) -> None:
         work, k, start_ns = launched
         try:
             self._wait(work, f"{op}: bucket {k + 1}/{n}", version, written)
         finally:
             if self.timeline is not None:
-                self.timeline.add_span(SpanKind.WEIGHT_COLLECTIVE, f"bucket {k + 1}/{n}",
-                                       start_ns, src=self.src, version=version)
+                self.timeline.add_span(
+                    SpanKind.WEIGHT_COLLECTIVE,
+                    f"bucket {k + 1}/{n}",
+                    start_ns,
+                    src=self.src,
+                    version=version,
+                )
 
-    def _collective(self, launch: Callable[[], dist.Work | None], op: str, *,
-                    version: int | None, written: int) -> None:
+    def _collective(
+        self, launch: Callable[[], dist.Work | None], op: str, *, version: int | None, written: int
+    ) -> None:
         with self._span(op):
             work = launch()
             assert work is not None
@@ -919,11 +1100,17 @@ class WeightTransfer:
         except CollectiveTimeout as exc:
             raise WeightTransferTimeout(
                 f"{exc} [{written} target tensor(s) written before it failed]",
-                operation=op, version=version, tensors_written=written) from exc
+                operation=op,
+                version=version,
+                tensors_written=written,
+            ) from exc
         except CollectiveError as exc:
             raise WeightTransferError(
                 f"{exc} [{written} target tensor(s) written before it failed]",
-                operation=op, version=version, tensors_written=written) from exc
+                operation=op,
+                version=version,
+                tensors_written=written,
+            ) from exc
 
     @contextmanager
     def _span(self, name: str) -> Iterator[None]:
@@ -933,17 +1120,28 @@ class WeightTransfer:
             with self.timeline.span(SpanKind.WEIGHT_COLLECTIVE, name, src=self.src):
                 yield
 
-    def _vote_ranks(self, *, ok: bool, op: str, version: int | None,
-                    written: int) -> list[int]:
+    def _vote_ranks(self, *, ok: bool, op: str, version: int | None, written: int) -> list[int]:
         """All-gather an ok flag; the global ranks that said no."""
         mine = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
         flags = [torch.zeros(1, dtype=torch.int32, device=self.device) for _ in self.ranks]
-        self._collective(lambda: dist.all_gather(flags, mine, group=self.group, async_op=True),
-                         op, version=version, written=written)
+        self._collective(
+            lambda: dist.all_gather(flags, mine, group=self.group, async_op=True),
+            op,
+            version=version,
+            written=written,
+        )
         return [rank for rank, flag in zip(self.ranks, flags, strict=True) if not int(flag.item())]
 
-    def _vote(self, *, ok: bool, op: str, version: int | None, written: int,
-              reject_message: str, own_error: BaseException | None = None) -> None:
+    def _vote(
+        self,
+        *,
+        ok: bool,
+        op: str,
+        version: int | None,
+        written: int,
+        reject_message: str,
+        own_error: BaseException | None = None,
+    ) -> None:
         """Vote; raise ``own_error`` if this rank said no, :class:`ManifestRejected` if another
         did. Every rank learns the outcome, so none is left waiting on the next collective."""
         failed = self._vote_ranks(ok=ok, op=op, version=version, written=written)
@@ -952,4 +1150,7 @@ class WeightTransfer:
         if failed:
             raise ManifestRejected(
                 f"{op}: ranks {failed} {reject_message} (see their logs for the problems)",
-                operation=op, version=version, rejected_by=failed)
+                operation=op,
+                version=version,
+                rejected_by=failed,
+            )

@@ -297,9 +297,7 @@ class _SendPoolState:
     def add_request(self, request_id: int, credits: int, timeout_ns: int, now_ns: int) -> None:
         if credits <= 0:
             raise PayloadTransportError(f"credit request {request_id} grants {credits} payloads")
-        self.requests.append(
-            _Request(request_id, credits, self.request_clock(now_ns) + timeout_ns)
-        )
+        self.requests.append(_Request(request_id, credits, self.request_clock(now_ns) + timeout_ns))
         self.requests_received += 1
 
     @property
@@ -345,8 +343,9 @@ class _SendPoolState:
         count = min(self.max_in_flight, len(self.unsent), self.credits)
         entries = tuple(self.unsent.popleft() for _ in range(count))
         self.tickets_issued += 1
-        offer = _Offer(self._next_offer_id, self.tickets_issued, entries,
-                       self.requests[0].request_id)
+        offer = _Offer(
+            self._next_offer_id, self.tickets_issued, entries, self.requests[0].request_id
+        )
         self._next_offer_id += 1
         self.in_flight = offer
         self.reply = None
@@ -514,10 +513,12 @@ class PayloadSender(TransportEnd):
         self._conditions = (self._work, self._space, self._progress)
         self._send_lock = threading.Lock()
         self._bye_sent = False
-        self._launcher = threading.Thread(target=self._launch_loop, daemon=True,
-                                          name=f"payload-launcher-to-{receiver_rank}")
-        self._reader = threading.Thread(target=self._read_loop, daemon=True,
-                                        name=f"payload-control-from-{receiver_rank}")
+        self._launcher = threading.Thread(
+            target=self._launch_loop, daemon=True, name=f"payload-launcher-to-{receiver_rank}"
+        )
+        self._reader = threading.Thread(
+            target=self._read_loop, daemon=True, name=f"payload-control-from-{receiver_rank}"
+        )
         self._launcher.start()
         self._reader.start()
 
@@ -558,7 +559,8 @@ class PayloadSender(TransportEnd):
                     self._state.backpressure_timeouts += 1
                     raise PayloadBackpressureTimeout(
                         self._backpressure_message(limit),
-                        operation="register a payload", timeout=limit,
+                        operation="register a payload",
+                        timeout=limit,
                     )
                 self._space.wait(remaining)
         return self._pack_and_commit(tensors, meta)
@@ -631,14 +633,21 @@ class PayloadSender(TransportEnd):
                 f"payload sends to rank {self.receiver_rank} in flight did not complete "
                 f"within {limit:.1f} s ({count} payloads in one transfer; the receiver "
                 "may have stopped serving its transport)",
-                operation="flush pending payload sends", timeout=limit, sections_running=1,
+                operation="flush pending payload sends",
+                timeout=limit,
+                sections_running=1,
             )
 
         with self._lock:
             target = self._state.flush_target()
             if target is not None:
-                self._wait_until(self._progress, lambda: self._state.flushed(target), deadline,
-                                 "flush pending payload sends", timed_out)
+                self._wait_until(
+                    self._progress,
+                    lambda: self._state.flushed(target),
+                    deadline,
+                    "flush pending payload sends",
+                    timed_out,
+                )
 
     # -- waiting for the pool ------------------------------------------------------------------
 
@@ -652,12 +661,15 @@ class PayloadSender(TransportEnd):
         limit, deadline = self._deadline(timeout)
         with self._lock:
             self._wait_until(
-                self._progress, self._state.all_sent, deadline,
+                self._progress,
+                self._state.all_sent,
+                deadline,
                 "wait for every payload to be sent",
                 lambda: PayloadTimeout(
                     f"{self._state.occupancy} payloads to rank {self.receiver_rank} were "
                     f"still unsent after {limit:.1f} s: {self._stall_reason()}",
-                    operation="wait for every payload to be sent", timeout=limit,
+                    operation="wait for every payload to be sent",
+                    timeout=limit,
                 ),
             )
 
@@ -673,15 +685,20 @@ class PayloadSender(TransportEnd):
         limit, deadline = self._deadline(timeout)
         with self._lock:
             if not 0 <= seq < self._state.next_seq:
-                raise ValueError(f"payload {seq} was never registered with this sender "
-                                 f"({self._state.next_seq} so far)")
+                raise ValueError(
+                    f"payload {seq} was never registered with this sender "
+                    f"({self._state.next_seq} so far)"
+                )
             self._wait_until(
-                self._progress, lambda: self._state.sent > seq, deadline,
+                self._progress,
+                lambda: self._state.sent > seq,
+                deadline,
                 f"wait for payload {seq} to be sent",
                 lambda: PayloadTimeout(
                     f"payload {seq} to rank {self.receiver_rank} was still unsent after "
                     f"{limit:.1f} s ({self._state.sent} sent so far): {self._stall_reason()}",
-                    operation="wait for a payload to be sent", timeout=limit,
+                    operation="wait for a payload to be sent",
+                    timeout=limit,
                 ),
             )
 
@@ -694,11 +711,15 @@ class PayloadSender(TransportEnd):
         limit, deadline = self._deadline(timeout)
         with self._lock:
             self._wait_until(
-                self._progress, lambda: self._state.credits > 0, deadline, "wait for credit",
+                self._progress,
+                lambda: self._state.credits > 0,
+                deadline,
+                "wait for credit",
                 lambda: PayloadTimeout(
                     f"rank {self.receiver_rank} granted no payload credit within "
                     f"{limit:.1f} s: is its PayloadReceiver running and consuming?",
-                    operation="wait for credit", timeout=limit,
+                    operation="wait for credit",
+                    timeout=limit,
                 ),
             )
             return self._state.credits
@@ -727,18 +748,23 @@ class PayloadSender(TransportEnd):
             self.wait_all_sent(_remaining_or_inf(deadline))
             with self._lock:
                 total = self._state.registered
-            self._send_frame(make_frame(FrameKind.BYE, total),
-                             min(self.default_timeout, _remaining_or_inf(deadline)), bye=True)
+            self._send_frame(
+                make_frame(FrameKind.BYE, total),
+                min(self.default_timeout, _remaining_or_inf(deadline)),
+                bye=True,
+            )
             with self._lock:
                 # A failure ends this wait too: the threads are stopped below, then it raises.
                 self._wait_until(
                     self._progress,
-                    lambda: self._state.bye_acked or self._state.error is not None, deadline,
+                    lambda: self._state.bye_acked or self._state.error is not None,
+                    deadline,
                     "close the payload sender",
                     lambda: PayloadTimeout(
                         f"rank {self.receiver_rank} did not acknowledge the payload "
                         f"sender's goodbye within {limit:.1f} s",
-                        operation="close the payload sender", timeout=limit,
+                        operation="close the payload sender",
+                        timeout=limit,
                     ),
                 )
         with self._lock:
@@ -832,24 +858,42 @@ class PayloadSender(TransportEnd):
         start = time.monotonic_ns()
         try:
             message = coalesce([e.buffer for e in offer.entries])
-            self._send_frame(make_frame(FrameKind.OFFER, offer.offer_id, offer.first_seq,
-                                        offer.count, offer.first_request_id,
-                                        int(message is not None), sizes=offer.sizes))
+            self._send_frame(
+                make_frame(
+                    FrameKind.OFFER,
+                    offer.offer_id,
+                    offer.first_seq,
+                    offer.count,
+                    offer.first_request_id,
+                    int(message is not None),
+                    sizes=offer.sizes,
+                )
+            )
             reply = self._await_reply(offer)
             if reply is FrameKind.DEFER:
                 with self._lock:
                     self._state.offer_deferred(offer)
                 return
             buffers = [e.buffer for e in offer.entries] if message is None else [message]
-            ops = [dist.P2POp(dist.isend, b, self.receiver_rank, group=self.groups.data)
-                   for b in buffers]
+            ops = [
+                dist.P2POp(dist.isend, b, self.receiver_rank, group=self.groups.data)
+                for b in buffers
+            ]
             works = dist.batch_isend_irecv(ops)
-            wait_works(works, self.device, self.default_timeout,
-                       f"sending {offer.count} payloads to rank {self.receiver_rank}")
+            wait_works(
+                works,
+                self.device,
+                self.default_timeout,
+                f"sending {offer.count} payloads to rank {self.receiver_rank}",
+            )
             if self.timeline is not None:
                 self.timeline.add_span(
-                    SpanKind.PAYLOAD_SEND, f"payloads to rank {self.receiver_rank}", start,
-                    first_seq=offer.first_seq, count=offer.count, bytes=offer.nbytes,
+                    SpanKind.PAYLOAD_SEND,
+                    f"payloads to rank {self.receiver_rank}",
+                    start,
+                    first_seq=offer.first_seq,
+                    count=offer.count,
+                    bytes=offer.nbytes,
                 )
             with self._lock:
                 self._state.offer_completed(offer)
@@ -863,7 +907,9 @@ class PayloadSender(TransportEnd):
         deadline = time.monotonic() + self.default_timeout
         with self._lock:
             self._wait_until(
-                self._progress, lambda: self._state.reply is not None, deadline,
+                self._progress,
+                lambda: self._state.reply is not None,
+                deadline,
                 "wait for an answer to a payload offer",
                 lambda: PayloadTransportError(
                     f"rank {self.receiver_rank} did not answer an offer of {offer.count} "
@@ -936,8 +982,10 @@ class PayloadSender(TransportEnd):
         if s.receiver_deferred:
             reasons.append(f"rank {self.receiver_rank} is holding its receives")
         if not s.requests:
-            reasons.append(f"rank {self.receiver_rank} grants no credit (is its receiver "
-                           "running, and is the trainer taking payloads off it?)")
+            reasons.append(
+                f"rank {self.receiver_rank} grants no credit (is its receiver "
+                "running, and is the trainer taking payloads off it?)"
+            )
         return "; ".join(reasons) or "sends are slower than registration"
 
     def _backpressure_message(self, limit: float) -> str:
@@ -1031,4 +1079,3 @@ class NCCLRolloutMixin:
         if sender is not None:
             sender.close(timeout)
             self._payload_sender = None
-

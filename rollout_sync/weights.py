@@ -98,7 +98,10 @@ def check_weights_match(
         if target.dtype != spec.dtype:
             problems.append(f"{spec.name}: dtype {spec.dtype} does not match served {target.dtype}")
     if require_all:
-        problems.extend(f"{name}: missing (a full sync must send every served weight)"
-                        for name in served if name not in seen)
+        problems.extend(
+            f"{name}: missing (a full sync must send every served weight)"
+            for name in served
+            if name not in seen
+        )
     if problems:
         raise WeightMismatchError(problems, context=context)

@@ -199,11 +199,13 @@ class SyncGroups:
             RuntimeError: no barrier group was built, or this rank is not in the pair.
         """
         if self.p2r_cpu is None:
-            raise RuntimeError("these SyncGroups have no P2R barrier group (build them with "
-                               "build_sync_groups)")
+            raise RuntimeError(
+                "these SyncGroups have no P2R barrier group (build them with build_sync_groups)"
+            )
         if dist.get_rank() not in (self.trainer, self.r2r_source):
-            raise RuntimeError(f"rank {dist.get_rank()} is not in the P2R pair "
-                               f"{[self.trainer, self.r2r_source]}")
+            raise RuntimeError(
+                f"rank {dist.get_rank()} is not in the P2R pair {[self.trainer, self.r2r_source]}"
+            )
         work = dist.barrier(group=self.p2r_cpu, async_op=True)
         if work is not None:
             wait_work(work, operation="P2R barrier", timeout_s=timeout, group=self.p2r_cpu)
@@ -223,7 +225,10 @@ class SyncGroups:
 
 
 def build_sync_groups(
-    trainer: int, replicas: Sequence[int], *, timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
+    trainer: int,
+    replicas: Sequence[int],
+    *,
+    timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
     backend: str | None = None,
 ) -> SyncGroups:
     """Create the P2R and R2R groups; every rank of the default group must call this.
@@ -241,8 +246,7 @@ def build_sync_groups(
     # Decided from the arguments and the default group, the same on every rank, so that every
     # rank makes the same new_group calls.
     on_gloo = str(backend or dist.get_backend()) == "gloo"
-    p2r_cpu = p2r if on_gloo else new_group([trainer, reps[0]], timeout_s=timeout_s,
-                                            backend="gloo")
+    p2r_cpu = p2r if on_gloo else new_group([trainer, reps[0]], timeout_s=timeout_s, backend="gloo")
     r2r = new_group(list(reps), timeout_s=timeout_s, backend=backend) if len(reps) > 1 else None
     return SyncGroups(trainer, reps, p2r, r2r, p2r_cpu)
 
@@ -332,18 +336,21 @@ class RolloutWorker:
                 raise TypeError(
                     f"{mode} needs a backend that installs a WeightBuffer at its safe points "
                     f"(implement attach_weight_buffer, see SupportsWeightBuffer); "
-                    f"{type(rollout).__name__} does not")
-            self.sync_thread = WeightSyncThread(self._async_bracket,
-                                                name=f"weight-sync-{id(self):x}",
-                                                fence=self.weight_sync_fence)
+                    f"{type(rollout).__name__} does not"
+                )
+            self.sync_thread = WeightSyncThread(
+                self._async_bracket, name=f"weight-sync-{id(self):x}", fence=self.weight_sync_fence
+            )
         self.register_handler(P2R, self._handle_p2r)
         self.register_handler(R2R, self._handle_r2r)
         self.register_handler(Stop, self._handle_stop)
 
     def __repr__(self) -> str:
         s = self.statistics()
-        return (f"<RolloutWorker {self.weight_sync_mode.value}: v{s.weight_version}"
-                f"{' TORN' if s.weights_torn else ''}, {s.syncs} syncs, {s.failed} failed>")
+        return (
+            f"<RolloutWorker {self.weight_sync_mode.value}: v{s.weight_version}"
+            f"{' TORN' if s.weights_torn else ''}, {s.syncs} syncs, {s.failed} failed>"
+        )
 
     # -- commands in -------------------------------------------------------------------------
 
@@ -354,8 +361,10 @@ class RolloutWorker:
     def submit(self, command: object) -> None:
         """Queue ``command`` (only with the default queue; otherwise feed your source)."""
         if not isinstance(self.commands, queue.Queue):
-            raise TypeError("submit() needs the default queue.Queue command source; "
-                            "put commands on your own source instead")
+            raise TypeError(
+                "submit() needs the default queue.Queue command source; "
+                "put commands on your own source instead"
+            )
         self.commands.put(command)
 
     def handle(self, command: object) -> CommandResult:
@@ -363,27 +372,37 @@ class RolloutWorker:
         handler = self.handlers.get(type(command))
         start = time.perf_counter()
         if handler is None:
-            result = CommandResult(command, False, error=(
-                f"no handler registered for {type(command).__name__}; known: "
-                f"{sorted(t.__name__ for t in self.handlers)}"),
-                weight_version=self.rollout.weight_version)
+            result = CommandResult(
+                command,
+                False,
+                error=(
+                    f"no handler registered for {type(command).__name__}; known: "
+                    f"{sorted(t.__name__ for t in self.handlers)}"
+                ),
+                weight_version=self.rollout.weight_version,
+            )
         else:
             try:
                 value = handler(command)
             except Exception as exc:  # noqa: BLE001 - becomes a failed result, loop goes on
                 result = self._failure(command, exc, time.perf_counter() - start)
             else:
-                result = CommandResult(command, True, value,
-                                       elapsed_s=time.perf_counter() - start,
-                                       weight_version=self.rollout.weight_version)
+                result = CommandResult(
+                    command,
+                    True,
+                    value,
+                    elapsed_s=time.perf_counter() - start,
+                    weight_version=self.rollout.weight_version,
+                )
                 if isinstance(value, TransferStats) and self.on_transfer is not None:
                     self.on_transfer(value, self.rollout.served_weights())
         if not isinstance(result.value, concurrent.futures.Future):
             self._record(result)
         return result
 
-    def run(self, *, idle_timeout_s: float = 300.0, poll_s: float = 0.05,
-            stop_on_error: bool = False) -> list[CommandResult]:
+    def run(
+        self, *, idle_timeout_s: float = 300.0, poll_s: float = 0.05, stop_on_error: bool = False
+    ) -> list[CommandResult]:
         """Take and handle commands until :class:`Stop`; return every result.
 
         Between commands the engine generates: a :class:`BackgroundEngine` on its own, a
@@ -397,8 +416,11 @@ class RolloutWorker:
         last_command = time.monotonic()
         while not self._stopped:
             self._deliver_async_results()
-            generate = (self.step_generation is not None and self.rollout.is_initialized
-                        and not self.rollout.weights_torn)
+            generate = (
+                self.step_generation is not None
+                and self.rollout.is_initialized
+                and not self.rollout.weights_torn
+            )
             try:
                 command = self.commands.get(timeout=0.0 if generate else poll_s)
             except queue.Empty:
@@ -410,13 +432,15 @@ class RolloutWorker:
                 elif time.monotonic() - last_command > idle_timeout_s:
                     raise TimeoutError(
                         f"RolloutWorker.run: no command arrived for {idle_timeout_s:.1f} s "
-                        "(is the controller alive? send Stop to end the loop)") from None
+                        "(is the controller alive? send Stop to end the loop)"
+                    ) from None
                 continue
             last_command = time.monotonic()
             result = self.handle(command)
             if stop_on_error and not result.ok:
-                raise RolloutSyncError(f"command {command!r} failed: {result.error}") \
-                    from result.exception
+                raise RolloutSyncError(
+                    f"command {command!r} failed: {result.error}"
+                ) from result.exception
         self._deliver_async_results()
         return list(self.results)
 
@@ -438,7 +462,8 @@ class RolloutWorker:
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"version {wanted} was not installed within {timeout:.1f} s (serving "
-                    f"v{self.rollout.weight_version}); the backend reached no safe point")
+                    f"v{self.rollout.weight_version}); the backend reached no safe point"
+                )
             time.sleep(0.001)  # polling the backend's version; installs happen on its thread
         return self.rollout.weight_version
 
@@ -482,12 +507,17 @@ class RolloutWorker:
 
     def _handle_p2r(self, command: P2R) -> Any:
         if self.p2r is None:
-            raise RolloutSyncError("P2R command on a worker without a P2R transfer "
-                                   "(only the first replica of a group receives from the trainer)")
+            raise RolloutSyncError(
+                "P2R command on a worker without a P2R transfer "
+                "(only the first replica of a group receives from the trainer)"
+            )
         if self.weight_sync_mode is not SyncMode.SYNC:
             return self._queue_async("p2r", command)
-        return (self.receive_weights_p2r(command) if self.guarded
-                else self._unguarded(self._receive_p2r, command))
+        return (
+            self.receive_weights_p2r(command)
+            if self.guarded
+            else self._unguarded(self._receive_p2r, command)
+        )
 
     def _handle_r2r(self, command: R2R) -> Any:
         if self.r2r is None:
@@ -495,10 +525,16 @@ class RolloutWorker:
         if self.weight_sync_mode is not SyncMode.SYNC:
             return self._queue_async("r2r", command)
         if self.r2r.is_source:
-            return (self.send_weights_r2r(command) if self.guarded
-                    else self._unguarded(self._send_r2r, command))
-        return (self.receive_weights_r2r(command) if self.guarded
-                else self._unguarded(self._receive_r2r, command))
+            return (
+                self.send_weights_r2r(command)
+                if self.guarded
+                else self._unguarded(self._send_r2r, command)
+            )
+        return (
+            self.receive_weights_r2r(command)
+            if self.guarded
+            else self._unguarded(self._receive_r2r, command)
+        )
 
     def _handle_stop(self, command: Stop) -> None:
         self._stopped = True
@@ -552,7 +588,8 @@ class RolloutWorker:
             elif exc.targets_torn:
                 self.rollout.mark_weights_torn(
                     f"{exc.tensors_written} tensor(s) of version {exc.version} were written "
-                    f"before the transfer failed: {type(exc).__name__}")
+                    f"before the transfer failed: {type(exc).__name__}"
+                )
             raise
         self._reload(served)
         self.rollout.commit_weight_version(stats.version)
@@ -566,17 +603,24 @@ class RolloutWorker:
         if type(self.rollout).load_weights is not RolloutBase.load_weights:
             self.rollout.load_weights(served, require_all=False)
 
-    def _send(self, transfer: WeightTransfer, weights: Mapping[str, torch.Tensor],
-              version: int) -> TransferStats:
-        origin = self._origin if self._origin is not None and \
-            self._origin.version == version else None
+    def _send(
+        self, transfer: WeightTransfer, weights: Mapping[str, torch.Tensor], version: int
+    ) -> TransferStats:
+        origin = (
+            self._origin if self._origin is not None and self._origin.version == version else None
+        )
         return transfer.send(weights, version=version, origin=origin)
 
     def _unguarded(self, body: Callable[[Any], TransferStats], command: object) -> TransferStats:
         """The same handler body without pause or egress hold (the demo's ``--unguarded``)."""
-        with weight_sync_bracket(None, name=getattr(body, "__name__", "sync"), pause=False,
-                                 hold=False, timeline=self.timeline,
-                                 fence=self.weight_sync_fence) as bracket:
+        with weight_sync_bracket(
+            None,
+            name=getattr(body, "__name__", "sync"),
+            pause=False,
+            hold=False,
+            timeline=self.timeline,
+            fence=self.weight_sync_fence,
+        ) as bracket:
             value = body(command)
         assert bracket.report is not None
         self.last_weight_sync_report = bracket.report
@@ -605,9 +649,14 @@ class RolloutWorker:
         bracket: WeightSyncBracket | None = None
         try:
             with weight_sync_bracket(
-                self.rollout, self.payload_egress_components() if hold else (), name=name,
-                mode=self.weight_sync_mode, pause=False, hold=hold,
-                timeout=self.weight_sync_timeout, fence=self.weight_sync_fence,
+                self.rollout,
+                self.payload_egress_components() if hold else (),
+                name=name,
+                mode=self.weight_sync_mode,
+                pause=False,
+                hold=hold,
+                timeout=self.weight_sync_timeout,
+                fence=self.weight_sync_fence,
                 timeline=self.timeline,
             ) as bracket:
                 yield
@@ -630,9 +679,15 @@ class RolloutWorker:
                 # holds what this job transferred.
                 if self.on_transfer is not None and self.weight_buffer is not None:
                     self.on_transfer(f.result(), self.weight_buffer.tensors)
-                self._async_results.put(CommandResult(command, True, f.result(),
-                                                      elapsed_s=elapsed,
-                                                      weight_version=self.rollout.weight_version))
+                self._async_results.put(
+                    CommandResult(
+                        command,
+                        True,
+                        f.result(),
+                        elapsed_s=elapsed,
+                        weight_version=self.rollout.weight_version,
+                    )
+                )
             else:
                 self._async_results.put(self._failure(command, exc, elapsed))
 
@@ -644,8 +699,11 @@ class RolloutWorker:
         if self.weight_buffer is None:
             self._ensure_engine()
             self.weight_buffer = WeightBuffer(
-                self.rollout.served_weights(), mode=self.weight_sync_mode,
-                timeline=self.timeline, fence_timeout_s=self.weight_sync_timeout)
+                self.rollout.served_weights(),
+                mode=self.weight_sync_mode,
+                timeline=self.timeline,
+                fence_timeout_s=self.weight_sync_timeout,
+            )
             assert isinstance(self.rollout, SupportsWeightBuffer)
             self.rollout.attach_weight_buffer(self.weight_buffer)
         return self.weight_buffer
@@ -653,8 +711,9 @@ class RolloutWorker:
     def _async_receive(self, transfer: WeightTransfer) -> TransferStats:
         buffer = self._ensure_buffer()
         with buffer.write(self.weight_sync_timeout) as handle:
-            stats = transfer.receive(handle.tensors, allow_subset=self.allow_subset,
-                                     write_kind=BUFFER_WRITE)
+            stats = transfer.receive(
+                handle.tensors, allow_subset=self.allow_subset, write_kind=BUFFER_WRITE
+            )
             handle.version = stats.version
         if not self._engine_started:
             # Not generating yet: install on this thread, then start with the new weights.
@@ -677,8 +736,9 @@ class RolloutWorker:
         buffer = self.weight_buffer
         version = None if buffer is None else buffer.published_version
         if buffer is None or version is None:
-            raise RolloutSyncError("R2R broadcast before this replica received any complete "
-                                   "version (send P2R first)")
+            raise RolloutSyncError(
+                "R2R broadcast before this replica received any complete version (send P2R first)"
+            )
         # This thread is the buffer's only writer, so it is stable while it is read here.
         return self._send(self.r2r, buffer.tensors, version)
 
@@ -694,9 +754,14 @@ class RolloutWorker:
 
     def _failure(self, command: object, exc: BaseException, elapsed: float) -> CommandResult:
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        return CommandResult(command, False, error=f"{type(exc).__name__}: {exc}\n{text}",
-                             exception=exc, elapsed_s=elapsed,
-                             weight_version=self.rollout.weight_version)
+        return CommandResult(
+            command,
+            False,
+            error=f"{type(exc).__name__}: {exc}\n{text}",
+            exception=exc,
+            elapsed_s=elapsed,
+            weight_version=self.rollout.weight_version,
+        )
 
     def _record(self, result: CommandResult) -> None:
         with self._lock:

@@ -145,8 +145,9 @@ class _SlowInstallRollout(RolloutBase):
     def served_weights(self) -> Mapping[str, torch.Tensor]:
         return self.weights
 
-    def load_weights(self, weights: Mapping[str, torch.Tensor], *,
-                     require_all: bool = True) -> None:
+    def load_weights(
+        self, weights: Mapping[str, torch.Tensor], *, require_all: bool = True
+    ) -> None:
         names = list(weights)
         for i, name in enumerate(names):
             if i == len(names) // 2:
@@ -157,8 +158,7 @@ class _SlowInstallRollout(RolloutBase):
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("fenced", [True, False])
-def test_the_reverse_fence_keeps_the_next_write_off_a_buffer_being_installed(
-        fenced: bool) -> None:
+def test_the_reverse_fence_keeps_the_next_write_off_a_buffer_being_installed(fenced: bool) -> None:
     served = {f"t{i}": torch.zeros(8) for i in range(6)}
     rollout = _SlowInstallRollout(served)
     buffer = WeightBuffer(served, mode=SyncMode.ASYNC_PER_FORWARD, reverse_fence=fenced)
@@ -202,8 +202,10 @@ def test_the_reverse_fence_times_out_clearly() -> None:
     try:
         assert rollout.halfway.wait(10)
         started = time.monotonic()
-        with pytest.raises(FenceTimeout, match=r"still reading the buffer after 0\.2 s"), \
-                buffer.write(timeout=0.2):
+        with (
+            pytest.raises(FenceTimeout, match=r"still reading the buffer after 0\.2 s"),
+            buffer.write(timeout=0.2),
+        ):
             pass
         assert time.monotonic() - started < 5
     finally:
@@ -235,8 +237,12 @@ def test_the_thread_runs_p2r_before_r2r_and_stop_drains_the_queue() -> None:
 
     f0 = thread.submit("p2r", first)
     assert started.wait(10)  # the thread is busy: the rest queue up behind it
-    futures = [thread.submit("r2r", job("r2r-a")), thread.submit("p2r", job("p2r-b")),
-               thread.submit("r2r", job("r2r-c")), thread.submit("p2r", job("p2r-d"))]
+    futures = [
+        thread.submit("r2r", job("r2r-a")),
+        thread.submit("p2r", job("p2r-b")),
+        thread.submit("r2r", job("r2r-c")),
+        thread.submit("p2r", job("p2r-d")),
+    ]
     gate.set()
     thread.stop(timeout=10)
     assert order == ["p2r-b", "p2r-d", "r2r-a", "r2r-c"]

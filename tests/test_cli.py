@@ -12,8 +12,16 @@ from rollout_sync.cli import main
 
 pytestmark = pytest.mark.timeout(120)
 
-REPORT_KEYS = {"syncs", "forwards", "torn_reads", "egress_overlaps", "time_to_park_ms_p50",
-               "time_to_park_ms_p99", "sync_ms_p50", "sync_ms_p99"}
+REPORT_KEYS = {
+    "syncs",
+    "forwards",
+    "torn_reads",
+    "egress_overlaps",
+    "time_to_park_ms_p50",
+    "time_to_park_ms_p99",
+    "sync_ms_p50",
+    "sync_ms_p99",
+}
 
 
 def test_demo_json_report(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -33,11 +41,19 @@ def test_demo_unguarded_shows_torn_reads(capsys: pytest.CaptureFixture[str]) -> 
     assert report["torn_reads"] > 0
 
 
-def test_a_lost_payload_fails_the_run_guarded_or_not(monkeypatch: pytest.MonkeyPatch,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    clean = {"guarded": True, "torn_reads": 0, "egress_overlaps": 0,
-             "forward_write_overlaps": 0, "failed_commands": 0, "bit_identical": True,
-             "payloads_lost": 0, "payloads_invalid": 0}
+def test_a_lost_payload_fails_the_run_guarded_or_not(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    clean = {
+        "guarded": True,
+        "torn_reads": 0,
+        "egress_overlaps": 0,
+        "forward_write_overlaps": 0,
+        "failed_commands": 0,
+        "bit_identical": True,
+        "payloads_lost": 0,
+        "payloads_invalid": 0,
+    }
     report: dict[str, object] = {}
     monkeypatch.setattr(cli, "run_distributed_demo", lambda config, timeline: report)
     report.update(clean)
@@ -45,5 +61,7 @@ def test_a_lost_payload_fails_the_run_guarded_or_not(monkeypatch: pytest.MonkeyP
     for flags in ([], ["--unguarded"]):
         report.update(clean, guarded=not flags, payloads_lost=2)
         assert main(["demo", *flags]) == 1
-        assert ("FAIL: 2 payload(s) lost between the replicas and the trainer."
-                in capsys.readouterr().out)
+        assert (
+            "FAIL: 2 payload(s) lost between the replicas and the trainer."
+            in capsys.readouterr().out
+        )

@@ -67,8 +67,7 @@ def test_an_expected_exit_is_not_a_failure() -> None:
 
 
 def _collective_child(rank: int, port: int) -> str:
-    init_process_group(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
-                       timeout_s=20)
+    init_process_group(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}", timeout_s=20)
     t = torch.zeros(1)
     if rank == 1:
         work = dist.broadcast(t, 0, async_op=True)  # rank 0 never joins this one

@@ -43,16 +43,23 @@ def test_several_holders_release_in_reverse_and_on_error() -> None:
     with pytest.raises(RuntimeError):
         with payload_egress_held(data, validation):
             raise RuntimeError("barrier failed")
-    assert log.events == ["hold_sends:enter", "hold_sends:enter",
-                          "hold_sends:exit", "hold_sends:exit"]
+    assert log.events == [
+        "hold_sends:enter",
+        "hold_sends:enter",
+        "hold_sends:exit",
+        "hold_sends:exit",
+    ]
     assert not data.egress_gate.held and not validation.egress_gate.held
 
 
 def test_hold_that_cannot_drain_times_out_and_releases_earlier_holds() -> None:
     first, stuck = RecordingPacker(), RecordingPacker()
     stuck.egress_gate.enter_section()  # a send that never completes
-    with pytest.raises(EgressHoldTimeout, match=r"payload egress did not hold within 0\.2 s "
-                                                r"\(1 payload send still running\)"):
+    with pytest.raises(
+        EgressHoldTimeout,
+        match=r"payload egress did not hold within 0\.2 s "
+        r"\(1 payload send still running\)",
+    ):
         with payload_egress_held(first, stuck, timeout=0.2):
             pytest.fail("must not get here")
     assert not first.egress_gate.held and not stuck.egress_gate.held

@@ -142,8 +142,7 @@ def test_exclusive_is_reentrant_and_shared_between_threads() -> None:
 
 
 def test_exclusive_timeout_names_what_is_running_and_restores_the_gate() -> None:
-    gate = Gate("generation", section_noun="forward", close_verb="park",
-                timeout_error=PauseTimeout)
+    gate = Gate("generation", section_noun="forward", close_verb="park", timeout_error=PauseTimeout)
     gate.enter_section()
     gate.enter_section()
     waiter_done = threading.Event()

@@ -130,16 +130,29 @@ def test_single_purpose_decorators_compose_in_the_right_order() -> None:
 
     worker = Split()
     worker.handler()
-    assert worker.log.events == ["pause:enter", "hold_sends:enter", "body", "fence",
-                                 "hold_sends:exit", "fence", "pause:exit"]
+    assert worker.log.events == [
+        "pause:enter",
+        "hold_sends:enter",
+        "body",
+        "fence",
+        "hold_sends:exit",
+        "fence",
+        "pause:exit",
+    ]
 
 
 @pytest.mark.parametrize("mode", [SyncMode.ASYNC_PER_GENERATION, SyncMode.ASYNC_PER_FORWARD])
 def test_async_modes_skip_the_pause_and_keep_the_hold(mode: SyncMode) -> None:
     worker = Worker(mode)
     worker.receive_p2r()
-    assert worker.log.events == ["hold_sends:enter", "init", "barrier", "transfer", "fence",
-                                 "hold_sends:exit"]
+    assert worker.log.events == [
+        "hold_sends:enter",
+        "init",
+        "barrier",
+        "transfer",
+        "fence",
+        "hold_sends:exit",
+    ]
     assert not worker.reports[0].paused
 
 
@@ -269,9 +282,13 @@ def test_holding_egress_before_pausing_deadlocks_and_our_order_does_not() -> Non
     try:
         with payload_egress_held(packer, timeout=5):
             # Sender holds one payload at the gate, buffer full, producer blocked in submit.
-            wait_until(lambda: model.forwards == len(packer.sent) + packer.buffered + 2
-                       and packer.buffered == 2
-                       and packer.egress_gate.statistics().sections_waiting == 1)
+            wait_until(
+                lambda: (
+                    model.forwards == len(packer.sent) + packer.buffered + 2
+                    and packer.buffered == 2
+                    and packer.egress_gate.statistics().sections_waiting == 1
+                )
+            )
             with pytest.raises(PauseTimeout):
                 with backend.paused(timeout=0.5):
                     pytest.fail("generation cannot park while its producer is blocked")

@@ -62,8 +62,10 @@ def test_with_an_active_run_metrics_go_to_wandb(fake_wandb: _FakeWandb) -> None:
     logger({"rollout_sync/time_to_park_ms": 1.5}, step=3)
     logger({"y": 2})
     logger({})
-    assert fake_wandb.logged == [({"rollout/rollout_sync/time_to_park_ms": 1.5}, 3),
-                                 ({"rollout/y": 2}, None)]
+    assert fake_wandb.logged == [
+        ({"rollout/rollout_sync/time_to_park_ms": 1.5}, 3),
+        ({"rollout/y": 2}, None),
+    ]
 
 
 def test_use_wandb_false_never_touches_it(fake_wandb: _FakeWandb) -> None:
@@ -72,8 +74,9 @@ def test_use_wandb_false_never_touches_it(fake_wandb: _FakeWandb) -> None:
     assert fake_wandb.logged == []
 
 
-def test_log_metrics_uses_a_shared_logger(fake_wandb: _FakeWandb,
-                                          caplog: pytest.LogCaptureFixture) -> None:
+def test_log_metrics_uses_a_shared_logger(
+    fake_wandb: _FakeWandb, caplog: pytest.LogCaptureFixture
+) -> None:
     fake_wandb.run = object()
     with caplog.at_level(logging.INFO, logger="rollout_sync.metrics"):
         log_metrics({"a": 1}, 5, prefix="p/")
@@ -91,7 +94,8 @@ def test_docs_list_every_metric_name_emitted() -> None:
     def push(weights: Any, *, version: int, timeout: float) -> None:
         channel.receive(timeout)
 
-    callback = WeightBroadcastCallback(lambda: {"w": torch.zeros(2)}, pusher=push,
-                                       channel=channel, sync_on_run_begin=False)
+    callback = WeightBroadcastCallback(
+        lambda: {"w": torch.zeros(2)}, pusher=push, channel=channel, sync_on_run_begin=False
+    )
     emitted = set(report.to_metrics()) | set(callback.step_end(1, None, True, {}) or {})
     assert emitted <= documented, f"undocumented: {sorted(emitted - documented)}"

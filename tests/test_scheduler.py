@@ -62,8 +62,10 @@ def test_in_flight_sequences_survive_a_sync_and_recompute_under_the_new_weights(
     backend = TorchLMStreamBackend(config)
     scheduler = backend.scheduler
     worker = SyncWorker(backend)
-    prompts = {scheduler.put([3, 1, 4, 1, 5], max_new_tokens=8): (3, 1, 4, 1, 5),
-               scheduler.put([9, 2, 6], max_new_tokens=8): (9, 2, 6)}
+    prompts = {
+        scheduler.put([3, 1, 4, 1, 5], max_new_tokens=8): (3, 1, 4, 1, 5),
+        scheduler.put([9, 2, 6], max_new_tokens=8): (9, 2, 6),
+    }
     for _ in range(3):
         scheduler.step()
     seen_inside: list[int] = []
@@ -79,8 +81,9 @@ def test_in_flight_sequences_survive_a_sync_and_recompute_under_the_new_weights(
         r = results[rid]
         assert r.ok and len(r.tokens) == 8
         assert r.tokens[:3] == greedy_continuation(config, weights_of(config, 0), prompt, 3)
-        assert r.tokens[3:] == greedy_continuation(config, weights_of(config, 1),
-                                                   [*prompt, *r.tokens[:3]], 5)
+        assert r.tokens[3:] == greedy_continuation(
+            config, weights_of(config, 1), [*prompt, *r.tokens[:3]], 5
+        )
         assert r.token_weight_versions == (0, 0, 0, 1, 1, 1, 1, 1)
         assert (r.admitted_weight_version, r.completed_weight_version) == (0, 1)
         assert r.straddled_sync and r.oldest_weight_version == 0
@@ -104,7 +107,8 @@ def test_keep_stale_policy_continues_on_the_old_cache_and_says_so() -> None:
         (runs[policy],) = backend.get_all()
         assert runs[policy].request_id == rid
         assert backend.statistics().recomputed_tokens == (
-            7 if policy is KVCachePolicy.RECOMPUTE else 0)
+            7 if policy is KVCachePolicy.RECOMPUTE else 0
+        )
     stale, fresh = runs[KVCachePolicy.KEEP_STALE], runs[KVCachePolicy.RECOMPUTE]
     assert stale.tokens[:3] == fresh.tokens[:3]
     assert (stale.recomputes, stale.stale_cache_tokens) == (0, 5)
@@ -120,8 +124,7 @@ def test_on_the_scheduler_thread_the_guard_parks_at_a_step_boundary() -> None:
     timeline = Timeline()
     backend = TorchLMStreamBackend(config, timeline=timeline)
     worker = SyncWorker(backend, timeline)
-    prompts = {backend.put(p, max_new_tokens=30): tuple(p)
-               for p in ([1, 2, 3], [4, 5, 6, 7], [8])}
+    prompts = {backend.put(p, max_new_tokens=30): tuple(p) for p in ([1, 2, 3], [4, 5, 6, 7], [8])}
     blocker = _Blocker(n=5)
     backend.layer_hook = blocker
     in_flight: list[int] = []
@@ -131,8 +134,11 @@ def test_on_the_scheduler_thread_the_guard_parks_at_a_step_boundary() -> None:
         # The sync arrives while the 5th decode step is inside its forward.
         assert blocker.holding.wait(10)
         syncing = Runner(lambda: worker.receive_weights(1, weights_of(config, 1)), "sync")
-        wait_until(lambda: backend.generation_gate.statistics().exclusive_waiting == 1, 10,
-                   "the sync to wait for the step in progress")
+        wait_until(
+            lambda: backend.generation_gate.statistics().exclusive_waiting == 1,
+            10,
+            "the sync to wait for the step in progress",
+        )
         blocker.release.set()
         syncing.join()
         backend.scheduler.wait_idle(30)
@@ -149,10 +155,10 @@ def test_on_the_scheduler_thread_the_guard_parks_at_a_step_boundary() -> None:
         n_old = r.token_weight_versions.count(0)
         assert n_old == 5, "parked right after the step in progress, not later"
         assert r.token_weight_versions == (0,) * n_old + (1,) * (30 - n_old)
-        assert r.tokens[:n_old] == greedy_continuation(config, weights_of(config, 0), prompt,
-                                                       n_old)
+        assert r.tokens[:n_old] == greedy_continuation(config, weights_of(config, 0), prompt, n_old)
         assert r.tokens[n_old:] == greedy_continuation(
-            config, weights_of(config, 1), [*prompt, *r.tokens[:n_old]], 30 - n_old)
+            config, weights_of(config, 1), [*prompt, *r.tokens[:n_old]], 30 - n_old
+        )
     assert backend.torn_forwards == 0
     assert timeline.overlaps() == []
     (pause,) = timeline.spans(SpanKind.PAUSE)
@@ -211,8 +217,7 @@ def test_drain_stops_admission_waits_out_active_tasks_then_parks() -> None:
                 backend.commit_weight_version(1)
 
         draining = Runner(drain_and_sync, "drain")
-        wait_until(lambda: not scheduler.statistics().admission_open, 20,
-                   "admission to close")
+        wait_until(lambda: not scheduler.statistics().admission_open, 20, "admission to close")
         late = backend.put([6, 7], max_new_tokens=3)
         blocker.release.set()
         draining.join(30)
@@ -260,9 +265,12 @@ def test_step_boundary_pause_times_out_clearly_and_leaves_nothing_held() -> None
     backend.start()
     try:
         assert blocker.holding.wait(10)
-        with pytest.raises(PauseTimeout,
-                           match=r"did not park within 0\.2 s \(1 decode step still running\)"),\
-                backend.paused(timeout=0.2):
+        with (
+            pytest.raises(
+                PauseTimeout, match=r"did not park within 0\.2 s \(1 decode step still running\)"
+            ),
+            backend.paused(timeout=0.2),
+        ):
             pytest.fail("the body of a timed-out pause ran")
         gate = backend.generation_gate.statistics()
         assert (gate.holders, gate.exclusive_waiting) == (0, 0)
@@ -285,8 +293,10 @@ def test_drain_times_out_clearly_and_reopens_admission() -> None:
     backend.start()
     try:
         assert blocker.holding.wait(10)
-        with pytest.raises(PauseTimeout, match=r"did not drain within 0\.2 s \(1 active task"),\
-                backend.paused(timeout=0.2, wait_for_active_tasks=True):
+        with (
+            pytest.raises(PauseTimeout, match=r"did not drain within 0\.2 s \(1 active task"),
+            backend.paused(timeout=0.2, wait_for_active_tasks=True),
+        ):
             pytest.fail("the body of a timed-out drain ran")
         assert backend.scheduler.statistics().admission_open
         blocker.release.set()
@@ -307,8 +317,10 @@ def test_pauses_nest_and_a_drain_inside_a_held_pause_is_refused() -> None:
         with scheduler.paused(timeout=1) as inner:
             assert inner.in_flight == 1
         assert scheduler.statistics().parked
-        with pytest.raises(RuntimeError, match="cannot finish while parked"), \
-                scheduler.paused(timeout=1, wait_for_active_tasks=True):
+        with (
+            pytest.raises(RuntimeError, match="cannot finish while parked"),
+            scheduler.paused(timeout=1, wait_for_active_tasks=True),
+        ):
             pass
     assert not scheduler.statistics().parked
     assert scheduler.statistics().admission_open
@@ -331,8 +343,9 @@ def test_no_task_starts_inside_a_pause(unsafe: bool) -> None:
         in_window.set()
         assert proceed.wait(10)
 
-    scheduler = RolloutTaskScheduler(backend, gate=backend.generation_gate,
-                                     unsafe_admission_race=unsafe, admission_hook=hook)
+    scheduler = RolloutTaskScheduler(
+        backend, gate=backend.generation_gate, unsafe_admission_race=unsafe, admission_hook=hook
+    )
     entered = threading.Event()
 
     def pause_body() -> tuple[int, int, int]:
@@ -350,9 +363,11 @@ def test_no_task_starts_inside_a_pause(unsafe: bool) -> None:
     try:
         assert in_window.wait(10)
         pausing = Runner(pause_body, "pause")
-        wait_until(lambda: entered.is_set()
-                   or backend.generation_gate.statistics().exclusive_waiting > 0,
-                   10, "the pause to be entered or waiting")
+        wait_until(
+            lambda: entered.is_set() or backend.generation_gate.statistics().exclusive_waiting > 0,
+            10,
+            "the pause to be entered or waiting",
+        )
         proceed.set()
         wait_until(lambda: scheduler.statistics().admitted == 1, 10, "the admission")
         body_release.set()
@@ -383,8 +398,7 @@ def test_pausing_from_the_stepping_thread_is_refused_and_the_request_is_kept() -
         with scheduler.paused(timeout=1):
             pass
 
-    scheduler = RolloutTaskScheduler(backend, gate=backend.generation_gate,
-                                     admission_hook=hook)
+    scheduler = RolloutTaskScheduler(backend, gate=backend.generation_gate, admission_hook=hook)
     scheduler.put([1, 2], max_new_tokens=2)
     with pytest.raises(RuntimeError, match="own stepping thread"):
         scheduler.step()
@@ -404,11 +418,14 @@ def test_pausing_while_nobody_collects_results_completes_and_loses_nothing() -> 
     backend.start()
     try:
         early = backend.put([5, 5, 5], max_new_tokens=2)
-        wait_until(lambda: backend.scheduler.statistics().results_waiting == 1, 20,
-                   "the early result")
+        wait_until(
+            lambda: backend.scheduler.statistics().results_waiting == 1, 20, "the early result"
+        )
         ids = {early} | {
-            backend.put([rng.randrange(48) for _ in range(rng.randint(1, 6))],
-                        max_new_tokens=rng.randint(1, 25))
+            backend.put(
+                [rng.randrange(48) for _ in range(rng.randint(1, 6))],
+                max_new_tokens=rng.randint(1, 25),
+            )
             for _ in range(8)
         }
         for version in range(1, 6):
@@ -432,8 +449,9 @@ def test_a_failing_task_is_a_failed_result_and_its_batch_carries_on() -> None:
 
     backend = TorchLMStreamBackend(tiny_config())
     scheduler = backend.scheduler
-    bad = scheduler.put(GenerationRequest((1, 2, 3), 6,
-                                          SamplingParams(logits_processor=reward_model_hook)))
+    bad = scheduler.put(
+        GenerationRequest((1, 2, 3), 6, SamplingParams(logits_processor=reward_model_hook))
+    )
     good = scheduler.put([1, 2, 3], max_new_tokens=6)
     _drive_until_idle(scheduler)
     results = _by_id(scheduler.get_all())
@@ -522,8 +540,10 @@ def test_a_stop_that_gives_up_on_a_parked_thread_still_strands_nothing() -> None
     backend.start()
     try:
         wait_until(lambda: scheduler.statistics().tokens >= 1, 20, "decoding")
-        with scheduler.paused(timeout=10), \
-                pytest.raises(SchedulerTimeout, match="parked by a pause"):
+        with (
+            scheduler.paused(timeout=10),
+            pytest.raises(SchedulerTimeout, match="parked by a pause"),
+        ):
             scheduler.stop(timeout=0.2)
         result = scheduler.get(timeout=20)
     finally:
@@ -582,8 +602,9 @@ def test_statistics_and_repr_summarise_live_state() -> None:
     scheduler.put([1], max_new_tokens=3)
     scheduler.put([2], max_new_tokens=3)
     scheduler.step()
-    assert repr(scheduler) == ("<RolloutTaskScheduler 'generation' not started: 1 active, "
-                               "1 queued, 0 results waiting>")
+    assert repr(scheduler) == (
+        "<RolloutTaskScheduler 'generation' not started: 1 active, 1 queued, 0 results waiting>"
+    )
     with scheduler.paused():
         assert "parked" in repr(scheduler)
     s = scheduler.statistics()
@@ -594,8 +615,9 @@ def test_statistics_and_repr_summarise_live_state() -> None:
 
 
 def _wait_for_step_after(backend: TorchLMStreamBackend, steps: int) -> None:
-    wait_until(lambda: backend.scheduler.statistics().steps > steps, 10,
-               "a decode step between two syncs")
+    wait_until(
+        lambda: backend.scheduler.statistics().steps > steps, 10, "a decode step between two syncs"
+    )
 
 
 @pytest.mark.timeout(60)
@@ -618,8 +640,10 @@ def test_stream_generation_racing_syncs_on_real_threads(guarded: bool) -> None:
         for version in range(1, 151):
             if backend.scheduler.statistics().queued < 4:
                 for _ in range(4):
-                    backend.put([rng.randrange(48) for _ in range(rng.randint(1, 8))],
-                                max_new_tokens=rng.randint(4, 40))
+                    backend.put(
+                        [rng.randrange(48) for _ in range(rng.randint(1, 8))],
+                        max_new_tokens=rng.randint(4, 40),
+                    )
             steps = backend.scheduler.statistics().steps
             sync(version, weight_sets[version % 2])
             if not guarded and backend.torn_forwards:

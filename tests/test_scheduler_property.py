@@ -36,8 +36,11 @@ CONFIG = tiny_config(vocab_size=32, d_model=16, n_layers=2, n_heads=2, d_ff=32, 
 Op = tuple[Any, ...]
 
 ops = st.one_of(
-    st.tuples(st.just("put"), st.lists(st.integers(0, CONFIG.vocab_size - 1), min_size=1,
-                                       max_size=6), st.integers(1, 6)),
+    st.tuples(
+        st.just("put"),
+        st.lists(st.integers(0, CONFIG.vocab_size - 1), min_size=1, max_size=6),
+        st.integers(1, 6),
+    ),
     st.tuples(st.just("step")),
     st.tuples(st.just("sync")),
     st.tuples(st.just("sync_mid_step"), st.integers(0, CONFIG.n_layers)),
@@ -86,13 +89,13 @@ def run_schedule(schedule: Sequence[Op], *, guarded: bool) -> Outcome:
             else:
                 if currently_in_test_context():
                     event("a sync landed inside a forward with work in flight")
-                _sync_inside_a_step(backend, op[1],
-                                    lambda v=version: sync(v, weights[v]))
+                _sync_inside_a_step(backend, op[1], lambda v=version: sync(v, weights[v]))
     while scheduler.statistics().active or scheduler.statistics().queued:
         scheduler.step(timeout=10)
     forward_writes = [o for o in timeline.overlaps() if o.first.kind == SpanKind.FORWARD]
-    return Outcome(backend.torn_forwards, len(forward_writes), put_ids, scheduler.get_all(),
-                   len(weights) - 1)
+    return Outcome(
+        backend.torn_forwards, len(forward_writes), put_ids, scheduler.get_all(), len(weights) - 1
+    )
 
 
 def _sync_inside_a_step(backend: TorchLMStreamBackend, layer: int, do_sync: Any) -> None:
@@ -110,9 +113,13 @@ def _sync_inside_a_step(backend: TorchLMStreamBackend, layer: int, do_sync: Any)
         assert at_layer.wait(10), "the step never reached the layer"
         syncing = Runner(do_sync, "sync")
         # Guarded, the sync parks: it waits at the gate for this step. Unguarded it just writes.
-        wait_until(lambda: syncing.done.is_set()
-                   or backend.generation_gate.statistics().exclusive_waiting > 0,
-                   10, "the sync to write or to wait for the step")
+        wait_until(
+            lambda: (
+                syncing.done.is_set() or backend.generation_gate.statistics().exclusive_waiting > 0
+            ),
+            10,
+            "the sync to write or to wait for the step",
+        )
         release.set()
         stepping.join()
         syncing.join()
@@ -142,11 +149,17 @@ def check_guarded(outcome: Outcome) -> None:
             for i, (token, v) in enumerate(zip(r.tokens, versions, strict=True)):
                 if v == version:
                     assert token == predicted[len(r.prompt) + i - 1], (
-                        f"request {r.request_id} token {i} is not v{v}'s greedy choice")
+                        f"request {r.request_id} token {i} is not v{v}'s greedy choice"
+                    )
 
 
-PROPERTY_SETTINGS = settings(max_examples=100, deadline=None, derandomize=True, database=None,
-                             suppress_health_check=[HealthCheck.too_slow])
+PROPERTY_SETTINGS = settings(
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 @pytest.mark.timeout(300)
@@ -161,8 +174,13 @@ def test_with_the_guard_off_the_same_harness_finds_a_torn_read() -> None:
     found = find(
         schedules,
         lambda schedule: run_schedule(schedule, guarded=False).torn_forwards > 0,
-        settings=settings(max_examples=200, deadline=None, derandomize=True, database=None,
-                          suppress_health_check=[HealthCheck.too_slow]),
+        settings=settings(
+            max_examples=200,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
     )
     # The minimal counterexample: a request in flight and a sync landing inside its forward.
     assert [op[0] for op in found] == ["put", "sync_mid_step"]

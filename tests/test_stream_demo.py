@@ -11,8 +11,9 @@ from rollout_sync.cli import main
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "blocking"])
-def test_torch_lm_demo_is_clean_when_guarded(stream: bool,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_torch_lm_demo_is_clean_when_guarded(
+    stream: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
     argv = ["demo", "--in-process", "--backend", "torch_lm", "--syncs", "25", "--json"]
     assert main([*argv, "--stream"] if stream else argv) == 0
     out = capsys.readouterr().out

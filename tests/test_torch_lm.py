@@ -215,12 +215,17 @@ def test_paused_parks_a_blocking_generate_running_on_another_thread() -> None:
     backend.layer_hook = hold_second_step
     generating = Runner(lambda: backend.generate([[5, 6, 7]], max_new_tokens=6), "generate")
     assert in_step.wait(10)
-    with pytest.raises(PauseTimeout, match=r"did not park within 0\.2 s \(1 decode step still"), \
-            backend.paused(timeout=0.2):
+    with (
+        pytest.raises(PauseTimeout, match=r"did not park within 0\.2 s \(1 decode step still"),
+        backend.paused(timeout=0.2),
+    ):
         pass
     pausing = Runner(lambda: _pause_and_write(backend, config), "pause")
-    wait_until(lambda: backend.generation_gate.statistics().exclusive_waiting == 1, 10,
-               "the pause to wait for the step")
+    wait_until(
+        lambda: backend.generation_gate.statistics().exclusive_waiting == 1,
+        10,
+        "the pause to wait for the step",
+    )
     release.set()
     pausing.join()
     (result,) = generating.join()
@@ -243,12 +248,15 @@ def test_on_cuda_the_same_engine_matches_the_cpu_one() -> None:
     cpu, gpu = TorchLMBackend(tiny_config()), TorchLMBackend(tiny_config(device="cuda"))
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     assert [r.tokens for r in gpu.generate(prompts, max_new_tokens=6)] == [
-        r.tokens for r in cpu.generate(prompts, max_new_tokens=6)]
+        r.tokens for r in cpu.generate(prompts, max_new_tokens=6)
+    ]
     new = weights_of(tiny_config(), 1)  # CPU tensors, written into CUDA served weights
     for backend in (cpu, gpu):
         with backend.paused():
             backend.load_weights(new)
             backend.commit_weight_version(1)
     sampling = SamplingParams(temperature=0.0)
-    assert gpu.generate(prompts, sampling=sampling)[1].tokens == \
-        cpu.generate(prompts, sampling=sampling)[1].tokens
+    assert (
+        gpu.generate(prompts, sampling=sampling)[1].tokens
+        == cpu.generate(prompts, sampling=sampling)[1].tokens
+    )

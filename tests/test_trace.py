@@ -55,7 +55,12 @@ def test_demo_trace_exports_valid_chrome_json(tmp_path: Path) -> None:
     trace = json.loads(out.read_text())
     events = trace["traceEvents"]
     kinds = {e["cat"] for e in events}
-    assert {SpanKind.FORWARD, SpanKind.WEIGHT_WRITE, SpanKind.PAYLOAD_SEND, SpanKind.SYNC,
-            SpanKind.PAUSE} <= kinds
+    assert {
+        SpanKind.FORWARD,
+        SpanKind.WEIGHT_WRITE,
+        SpanKind.PAYLOAD_SEND,
+        SpanKind.SYNC,
+        SpanKind.PAUSE,
+    } <= kinds
     assert all(e["ph"] == "X" and e["dur"] >= 0 and e["ts"] >= 0 for e in events)
     assert sum(e["cat"] == SpanKind.SYNC for e in events) == 10

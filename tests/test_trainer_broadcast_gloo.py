@@ -47,8 +47,9 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
 
 
-def _trainer(channel: BroadcastCommandChannel, pusher: BroadcastWeightPusher,
-             rollout_done: Any) -> dict[str, Any]:
+def _trainer(
+    channel: BroadcastCommandChannel, pusher: BroadcastWeightPusher, rollout_done: Any
+) -> dict[str, Any]:
     torch.manual_seed(0)
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -62,8 +63,7 @@ def _trainer(channel: BroadcastCommandChannel, pusher: BroadcastWeightPusher,
         pushed[broadcast.version + 1] = _plain(weights)
         return weights
 
-    broadcast = WeightBroadcastCallback(gather, pusher=pusher, channel=channel,
-                                        timeout=TIMEOUT_S)
+    broadcast = WeightBroadcastCallback(gather, pusher=pusher, channel=channel, timeout=TIMEOUT_S)
     callbacks = TrainerCallbacks([broadcast])
     callbacks.run_begin(0)
     logged: dict[int, dict[str, Any] | None] = {}
@@ -75,8 +75,9 @@ def _trainer(channel: BroadcastCommandChannel, pusher: BroadcastWeightPusher,
         if update_successful:
             optimizer.step()
         train_metrics = None if step == 4 else {"loss": loss.item()}
-        logged[step] = callbacks.step_end(step, {"loss": loss.item()}, update_successful,
-                                          train_metrics)
+        logged[step] = callbacks.step_end(
+            step, {"loss": loss.item()}, update_successful, train_metrics
+        )
     callbacks.train_end(5)
     # Stay in the group, silent, while the rollout side waits for a command that never comes.
     assert rollout_done.wait(TIMEOUT_S), "the rollout side never finished"
@@ -90,8 +91,9 @@ def _trainer(channel: BroadcastCommandChannel, pusher: BroadcastWeightPusher,
     }
 
 
-def _rollout(channel: BroadcastCommandChannel, pusher: BroadcastWeightPusher,
-             rollout_done: Any) -> dict[str, Any]:
+def _rollout(
+    channel: BroadcastCommandChannel, pusher: BroadcastWeightPusher, rollout_done: Any
+) -> dict[str, Any]:
     torch.manual_seed(1)
     served = {k: v.detach().clone() for k, v in _model().state_dict().items()}
     rollout = RecordingRollout(EventLog(), weights=served)
@@ -101,8 +103,7 @@ def _rollout(channel: BroadcastCommandChannel, pusher: BroadcastWeightPusher,
         command = channel.receive(TIMEOUT_S)
         if command.kind is CommandKind.STOP:
             break
-        with weight_sync_bracket(rollout, name="receive_weights_p2r",
-                                 timeout=TIMEOUT_S) as bracket:
+        with weight_sync_bracket(rollout, name="receive_weights_p2r", timeout=TIMEOUT_S) as bracket:
             pusher.receive_weights(rollout.served_weights(), command, TIMEOUT_S)
         rollout.commit_weight_version(command.version)
         assert bracket.report is not None
@@ -117,14 +118,25 @@ def _rollout(channel: BroadcastCommandChannel, pusher: BroadcastWeightPusher,
         silent_error = str(exc)
     silent_s = time.monotonic() - started
     rollout_done.set()
-    return {"silent_error": silent_error, "silent_s": silent_s, "received": received,
-            "metrics": metrics, "version": rollout.weight_version, "pauses": rollout.log.events}
+    return {
+        "silent_error": silent_error,
+        "silent_s": silent_s,
+        "received": received,
+        "metrics": metrics,
+        "version": rollout.weight_version,
+        "pauses": rollout.log.events,
+    }
 
 
 def _rank_main(rank: int, port: int, results: Any, rollout_done: Any) -> None:
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=2, timeout=timedelta(seconds=TIMEOUT_S))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=2,
+            timeout=timedelta(seconds=TIMEOUT_S),
+        )
         try:
             channel = BroadcastCommandChannel(src=0)
             pusher = BroadcastWeightPusher(src=0)
@@ -148,8 +160,10 @@ def _run_two_ranks() -> dict[int, Any]:
     results = ctx.Queue()
     rollout_done = ctx.Event()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(rank, port, results, rollout_done), daemon=True)
-             for rank in range(2)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(rank, port, results, rollout_done), daemon=True)
+        for rank in range(2)
+    ]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
@@ -160,8 +174,9 @@ def _run_two_ranks() -> dict[int, Any]:
             try:
                 rank, status, payload = results.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
-                raise AssertionError(f"ranks {sorted(set(range(2)) - set(out))} reported "
-                                     "nothing within 60 s") from None
+                raise AssertionError(
+                    f"ranks {sorted(set(range(2)) - set(out))} reported nothing within 60 s"
+                ) from None
             if status == "ok":
                 out[rank] = payload
             else:
@@ -191,10 +206,19 @@ def test_trainer_broadcast_over_gloo_is_timed_and_merged() -> None:
 
     # Step 1: run_begin's push and step 1's, merged beside the training loss.
     step1 = logged[1]
-    assert set(step1) == {"loss", "weight_sync_time_ms", "weight_sync_time_ms_max",
-                          "weight_sync_count", "weight_sync_bytes", "weight_sync_version"}
-    assert (step1["weight_sync_count"], step1["weight_sync_bytes"],
-            step1["weight_sync_version"]) == (2, 2 * nbytes, 2)
+    assert set(step1) == {
+        "loss",
+        "weight_sync_time_ms",
+        "weight_sync_time_ms_max",
+        "weight_sync_count",
+        "weight_sync_bytes",
+        "weight_sync_version",
+    }
+    assert (
+        step1["weight_sync_count"],
+        step1["weight_sync_bytes"],
+        step1["weight_sync_version"],
+    ) == (2, 2 * nbytes, 2)
     # The timer measured real wall time: each bracket includes the gather's floor.
     assert GATHER_FLOOR_S * 1e3 <= step1["weight_sync_time_ms"] < TIMEOUT_S * 1e3
     assert step1["weight_sync_time_ms"] <= step1["weight_sync_time_ms_max"]
@@ -208,7 +232,11 @@ def test_trainer_broadcast_over_gloo_is_timed_and_merged() -> None:
 
     # The rollout side heard every announcement and received exactly what was pushed.
     assert [(step, version) for step, version, _ in rollout["received"]] == [
-        (0, 1), (1, 2), (2, 3), (4, 4), (5, 5)
+        (0, 1),
+        (1, 2),
+        (2, 3),
+        (4, 4),
+        (5, 5),
     ]
     for _, version, weights in rollout["received"]:
         assert weights == trainer["pushed"][version]

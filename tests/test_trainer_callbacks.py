@@ -55,15 +55,17 @@ class _Constant(TrainerCallback):
 class _RecordingPusher:
     """Receives pushes in process: keeps a copy of each, reads the announcement first."""
 
-    def __init__(self, channel: QueueCommandChannel | None = None,
-                 stream: FakeCudaStream | None = None) -> None:
+    def __init__(
+        self, channel: QueueCommandChannel | None = None, stream: FakeCudaStream | None = None
+    ) -> None:
         self.channel = channel
         self.stream = stream
         self.pushes: list[tuple[int, dict[str, torch.Tensor]]] = []
         self.commands: list[Any] = []
 
-    def push_weights(self, weights: Mapping[str, torch.Tensor], *, version: int,
-                     timeout: float) -> None:
+    def push_weights(
+        self, weights: Mapping[str, torch.Tensor], *, version: int, timeout: float
+    ) -> None:
         if self.channel is not None:
             self.commands.append(self.channel.receive(timeout))
         if self.stream is not None:
@@ -97,8 +99,9 @@ def test_merge_adds_callback_metrics_to_the_training_metrics() -> None:
 
 def test_a_key_collision_with_a_training_metric_is_an_error() -> None:
     train = {"loss": 0.5}
-    with pytest.raises(MetricKeyCollisionError, match="'loss' from cb collides with 'loss' from "
-                       "train_metrics") as info:
+    with pytest.raises(
+        MetricKeyCollisionError, match="'loss' from cb collides with 'loss' from train_metrics"
+    ) as info:
         merge_step_metrics(train, [("cb", {"ok": 1, "loss": 9.0})])
     assert (info.value.key, info.value.first, info.value.second) == ("loss", "train_metrics", "cb")
     assert train == {"loss": 0.5}
@@ -151,8 +154,9 @@ def test_train_end_reaches_every_callback_even_if_one_raises() -> None:
 def test_each_successful_step_is_announced_then_pushed_and_reported() -> None:
     channel = QueueCommandChannel()
     pusher = _RecordingPusher(channel)
-    callback = WeightBroadcastCallback(_weights, pusher=pusher, channel=channel, timer="auto",
-                                       sync_on_run_begin=False)
+    callback = WeightBroadcastCallback(
+        _weights, pusher=pusher, channel=channel, timer="auto", sync_on_run_begin=False
+    )
     assert callback.timer is not None and callback.timer.clock is TimerClock.PERF_COUNTER
     callbacks = TrainerCallbacks([callback])
     callbacks.run_begin(0)
@@ -162,8 +166,11 @@ def test_each_successful_step_is_announced_then_pushed_and_reported() -> None:
     assert merged["loss"] == 1.0
     assert merged["weight_sync_time_ms"] > 0.0
     assert merged["weight_sync_time_ms_max"] == merged["weight_sync_time_ms"]
-    assert (merged["weight_sync_count"], merged["weight_sync_bytes"],
-            merged["weight_sync_version"]) == (1, WEIGHT_BYTES, 1)
+    assert (
+        merged["weight_sync_count"],
+        merged["weight_sync_bytes"],
+        merged["weight_sync_version"],
+    ) == (1, WEIGHT_BYTES, 1)
 
     # A skipped update pushes nothing.
     assert callbacks.step_end(2, None, False, {"loss": 2.0}) == {"loss": 2.0}
@@ -172,8 +179,11 @@ def test_each_successful_step_is_announced_then_pushed_and_reported() -> None:
     assert callbacks.step_end(4, None, True, None) is None
     merged = callbacks.step_end(5, None, True, {"loss": 5.0})
     assert merged is not None
-    assert (merged["weight_sync_count"], merged["weight_sync_bytes"],
-            merged["weight_sync_version"]) == (3, 3 * WEIGHT_BYTES, 4)
+    assert (
+        merged["weight_sync_count"],
+        merged["weight_sync_bytes"],
+        merged["weight_sync_version"],
+    ) == (3, 3 * WEIGHT_BYTES, 4)
 
     assert [(c.kind, c.step, c.version, c.num_tensors, c.nbytes) for c in pusher.commands] == [
         (CommandKind.WEIGHTS, s, v, 2, WEIGHT_BYTES) for s, v in [(1, 1), (3, 2), (4, 3), (5, 4)]
@@ -202,11 +212,15 @@ def test_cuda_clock_samples_arrive_on_a_later_logged_step() -> None:
     """With deferred events, a push's time is reported once its end event completed."""
     stream = FakeCudaStream()
     timer = WeightSyncTimer(TimerClock.CUDA_EVENTS, event_factory=stream.event)
-    callback = WeightBroadcastCallback(_weights, pusher=_RecordingPusher(stream=stream),
-                                       timer=timer, sync_on_run_begin=False)
+    callback = WeightBroadcastCallback(
+        _weights, pusher=_RecordingPusher(stream=stream), timer=timer, sync_on_run_begin=False
+    )
     first = callback.step_end(1, None, True, {})
-    assert first == {"weight_sync_count": 1, "weight_sync_bytes": WEIGHT_BYTES,
-                     "weight_sync_version": 1}
+    assert first == {
+        "weight_sync_count": 1,
+        "weight_sync_bytes": WEIGHT_BYTES,
+        "weight_sync_version": 1,
+    }
     stream.complete_all()
     second = callback.step_end(2, None, True, {})
     assert second is not None
@@ -236,8 +250,9 @@ def test_a_plain_function_can_be_the_pusher() -> None:
 
 def test_a_failed_push_does_not_advance_the_version() -> None:
     class Failing:
-        def push_weights(self, weights: Mapping[str, torch.Tensor], *, version: int,
-                         timeout: float) -> None:
+        def push_weights(
+            self, weights: Mapping[str, torch.Tensor], *, version: int, timeout: float
+        ) -> None:
             raise WeightBroadcastError("peer gone")
 
     callback = WeightBroadcastCallback(_weights, pusher=Failing(), sync_on_run_begin=False)
@@ -284,10 +299,12 @@ def test_a_receiver_checks_the_announcement_before_taking_part() -> None:
     """Tensor count and bytes are checked before any collective: no dist group is needed."""
     into = {"a": torch.zeros(4), "b": torch.zeros(2, 3, dtype=torch.float64)}
     before = {k: v.clone() for k, v in into.items()}
-    command = WeightSyncCommand(CommandKind.WEIGHTS, step=3, version=2, num_tensors=2,
-                                nbytes=WEIGHT_BYTES + 8)
-    with pytest.raises(WeightMismatchError,
-                       match=r"(?s)weights v2 \(step 3\).*announced 2 tensors"):
+    command = WeightSyncCommand(
+        CommandKind.WEIGHTS, step=3, version=2, num_tensors=2, nbytes=WEIGHT_BYTES + 8
+    )
+    with pytest.raises(
+        WeightMismatchError, match=r"(?s)weights v2 \(step 3\).*announced 2 tensors"
+    ):
         BroadcastWeightPusher().receive_weights(into, command, timeout=1.0)
     assert all(torch.equal(into[k], before[k]) for k in into)
 
@@ -338,7 +355,8 @@ def test_the_transfer_pusher_meets_the_replica_then_holds_receives_then_sends() 
     pusher = TransferWeightPusher(
         _SourceTransfer(log),  # type: ignore[arg-type]
         barrier=lambda timeout: log.add(f"barrier:{timeout}"),
-        receiver=_HoldingReceiver(log))  # type: ignore[arg-type]
+        receiver=_HoldingReceiver(log),
+    )  # type: ignore[arg-type]
     pusher.push_weights(_weights(), version=3, timeout=5.0)
     assert log.events == ["barrier:5.0", "hold:5.0", "send:v3", "release"]
     assert pusher.last_stats is not None and pusher.last_stats.version == 3
@@ -346,5 +364,7 @@ def test_the_transfer_pusher_meets_the_replica_then_holds_receives_then_sends() 
 
 def test_the_transfer_pusher_refuses_a_receive_hold_without_the_barrier() -> None:
     with pytest.raises(ValueError, match="barrier"):
-        TransferWeightPusher(_SourceTransfer(EventLog()),  # type: ignore[arg-type]
-                             receiver=_HoldingReceiver(EventLog()))  # type: ignore[arg-type]
+        TransferWeightPusher(
+            _SourceTransfer(EventLog()),  # type: ignore[arg-type]
+            receiver=_HoldingReceiver(EventLog()),
+        )  # type: ignore[arg-type]

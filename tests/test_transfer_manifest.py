@@ -47,15 +47,20 @@ def test_many_small_tensors_fill_few_buckets() -> None:
 
 
 def test_bytes_round_trip_and_are_stable() -> None:
-    manifest = WeightManifest.build(_weights(), bucket_bytes=4096, require_all=False,
-                                    checksums=True)
+    manifest = WeightManifest.build(
+        _weights(), bucket_bytes=4096, require_all=False, checksums=True
+    )
     data = manifest.to_bytes()
     again = WeightManifest.from_bytes(data)
     assert again == manifest
     assert again.layout == manifest.layout
     # The version is not part of the layout bytes: an unchanged model encodes identically.
-    assert WeightManifest.build(_weights(), bucket_bytes=4096, require_all=False,
-                                checksums=True).to_bytes() == data
+    assert (
+        WeightManifest.build(
+            _weights(), bucket_bytes=4096, require_all=False, checksums=True
+        ).to_bytes()
+        == data
+    )
 
 
 def test_origin_checksums_are_kept_only_for_the_same_layout() -> None:
@@ -68,15 +73,18 @@ def test_origin_checksums_are_kept_only_for_the_same_layout() -> None:
     assert WeightManifest.from_bytes(kept.to_bytes()).origin == origin
 
 
-@pytest.mark.parametrize("mutate", [
-    lambda d: d.update(format=99),
-    lambda d: d["entries"][0].__setitem__(2, "torch.notadtype"),
-    lambda d: d["entries"][0].__setitem__(4, 3),          # misaligned offset
-    lambda d: d["entries"][0].__setitem__(5, 12),         # nbytes does not fit the shape
-    lambda d: d["entries"][0].__setitem__(3, 7),          # bucket out of range
-    lambda d: d.pop("entries"),
-    lambda d: d.update(entries=[]),
-])
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda d: d.update(format=99),
+        lambda d: d["entries"][0].__setitem__(2, "torch.notadtype"),
+        lambda d: d["entries"][0].__setitem__(4, 3),  # misaligned offset
+        lambda d: d["entries"][0].__setitem__(5, 12),  # nbytes does not fit the shape
+        lambda d: d["entries"][0].__setitem__(3, 7),  # bucket out of range
+        lambda d: d.pop("entries"),
+        lambda d: d.update(entries=[]),
+    ],
+)
 def test_malformed_manifests_are_rejected(mutate: object) -> None:
     doc = json.loads(WeightManifest.build(_weights(), bucket_bytes=4096).to_bytes())
     mutate(doc)  # type: ignore[operator]
@@ -97,8 +105,7 @@ def test_build_refuses_empty_and_sparse() -> None:
 
 
 def test_padding_lists_the_uncovered_ranges() -> None:
-    manifest = WeightManifest.build({"a": torch.zeros(3), "b": torch.zeros(16)},
-                                    bucket_bytes=4096)
+    manifest = WeightManifest.build({"a": torch.zeros(3), "b": torch.zeros(16)}, bucket_bytes=4096)
     assert manifest.padding == (((12, 64),),)
     assert manifest.bucket_nbytes == (128,)
 

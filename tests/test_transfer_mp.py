@@ -36,15 +36,18 @@ from rollout_sync.worker import P2R, R2R, RolloutWorker, build_sync_groups
 pytestmark = pytest.mark.multiprocess
 
 
-def _run(target: Any, world: int, *args: Any, timeout: float = 60.0, **kwargs: Any
-         ) -> dict[int, Any]:
-    return run_processes(target, world, (find_free_port(), *args), timeout_s=timeout,
-                         intra_op_threads=1, **kwargs)
+def _run(
+    target: Any, world: int, *args: Any, timeout: float = 60.0, **kwargs: Any
+) -> dict[int, Any]:
+    return run_processes(
+        target, world, (find_free_port(), *args), timeout_s=timeout, intra_op_threads=1, **kwargs
+    )
 
 
 def _init(rank: int, world: int, port: int, timeout_s: float = 20.0) -> None:
-    init_process_group(rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
-                       timeout_s=timeout_s)
+    init_process_group(
+        rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}", timeout_s=timeout_s
+    )
 
 
 def _model(version: float, n: int = 12, numel: int = 300) -> dict[str, torch.Tensor]:
@@ -95,8 +98,9 @@ def _bad_manifest_child(rank: int, port: int) -> list[tuple[Any, ...]]:
             out.append((case, "WeightMismatchError", tuple(exc.problems)))
         except ManifestRejected as exc:
             out.append((case, "ManifestRejected", exc.rejected_by))
-        out.append((case, "untouched", weights_digest(served) == before,
-                    time.monotonic() - started))
+        out.append(
+            (case, "untouched", weights_digest(served) == before, time.monotonic() - started)
+        )
         transfer.receive(served)
         out.append((case, "good_sync", weights_digest(served) == weights_digest(_model(20 + i))))
     return out
@@ -112,8 +116,9 @@ def test_bad_manifests_fail_everywhere_and_write_nothing() -> None:
     for rank in (1, 2):
         rows = results[rank]
         for case in _CASES:
-            outcome = next(r for r in rows if r[0] == case and r[1] not in ("untouched",
-                                                                              "good_sync"))
+            outcome = next(
+                r for r in rows if r[0] == case and r[1] not in ("untouched", "good_sync")
+            )
             untouched = next(r for r in rows if r[0] == case and r[1] == "untouched")
             good = next(r for r in rows if r[0] == case and r[1] == "good_sync")
             assert untouched[2], f"rank {rank} {case}: served weights were written"
@@ -140,12 +145,12 @@ def test_bad_manifests_fail_everywhere_and_write_nothing() -> None:
 def _mixed_model() -> torch.nn.Module:
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Embedding(300, 64),          # 76.8 kB: larger than a bucket, sent in place
+        torch.nn.Embedding(300, 64),  # 76.8 kB: larger than a bucket, sent in place
         torch.nn.Linear(64, 33),
         torch.nn.LayerNorm(33),
         torch.nn.Linear(33, 7, bias=False),
     )
-    model[2].weight.requires_grad_(False)     # frozen: not in a trainable_only sync
+    model[2].weight.requires_grad_(False)  # frozen: not in a trainable_only sync
     model.register_buffer("steps", torch.tensor(5, dtype=torch.int64))
     model[1].to(torch.bfloat16)
     return model
@@ -164,16 +169,19 @@ def _layouts_child(rank: int, port: int, checksums: bool) -> dict[str, Any]:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
-        subset = transfer.send(named_weights(model, trainable_only=True), version=2,
-                               require_all=False)
-        return {"state": {k: v.clone() for k, v in model.state_dict().items()},
-                "buckets": full.buckets, "subset_tensors": subset.tensors}
+        subset = transfer.send(
+            named_weights(model, trainable_only=True), version=2, require_all=False
+        )
+        return {
+            "state": {k: v.clone() for k, v in model.state_dict().items()},
+            "buckets": full.buckets,
+            "subset_tensors": subset.tensors,
+        }
     # The replica serves transposed (non-contiguous) copies of the two 2-D Linear weights.
     served: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
         if tensor.dim() == 2 and name != "0.weight":
-            served[name] = torch.zeros(tensor.shape[1], tensor.shape[0],
-                                       dtype=tensor.dtype).t()
+            served[name] = torch.zeros(tensor.shape[1], tensor.shape[0], dtype=tensor.dtype).t()
         else:
             served[name] = torch.zeros_like(tensor)
     assert not served["1.weight"].is_contiguous()
@@ -181,15 +189,18 @@ def _layouts_child(rank: int, port: int, checksums: bool) -> dict[str, Any]:
     after_full = {k: v.clone() for k, v in served.items()}
     frozen_before = served["2.weight"].clone()
     stats = transfer.receive(served)
-    return {"after_full": after_full, "served": served, "written": stats.tensors_written,
-            "frozen_unchanged": torch.equal(frozen_before, served["2.weight"]),
-            "verified": stats.checksums_verified}
+    return {
+        "after_full": after_full,
+        "served": served,
+        "written": stats.tensors_written,
+        "frozen_unchanged": torch.equal(frozen_before, served["2.weight"]),
+        "verified": stats.checksums_verified,
+    }
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("checksums", [False, True])
-def test_full_then_trainable_only_into_non_contiguous_mixed_dtype_targets(
-        checksums: bool) -> None:
+def test_full_then_trainable_only_into_non_contiguous_mixed_dtype_targets(checksums: bool) -> None:
     results = _run(_layouts_child, 2, checksums)
     trainer, replica = results[0], results[1]
     expected = trainer["state"]
@@ -215,8 +226,9 @@ def _subset_refused_child(rank: int, port: int) -> str:
     weights = _model(1)
     if rank == 0:
         try:
-            transfer.send({"layers.0.weight": weights["layers.0.weight"]}, version=1,
-                          require_all=False)
+            transfer.send(
+                {"layers.0.weight": weights["layers.0.weight"]}, version=1, require_all=False
+            )
         except ManifestRejected as exc:
             return f"rejected by {exc.rejected_by}"
         return "sent"
@@ -224,8 +236,11 @@ def _subset_refused_child(rank: int, port: int) -> str:
     try:
         transfer.receive(served, allow_subset=False)
     except ValueError as exc:
-        return f"{type(exc).__name__}: {exc}" if not any(t.any() for t in served.values()) \
+        return (
+            f"{type(exc).__name__}: {exc}"
+            if not any(t.any() for t in served.values())
             else "written!"
+        )
     return "received"
 
 
@@ -287,8 +302,14 @@ def _corrupt_child(rank: int, port: int) -> dict[str, Any]:
     try:
         transfer.receive(served)
     except ChecksumMismatchError as exc:
-        out["error"] = (type(exc).__name__, exc.buckets, exc.failed_ranks, exc.targets_torn,
-                        exc.complete, str(exc))
+        out["error"] = (
+            type(exc).__name__,
+            exc.buckets,
+            exc.failed_ranks,
+            exc.targets_torn,
+            exc.complete,
+            str(exc),
+        )
     hooks.after_receive = None
     stats = transfer.receive(served)
     out["next"] = (stats.version, weights_digest(served) == weights_digest(_model(2)))
@@ -300,8 +321,13 @@ def test_a_corrupted_bucket_is_caught_and_every_rank_learns_it() -> None:
     results = _run(_corrupt_child, 3)
     assert results[0]["error"] == ("ChecksumMismatchError", (2,))
     name, buckets, failed, torn, complete, text = results[2]["error"]
-    assert (name, buckets, failed, torn, complete) == ("ChecksumMismatchError", (1,), (2,),
-                                                        True, False)
+    assert (name, buckets, failed, torn, complete) == (
+        "ChecksumMismatchError",
+        (1,),
+        (2,),
+        True,
+        False,
+    )
     assert "bucket 1 arrived with checksum" in text
     # Rank 1 received every byte intact: its weights are a complete version, not torn.
     name, buckets, failed, torn, complete, _ = results[1]["error"]
@@ -370,9 +396,13 @@ def _killed_child(rank: int, port: int) -> dict[str, Any]:
     timeline = Timeline()
     model = VersionStampedModel(12, 300, timeline=timeline, read_gap_s=0.0)
     backend = TornReadBackend(model, pause_timeout=10, timeline=timeline)
-    worker = RolloutWorker(backend, p2r=groups.p2r_transfer(config=config),
-                           r2r=groups.r2r_transfer(config=config), timeline=timeline,
-                           weight_sync_timeout=10)
+    worker = RolloutWorker(
+        backend,
+        p2r=groups.p2r_transfer(config=config),
+        r2r=groups.r2r_transfer(config=config),
+        timeline=timeline,
+        weight_sync_timeout=10,
+    )
     out: dict[str, Any] = {}
     try:
         if rank == 1:
@@ -404,8 +434,8 @@ def _killed_child(rank: int, port: int) -> dict[str, Any]:
             out["resumed"] = model.forwards > seen
             # While torn, no forward started.
             out["forwards_while_torn"] = sum(
-                1 for s in timeline.spans(SpanKind.FORWARD)
-                if torn_at <= s.start_ns < recovered_at)
+                1 for s in timeline.spans(SpanKind.FORWARD) if torn_at <= s.start_ns < recovered_at
+            )
         else:
             assert worker.handle(R2R(step=1)).ok
             worker.r2r = WeightTransfer(groups.r2r, 2, config=config)
@@ -430,8 +460,11 @@ def test_a_trainer_killed_mid_transfer_leaves_a_torn_replica_that_refuses_to_gen
     assert rep["forwards_while_torn"] == 0
     assert rep["recovered"] == (True, 1, False)
     assert rep["resumed"]
-    assert rep["digest"] == results[2]["digest"] == weights_digest(
-        {k: v for k, v in _model(1).items()})
+    assert (
+        rep["digest"]
+        == results[2]["digest"]
+        == weights_digest({k: v for k, v in _model(1).items()})
+    )
     assert rep["torn_reads"] == 0 and results[2]["torn_reads"] == 0
     assert rep["overlaps"] == 0
 
@@ -453,8 +486,12 @@ def _hung_child(rank: int, port: int) -> dict[str, Any]:
         else:
             transfer.receive({k: torch.zeros_like(v) for k, v in _model(0).items()})
     except WeightTransferError as exc:
-        return {"error": type(exc).__name__, "text": str(exc),
-                "elapsed": time.monotonic() - started, "written": exc.tensors_written}
+        return {
+            "error": type(exc).__name__,
+            "text": str(exc),
+            "elapsed": time.monotonic() - started,
+            "written": exc.tensors_written,
+        }
     return {"error": None, "elapsed": time.monotonic() - started}
 
 
@@ -473,10 +510,16 @@ def test_a_hung_peer_times_out_with_a_clear_error() -> None:
 
 def _cuda_child(rank: int, port: int, backend: str) -> bool:
     torch.cuda.set_device(rank if backend == "nccl" else 0)
-    init_process_group(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
-                       backend=backend, timeout_s=30)
-    transfer = WeightTransfer(None, 0, config=TransferConfig(bucket_bytes=4096, timeout_s=30,
-                                                             checksums=True))
+    init_process_group(
+        rank=rank,
+        world_size=2,
+        init_method=f"tcp://127.0.0.1:{port}",
+        backend=backend,
+        timeout_s=30,
+    )
+    transfer = WeightTransfer(
+        None, 0, config=TransferConfig(bucket_bytes=4096, timeout_s=30, checksums=True)
+    )
     weights = {k: v.cuda() for k, v in _model(3).items()}
     if rank == 0:
         transfer.send(weights, version=3)
@@ -496,8 +539,13 @@ def test_gloo_transfer_into_cuda_targets() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 2
-                         and torch.distributed.is_nccl_available()),
-                    reason="needs two CUDA devices and NCCL")
+@pytest.mark.skipif(
+    not (
+        torch.cuda.is_available()
+        and torch.cuda.device_count() >= 2
+        and torch.distributed.is_nccl_available()
+    ),
+    reason="needs two CUDA devices and NCCL",
+)
 def test_nccl_transfer_between_two_gpus() -> None:
     assert _run(_cuda_child, 2, "nccl") == {0: True, 1: True}

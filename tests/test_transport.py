@@ -49,20 +49,27 @@ pytestmark = pytest.mark.multiprocess
 TRAINER = 0
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float
-              ) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes joined by gloo on
     127.0.0.1; returns their results by rank. ``fn`` must be a module-level function."""
-    values = run_processes(_rank_main, world_size, (fn, world_size, find_free_port(), args),
-                           timeout_s=timeout, intra_op_threads=1, what=fn.__name__)
+    values = run_processes(
+        _rank_main,
+        world_size,
+        (fn, world_size, find_free_port(), args),
+        timeout_s=timeout,
+        intra_op_threads=1,
+        what=fn.__name__,
+    )
     return [values[rank] for rank in range(world_size)]
 
 
-def _rank_main(rank: int, fn: Callable[..., Any], world_size: int, port: int,
-               args: tuple[Any, ...]) -> Any:
+def _rank_main(
+    rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple[Any, ...]
+) -> Any:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    init_process_group(rank=rank, world_size=world_size,
-                       init_method=f"tcp://127.0.0.1:{port}", timeout_s=30)
+    init_process_group(
+        rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}", timeout_s=30
+    )
     value = fn(rank, world_size, *args)
     # Nobody tears the groups down while a peer still talks on them.
     dist.barrier()
@@ -88,8 +95,10 @@ def payload_intact(payload: ReceivedPayload) -> bool:
     if payload.meta.get("rank") != payload.source:
         return False
     tensors, meta = make_payload(payload.source, int(payload.meta["k"]))
-    return payload.meta == meta and list(payload.tensors) == list(tensors) and all(
-        torch.equal(payload.tensors[name], t) for name, t in tensors.items()
+    return (
+        payload.meta == meta
+        and list(payload.tensors) == list(tensors)
+        and all(torch.equal(payload.tensors[name], t) for name, t in tensors.items())
     )
 
 
@@ -110,8 +119,9 @@ class _Collector:
         return {"seqs": self.seqs, "keys": self.keys, "corrupt": self.corrupt}
 
 
-def _consume_in_background(receiver: PayloadReceiver, collector: _Collector
-                           ) -> tuple[threading.Thread, list[BaseException]]:
+def _consume_in_background(
+    receiver: PayloadReceiver, collector: _Collector
+) -> tuple[threading.Thread, list[BaseException]]:
     errors: list[BaseException] = []
 
     def consume() -> None:
@@ -126,8 +136,9 @@ def _consume_in_background(receiver: PayloadReceiver, collector: _Collector
     return thread, errors
 
 
-def assert_exactly_once_in_order(seqs: Mapping[int, list[int]], expected: Mapping[int, int]
-                                 ) -> None:
+def assert_exactly_once_in_order(
+    seqs: Mapping[int, list[int]], expected: Mapping[int, int]
+) -> None:
     for rank, count in expected.items():
         got = seqs.get(rank, [])
         assert got == list(range(count)), (
@@ -165,8 +176,12 @@ def _ten_thousand_rank(rank: int, world_size: int) -> dict[str, Any]:
                             break
                     violations += receiver.statistics().received != before
         receiver.close(30)
-        return {**collector.summary(), "holds": holds, "violations": violations,
-                "stats": receiver.statistics()}
+        return {
+            **collector.summary(),
+            "holds": holds,
+            "violations": violations,
+            "stats": receiver.statistics(),
+        }
 
     sender = PayloadSender(groups, TRAINER, capacity=64, max_in_flight=32)
     sync_requested = threading.Event()
@@ -189,8 +204,9 @@ def _ten_thousand_rank(rank: int, world_size: int) -> dict[str, Any]:
                     producer_progress.wait(0.02)
                     last = sender.statistics()
                     checks["sync_holds"] += 1
-                    checks["violations"] += (first.in_flight != 0 or last.in_flight != 0
-                                             or last.sent != first.sent)
+                    checks["violations"] += (
+                        first.in_flight != 0 or last.in_flight != 0 or last.sent != first.sent
+                    )
         except BaseException as exc:  # re-raised by the rank function
             errors.append(exc)
 
@@ -344,8 +360,11 @@ def _syncs_rank(rank: int, world_size: int, guarded: bool) -> dict[str, Any]:
         if errors:
             raise errors[0]
         receiver.close(30)
-        return {**collector.summary(), "spans": timeline.to_records(),
-                "stats": receiver.statistics()}
+        return {
+            **collector.summary(),
+            "spans": timeline.to_records(),
+            "stats": receiver.statistics(),
+        }
 
     options = {"capacity": 16, "max_in_flight": 8, "timeline": timeline}
     if rank == 1:
@@ -371,24 +390,32 @@ def _syncs_rank(rank: int, world_size: int, guarded: bool) -> dict[str, Any]:
         sync(version)
     backend.stop()
     sender.close(30)
-    return {"spans": timeline.to_records(), "reports": worker.reports,
-            "stats": sender.statistics(), "holds_taken": sender.statistics().holds_taken}
+    return {
+        "spans": timeline.to_records(),
+        "reports": worker.reports,
+        "stats": sender.statistics(),
+        "holds_taken": sender.statistics().holds_taken,
+    }
 
 
 def _run_syncs(guarded: bool) -> tuple[list[dict[str, Any]], Timeline]:
     results = run_ranks(_syncs_rank, 3, guarded, timeout=50)
     merged = Timeline.from_records(r for result in results for r in result["spans"])
     trainer = results[TRAINER]
-    assert_exactly_once_in_order(trainer["seqs"], {r: results[r]["stats"].registered
-                                                   for r in (1, 2)})
+    assert_exactly_once_in_order(
+        trainer["seqs"], {r: results[r]["stats"].registered for r in (1, 2)}
+    )
     assert trainer["corrupt"] == 0 and trainer["stats"].lost == 0
     return results, merged
 
 
 def _payload_overlaps(timeline: Timeline) -> list[Any]:
     payload_kinds = (SpanKind.PAYLOAD_SEND, SpanKind.PAYLOAD_RECV)
-    return [o for o in timeline.overlaps()
-            if o.first.kind in payload_kinds or o.second.kind in payload_kinds]
+    return [
+        o
+        for o in timeline.overlaps()
+        if o.first.kind in payload_kinds or o.second.kind in payload_kinds
+    ]
 
 
 @pytest.mark.timeout(60)
@@ -402,9 +429,13 @@ def test_guarded_syncs_never_overlap_a_payload_transfer() -> None:
     for pid in pids:
         collectives = [s for s in merged.spans(SpanKind.WEIGHT_COLLECTIVE) if s.pid == pid]
         first, last = min(s.start_ns for s in collectives), max(s.end_ns for s in collectives)
-        transfers = [s for s in merged.spans() if s.pid == pid
-                     and s.kind in (SpanKind.PAYLOAD_SEND, SpanKind.PAYLOAD_RECV)
-                     and first < s.start_ns < last]
+        transfers = [
+            s
+            for s in merged.spans()
+            if s.pid == pid
+            and s.kind in (SpanKind.PAYLOAD_SEND, SpanKind.PAYLOAD_RECV)
+            and first < s.start_ns < last
+        ]
         assert len(transfers) >= SYNCS - 1, f"pid {pid}: {len(transfers)} transfers during syncs"
     for rank in (1, 2):
         reports = results[rank]["reports"]
@@ -523,16 +554,20 @@ def _deadline_rank(rank: int, world_size: int) -> dict[str, Any]:
         receiver = PayloadReceiver(groups, [1], window=4, request_timeout=REQUEST_TIMEOUT_S)
         payload = receiver.get(timeout=20)
         receiver.close(20)
-        return {"request_id": payload.request_id, "meta": payload.meta,
-                "stats": receiver.statistics()}
+        return {
+            "request_id": payload.request_id,
+            "meta": payload.meta,
+            "stats": receiver.statistics(),
+        }
     sender = PayloadSender(groups, TRAINER)
     sender.wait_for_credit(10)
     with sender.hold_sends(timeout=10):
         before = sender.statistics()
         # Hold longer than the request's whole deadline, on purpose: that is the test.
         time.sleep(HOLD_S)
-        seq = sender.register_payload(make_payload(rank, 0)[0],
-                                      {"pending_request": before.oldest_request_id})
+        seq = sender.register_payload(
+            make_payload(rank, 0)[0], {"pending_request": before.oldest_request_id}
+        )
     sender.wait_sent(seq, timeout=10)
     after = sender.statistics()
     sender.close(20)
@@ -579,10 +614,12 @@ def _timeouts_rank(rank: int, world_size: int) -> dict[str, Any]:
     if rank == TRAINER:
         receiver = _StallingReceiver(groups, [1], window=4)
         assert receiver.stalled.wait(20)
-        out["hold"] = _bounded(lambda: receiver.hold_receives(timeout=0.3).__enter__(),
-                               IngressHoldTimeout)
-        out["flush"] = _bounded(lambda: receiver.flush_pending_receives(timeout=0.3),
-                                IngressHoldTimeout)
+        out["hold"] = _bounded(
+            lambda: receiver.hold_receives(timeout=0.3).__enter__(), IngressHoldTimeout
+        )
+        out["flush"] = _bounded(
+            lambda: receiver.flush_pending_receives(timeout=0.3), IngressHoldTimeout
+        )
         dist.barrier(group=coord)  # 1: the transfer is stuck; the sender tests its side
         dist.barrier(group=coord)  # 2: the sender is done testing
         receiver.release.set()
@@ -640,9 +677,11 @@ def _nccl_rank(rank: int, world_size: int) -> dict[str, Any]:
         receiver = PayloadReceiver(groups, [1], window=8)
         payloads = list(receiver.iter_payloads(timeout=30))
         receiver.close(20)
-        return {"devices": {str(p.tensors["tokens"].device) for p in payloads},
-                "intact": all(payload_intact(_to_cpu(p)) for p in payloads),
-                "seqs": [p.seq for p in payloads]}
+        return {
+            "devices": {str(p.tensors["tokens"].device) for p in payloads},
+            "intact": all(payload_intact(_to_cpu(p)) for p in payloads),
+            "seqs": [p.seq for p in payloads],
+        }
     sender = PayloadSender(groups, TRAINER)
     for k in range(200):
         tensors, meta = make_payload(rank, k)
@@ -655,15 +694,22 @@ def _nccl_rank(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def _to_cpu(payload: ReceivedPayload) -> ReceivedPayload:
-    return ReceivedPayload(payload.source, payload.seq,
-                           {n: t.cpu() for n, t in payload.tensors.items()}, payload.meta,
-                           payload.request_id, payload.nbytes)
+    return ReceivedPayload(
+        payload.source,
+        payload.seq,
+        {n: t.cpu() for n, t in payload.tensors.items()},
+        payload.meta,
+        payload.request_id,
+        payload.nbytes,
+    )
 
 
 @pytest.mark.cuda
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                    reason="NCCL point-to-point needs two CUDA devices")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="NCCL point-to-point needs two CUDA devices",
+)
 def test_payloads_over_nccl_on_two_devices() -> None:
     trainer, _ = run_ranks(_nccl_rank, 2, timeout=100)
     assert trainer["seqs"] == list(range(200))

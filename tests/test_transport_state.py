@@ -247,8 +247,9 @@ def test_random_schedules_keep_order_and_lose_nothing(
 
 
 def _offer_words(offer_id: int, first_seq: int, count: int, request_id: int) -> list[int]:
-    words = make_frame(FrameKind.OFFER, offer_id, first_seq, count, request_id,
-                       sizes=[10] * count).tolist()
+    words = make_frame(
+        FrameKind.OFFER, offer_id, first_seq, count, request_id, sizes=[10] * count
+    ).tolist()
     return list(words)
 
 
@@ -356,8 +357,14 @@ def test_frames_round_trip_and_reject_other_protocols() -> None:
 
 def test_coalesced_payloads_split_back_into_aligned_views() -> None:
     payloads = [
-        ({"tokens": torch.arange(n, dtype=torch.int64), "logprobs": torch.randn(n).double(),
-          "flag": torch.tensor(n % 2 == 0)}, {"n": n})
+        (
+            {
+                "tokens": torch.arange(n, dtype=torch.int64),
+                "logprobs": torch.randn(n).double(),
+                "flag": torch.tensor(n % 2 == 0),
+            },
+            {"n": n},
+        )
         for n in (1, 3, 7, 0, 12)
     ]
     buffers = [pack_payload(t, m, CPU) for t, m in payloads]

@@ -49,15 +49,24 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World[VLLMAsyncB
         w.first_sync["in_flight"] = w.backend.requests_in_flight
 
     # The first sync starts the engine lazily, inside the bracket: it must start parked.
-    with running_world(VLLMAsyncBackend, tmp_path_factory.mktemp("tiny_llama"), model_seed=0,
-                       weights_seed=1000, first_sync=observe, pause_timeout=30.0,
-                       rpc_timeout=60.0) as w:
+    with running_world(
+        VLLMAsyncBackend,
+        tmp_path_factory.mktemp("tiny_llama"),
+        model_seed=0,
+        weights_seed=1000,
+        first_sync=observe,
+        pause_timeout=30.0,
+        rpc_timeout=60.0,
+    ) as w:
         w.first_sync["parked_after"] = w.backend.parked
         yield w
 
 
 def _long_request_through_sync(
-    world: World, *, max_tokens: int = 120, lead: int = 12,
+    world: World,
+    *,
+    max_tokens: int = 120,
+    lead: int = 12,
     during: Callable[[], None] | None = None,
 ) -> tuple[list[int], list[int], int, int, object]:
     """Start a long greedy request, sync once it has ``lead`` tokens; return what happened."""
@@ -102,7 +111,8 @@ def test_long_request_continues_with_the_new_weights_after_a_keep_mode_sync(worl
         queued["request"] = backend.submit([3, 4, 5, 6], greedy_params(16))
 
     prompt, tokens, old_v, new_v, (seen_before, result) = _long_request_through_sync(
-        world, during=during)
+        world, during=during
+    )
     assert len(tokens) == 120
     split = world.sync_split(prompt, tokens, old_v, new_v, at_least=seen_before)
     assert split is not None, "tokens after the sync are not the new weights' continuation"
@@ -134,7 +144,10 @@ def test_a_request_that_ends_before_a_sync_is_not_straddled(world: World) -> Non
     result = world.backend.generate([[8, 9, 10]], greedy_params(8), timeout=60)[0]
     world.sync()
     assert (result.admitted_version, result.completed_version, result.straddled) == (
-        version, version, False)
+        version,
+        version,
+        False,
+    )
 
 
 # -- no forward overlaps the write -------------------------------------------------------------
@@ -161,8 +174,9 @@ def _two_part_sync(world: World, *, guarded: bool) -> None:
     second = {n: t for n, t in weights.items() if n not in first}
     request = backend.submit([5, 6, 7], greedy_params(120))
     request.wait_for_tokens(4, timeout=60)
-    with weight_sync_bracket(backend if guarded else None, name="two-part sync",
-                             timeline=timeline, timeout=60):
+    with weight_sync_bracket(
+        backend if guarded else None, name="two-part sync", timeline=timeline, timeout=60
+    ):
         backend.load_weights(first, require_all=False)
         if not guarded:
             _wait_for_forwards(backend, backend.engine_forward_count(), timeout=60)
@@ -222,8 +236,7 @@ def test_a_copy_write_that_does_not_land_is_detected_and_raised(world: World) ->
             backend.submit([1, 2, 3], greedy_params(4))
 
         # The full set through copy: the repacked linear weights are refused before writing.
-        with pytest.raises(WeightsNotLandedError, match="repacked") as refused, \
-                backend.paused(30):
+        with pytest.raises(WeightsNotLandedError, match="repacked") as refused, backend.paused(30):
             backend.load_weights(world.weights_of(version))
         assert not refused.value.torn
     finally:
@@ -252,7 +265,9 @@ def test_bad_weights_are_refused_and_outputs_stay_unchanged(world: World, damage
     elif damage == "missing":
         del bad["model.layers.1.mlp.down_proj.weight"]
     else:
-        bad = {"model.layers.0.self_attn.q_proj.weight": bad["model.layers.0.self_attn.q_proj.weight"]}
+        bad = {
+            "model.layers.0.self_attn.q_proj.weight": bad["model.layers.0.self_attn.q_proj.weight"]
+        }
         require_all = False
     with pytest.raises(WeightMismatchError), backend.paused(30):
         backend.load_weights(bad, require_all=require_all)
@@ -279,28 +294,30 @@ def test_file_transport_writes_and_cleans_up(world: World, tmp_path: Path) -> No
 
 
 @pytest.mark.timeout(120)
-def test_pause_timeout_raises_clearly_and_leaves_the_engine_running(world: World,
-                                                                    tmp_path: Path) -> None:
+def test_pause_timeout_raises_clearly_and_leaves_the_engine_running(
+    world: World, tmp_path: Path
+) -> None:
     """Hold the engine between steps (a stalling engine call), then ask for a short pause."""
     backend = world.backend
     started, release = tmp_path / "started", tmp_path / "release"
     engine = backend.engine
 
     async def stall() -> object:
-        return await engine.collective_rpc("rollout_sync_stall",
-                                           args=(str(started), str(release), 60.0))
+        return await engine.collective_rpc(
+            "rollout_sync_stall", args=(str(started), str(release), 60.0)
+        )
 
     stalled: dict[str, object] = {}
     thread = threading.Thread(
-        target=lambda: stalled.setdefault("released", backend.run_on_loop(stall(), 90, "stall")))
+        target=lambda: stalled.setdefault("released", backend.run_on_loop(stall(), 90, "stall"))
+    )
     thread.start()
     try:
         deadline = time.monotonic() + 30
         while not started.exists():  # the engine process touches it: nothing to wait on here
             assert time.monotonic() < deadline, "the engine never started the stall"
             time.sleep(0.005)
-        with pytest.raises(PauseTimeout, match=r"did not park within 0\.3 s"), \
-                backend.paused(0.3):
+        with pytest.raises(PauseTimeout, match=r"did not park within 0\.3 s"), backend.paused(0.3):
             pytest.fail("the body must not run without a parked engine")
     finally:
         release.touch()
@@ -367,8 +384,9 @@ def test_pause_is_reentrant_and_a_second_thread_times_out(world: World) -> None:
 def test_the_vllm_demo_reports_no_hazards_when_guarded(world: World) -> None:
     from rollout_sync.backends.vllm_demo import VLLMDemoConfig, run_vllm_demo
 
-    report = run_vllm_demo(VLLMDemoConfig(syncs=8, interval_s=0.01, max_tokens=24),
-                           backend=world.backend)
+    report = run_vllm_demo(
+        VLLMDemoConfig(syncs=8, interval_s=0.01, max_tokens=24), backend=world.backend
+    )
     world.version = world.backend.weight_version
     assert report["mode"] == "vllm" and report["guarded"] is True
     assert report["syncs"] == 8

@@ -31,8 +31,12 @@ SYNC_STEP = 20
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World[VLLMBlockingBackend]]:
     # The first sync starts the engine lazily, inside the bracket.
-    with running_world(VLLMBlockingBackend, tmp_path_factory.mktemp("tiny_llama_blocking"),
-                       model_seed=3, weights_seed=2000) as w:
+    with running_world(
+        VLLMBlockingBackend,
+        tmp_path_factory.mktemp("tiny_llama_blocking"),
+        model_seed=3,
+        weights_seed=2000,
+    ) as w:
         yield w
 
 
@@ -106,8 +110,9 @@ def test_a_write_from_another_thread_during_generate_is_refused(world: World) ->
         thread.join(60)
 
     prompt = [6, 6, 6]
-    result = world.backend.generate([prompt], greedy_params(30),
-                                    step_hook=_sync_at_step(world, 5, write_from_elsewhere))[0]
+    result = world.backend.generate(
+        [prompt], greedy_params(30), step_hook=_sync_at_step(world, 5, write_from_elsewhere)
+    )[0]
     assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
     assert "step_hook" in str(errors[0])
     assert not world.backend.weights_torn
@@ -119,8 +124,9 @@ def test_a_write_from_another_thread_during_generate_is_refused(world: World) ->
 def test_no_forward_overlaps_a_write_in_the_step_hook_case(world: World) -> None:
     hooks = [_sync_at_step(world, n, world.sync) for n in (5, 10, 15)]
     with world.spans_recorded() as spans:
-        world.backend.generate([[2, 3, 4]], greedy_params(40),
-                               step_hook=lambda: [h() for h in hooks])
+        world.backend.generate(
+            [[2, 3, 4]], greedy_params(40), step_hook=lambda: [h() for h in hooks]
+        )
     assert len([s for s in spans if s.kind == SpanKind.WEIGHT_WRITE]) == 3
     assert len([s for s in spans if s.kind == SpanKind.FORWARD]) >= 40
     assert find_overlaps(spans, NO_FORWARD_DURING) == []

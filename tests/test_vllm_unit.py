@@ -44,10 +44,18 @@ def no_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_importing_the_package_and_the_backend_does_not_import_vllm() -> None:
-    code = ("import sys, rollout_sync, rollout_sync.backends.vllm, rollout_sync.backends.vllm_worker;"
-            "assert 'vllm' not in sys.modules, 'vllm was imported'")
-    done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
-                          timeout=120, cwd=Path(__file__).resolve().parents[1])
+    code = (
+        "import sys, rollout_sync, rollout_sync.backends.vllm, rollout_sync.backends.vllm_worker;"
+        "assert 'vllm' not in sys.modules, 'vllm was imported'"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert done.returncode == 0, done.stderr
 
 
@@ -93,8 +101,9 @@ def test_version_history_dates_a_timestamp() -> None:
 
 def _output(tokens: list[int], reason: str | None, metrics: object = None) -> SimpleNamespace:
     """The parts of a vLLM ``RequestOutput`` the backend reads."""
-    return SimpleNamespace(outputs=[SimpleNamespace(token_ids=tokens, finish_reason=reason)],
-                           metrics=metrics)
+    return SimpleNamespace(
+        outputs=[SimpleNamespace(token_ids=tokens, finish_reason=reason)], metrics=metrics
+    )
 
 
 def test_results_are_dated_by_the_engine_timestamps() -> None:
@@ -104,8 +113,9 @@ def test_results_are_dated_by_the_engine_timestamps() -> None:
     request = VLLMRequest("r", [1, 2], history)
     request._update(_output([5], None, SimpleNamespace(scheduled_ts=150.0, last_token_ts=150.0)))
     assert request.wait_for_tokens(1, timeout=1) == (5,)
-    request._update(_output([5, 6], "length",
-                            SimpleNamespace(scheduled_ts=150.0, last_token_ts=250.0)))
+    request._update(
+        _output([5, 6], "length", SimpleNamespace(scheduled_ts=150.0, last_token_ts=250.0))
+    )
     request._complete(None)
     result = request.result(timeout=1)
     assert (result.admitted_version, result.completed_version, result.straddled) == (1, 2, True)
@@ -151,16 +161,18 @@ class _PackedLinear(torch.nn.Module):
 
     def __init__(self, out_features: int, in_features: int) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(out_features, in_features),
-                                         requires_grad=False)
+        self.weight = torch.nn.Parameter(
+            torch.randn(out_features, in_features), requires_grad=False
+        )
         self.repack()
         self.quant_method = self
 
     def repack(self) -> None:
         self._packed = self.weight.detach().t().contiguous().clone()
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return x @ self._packed
 
 
@@ -190,12 +202,15 @@ def test_a_copy_the_kernel_does_not_see_is_reported_then_a_repack_lands() -> Non
     model, plan = _fake_model()
     weights = _new_weights()
     copy_in_place(model, weights, plan)
-    problems = verify_written(model, weights, plan, columns=3,
-                              generator=torch.Generator().manual_seed(0))
+    problems = verify_written(
+        model, weights, plan, columns=3, generator=torch.Generator().manual_seed(0)
+    )
     assert sorted(p.split(":")[0] for p in problems) == ["k.weight", "q.weight", "v.weight"]
     model.qkv.repack()
-    assert verify_written(model, weights, plan, columns=3,
-                          generator=torch.Generator().manual_seed(0)) == []
+    assert (
+        verify_written(model, weights, plan, columns=3, generator=torch.Generator().manual_seed(0))
+        == []
+    )
 
 
 def test_the_read_back_sees_a_change_in_a_single_column() -> None:
@@ -206,8 +221,9 @@ def test_the_read_back_sees_a_change_in_a_single_column() -> None:
     changed = dict(weights)
     changed["v.weight"] = weights["v.weight"].clone()
     changed["v.weight"][2, 5] += 1e-6
-    problems = verify_written(model, changed, plan, columns=8,
-                              generator=torch.Generator().manual_seed(0))
+    problems = verify_written(
+        model, changed, plan, columns=8, generator=torch.Generator().manual_seed(0)
+    )
     assert len(problems) == 1 and problems[0].startswith("v.weight")
 
 
@@ -241,8 +257,13 @@ def test_probe_plan_maps_packed_and_stacked_names() -> None:
     model.layer.qkv_proj = torch.nn.Module()
     model.layer.qkv_proj.bias = torch.nn.Parameter(torch.zeros(12), requires_grad=False)
     model.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
-    model.hf_to_vllm_mapper = WeightsMapper(orig_to_new_stacked={
-        ".q_proj": (".qkv_proj", "q"), ".k_proj": (".qkv_proj", "k"), ".v_proj": (".qkv_proj", "v")})
+    model.hf_to_vllm_mapper = WeightsMapper(
+        orig_to_new_stacked={
+            ".q_proj": (".qkv_proj", "q"),
+            ".k_proj": (".qkv_proj", "k"),
+            ".v_proj": (".qkv_proj", "v"),
+        }
+    )
     specs = {f"layer.{p}_proj.bias": ((4,), torch.float32) for p in "qkv"}
     specs["layer.missing.weight"] = ((4, 4), torch.float32)
     plan = build_probe_plan(model, specs)
@@ -255,9 +276,13 @@ def test_checkpoint_specs_read_the_safetensors_header(tmp_path: Path) -> None:
     safetensors_torch = pytest.importorskip("safetensors.torch")
     from rollout_sync.backends.vllm_worker import checkpoint_specs
 
-    safetensors_torch.save_file({"b.weight": torch.zeros(2, 3, dtype=torch.bfloat16),
-                                 "a.ids": torch.zeros(4, dtype=torch.int64)},
-                                str(tmp_path / "model.safetensors"))
+    safetensors_torch.save_file(
+        {
+            "b.weight": torch.zeros(2, 3, dtype=torch.bfloat16),
+            "a.ids": torch.zeros(4, dtype=torch.int64),
+        },
+        str(tmp_path / "model.safetensors"),
+    )
     specs = checkpoint_specs(str(tmp_path), torch.float32)
     assert specs == {"a.ids": ((4,), torch.int64), "b.weight": ((2, 3), torch.float32)}
     with pytest.raises(FileNotFoundError, match="safetensors"):

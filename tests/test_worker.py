@@ -39,8 +39,13 @@ class FakeTransfer:
     ``fail_after=k`` raises a WeightTransferError after writing ``k`` tensors (a dead peer).
     """
 
-    def __init__(self, source: Callable[[], tuple[int, Mapping[str, torch.Tensor]]], *,
-                 is_source: bool = False, log: EventLog | None = None) -> None:
+    def __init__(
+        self,
+        source: Callable[[], tuple[int, Mapping[str, torch.Tensor]]],
+        *,
+        is_source: bool = False,
+        log: EventLog | None = None,
+    ) -> None:
         self.source = source
         self.is_source = is_source
         self.log = log
@@ -48,26 +53,43 @@ class FakeTransfer:
         self.complete_but_failed = False
         self.sent: list[int] = []
 
-    def receive(self, into: Mapping[str, torch.Tensor], *, allow_subset: bool = True,
-                write_kind: str = SpanKind.WEIGHT_WRITE) -> TransferStats:
+    def receive(
+        self,
+        into: Mapping[str, torch.Tensor],
+        *,
+        allow_subset: bool = True,
+        write_kind: str = SpanKind.WEIGHT_WRITE,
+    ) -> TransferStats:
         version, weights = self.source()
         if self.log is not None:
             self.log.add("transfer")
         check_weights_match(specs_of(weights), into)
         for i, (name, tensor) in enumerate(weights.items()):
             if self.fail_after is not None and i == self.fail_after:
-                raise WeightTransferError("peer died", operation="fake receive",
-                                          version=version, tensors_written=i)
+                raise WeightTransferError(
+                    "peer died", operation="fake receive", version=version, tensors_written=i
+                )
             into[name].copy_(tensor)
         if self.complete_but_failed:
-            raise ChecksumMismatchError("rank 9 failed", operation="fake receive",
-                                        version=version, tensors_written=len(weights),
-                                        buckets=(), failed_ranks=(9,), complete=True)
-        return TransferStats("receive", version, len(weights), 1, 0, 0.0, 0.0, 0.0,
-                             len(weights))
+            raise ChecksumMismatchError(
+                "rank 9 failed",
+                operation="fake receive",
+                version=version,
+                tensors_written=len(weights),
+                buckets=(),
+                failed_ranks=(9,),
+                complete=True,
+            )
+        return TransferStats("receive", version, len(weights), 1, 0, 0.0, 0.0, 0.0, len(weights))
 
-    def send(self, weights: Mapping[str, torch.Tensor], *, version: int,
-             require_all: bool = True, origin: object = None) -> TransferStats:
+    def send(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        *,
+        version: int,
+        require_all: bool = True,
+        origin: object = None,
+    ) -> TransferStats:
         if self.log is not None:
             self.log.add("send")
         self.sent.append(version)
@@ -89,8 +111,14 @@ def test_p2r_runs_lazy_init_and_transfer_inside_pause_and_egress_hold() -> None:
     worker = RolloutWorker(rollout, p2r=transfer, data_packer=packer)  # type: ignore[arg-type]
     result = worker.handle(P2R(step=7))
     assert result.ok, result.error
-    assert log.events == ["pause:enter", "hold_sends:enter", "init", "transfer",
-                          "hold_sends:exit", "pause:exit"]
+    assert log.events == [
+        "pause:enter",
+        "hold_sends:enter",
+        "init",
+        "transfer",
+        "hold_sends:exit",
+        "pause:exit",
+    ]
     assert rollout.weight_version == 7 == result.weight_version
     assert worker.last_weight_sync_report is not None
     assert worker.last_weight_sync_report.handler == "_receive_p2r"
@@ -112,11 +140,23 @@ def test_the_p2r_barrier_is_met_inside_the_bracket_before_the_transfer() -> None
         limits.append(timeout)
         log.add("barrier")
 
-    worker = RolloutWorker(rollout, p2r=transfer, p2r_barrier=barrier,  # type: ignore[arg-type]
-                           data_packer=packer, weight_sync_timeout=7.0)
+    worker = RolloutWorker(
+        rollout,
+        p2r=transfer,
+        p2r_barrier=barrier,  # type: ignore[arg-type]
+        data_packer=packer,
+        weight_sync_timeout=7.0,
+    )
     assert worker.handle(P2R()).ok
-    assert log.events == ["pause:enter", "hold_sends:enter", "barrier", "init", "transfer",
-                          "hold_sends:exit", "pause:exit"]
+    assert log.events == [
+        "pause:enter",
+        "hold_sends:enter",
+        "barrier",
+        "init",
+        "transfer",
+        "hold_sends:exit",
+        "pause:exit",
+    ]
     assert limits == [7.0]
 
 
@@ -137,8 +177,12 @@ def test_unguarded_handlers_take_no_pause_and_no_hold() -> None:
     rollout = RecordingRollout(log, {"w": torch.zeros(4)})
     packer = RecordingPacker(log=log)
     transfer = FakeTransfer(lambda: (1, {"w": torch.ones(4)}), log=log)
-    worker = RolloutWorker(rollout, p2r=transfer, data_packer=packer,  # type: ignore[arg-type]
-                           guarded=False)
+    worker = RolloutWorker(
+        rollout,
+        p2r=transfer,
+        data_packer=packer,  # type: ignore[arg-type]
+        guarded=False,
+    )
     assert worker.handle(P2R()).ok
     assert log.events == ["init", "transfer"]
     assert worker.sync_reports and not worker.sync_reports[0].paused
@@ -211,8 +255,10 @@ def test_the_loop_does_not_generate_on_torn_weights() -> None:
 
     def source() -> tuple[int, dict[str, torch.Tensor]]:
         version[0] += 1
-        return version[0], {"a": torch.full((2,), float(version[0])),
-                            "b": torch.full((2,), float(version[0]))}
+        return version[0], {
+            "a": torch.full((2,), float(version[0])),
+            "b": torch.full((2,), float(version[0])),
+        }
 
     transfer = FakeTransfer(source)
     worker = RolloutWorker(rollout, p2r=transfer)  # type: ignore[arg-type]
@@ -312,12 +358,15 @@ def test_async_syncs_run_on_the_sync_thread_and_install_at_safe_points() -> None
 
     barriers: list[bool] = []
     transferred: list[int] = []
-    worker = RolloutWorker(backend, p2r=FakeTransfer(source),  # type: ignore[arg-type]
-                           p2r_barrier=lambda timeout: barriers.append(packer.egress_gate.held),
-                           mode=SyncMode.ASYNC_PER_FORWARD, data_packer=packer,
-                           timeline=timeline,
-                           on_transfer=lambda stats, tensors: transferred.append(
-                               int(next(iter(tensors.values()))[0])))
+    worker = RolloutWorker(
+        backend,
+        p2r=FakeTransfer(source),  # type: ignore[arg-type]
+        p2r_barrier=lambda timeout: barriers.append(packer.egress_gate.held),
+        mode=SyncMode.ASYNC_PER_FORWARD,
+        data_packer=packer,
+        timeline=timeline,
+        on_transfer=lambda stats, tensors: transferred.append(int(next(iter(tensors.values()))[0])),
+    )
     for _ in range(5):
         worker.submit(P2R())
     worker.submit(Stop())
@@ -343,8 +392,9 @@ def test_async_syncs_run_on_the_sync_thread_and_install_at_safe_points() -> None
 class _ReloadingRollout(RecordingRollout):
     """An engine that cannot serve the tensors it exposes: it reloads them after a sync."""
 
-    def load_weights(self, weights: Mapping[str, torch.Tensor], *,
-                     require_all: bool = True) -> None:
+    def load_weights(
+        self, weights: Mapping[str, torch.Tensor], *, require_all: bool = True
+    ) -> None:
         self.log.add(f"reload:{float(weights['w'][0])}")
 
 

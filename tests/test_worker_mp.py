@@ -33,7 +33,8 @@ def test_the_default_demo_is_clean_bit_identical_and_loses_no_payload() -> None:
     timeline = Timeline()
     steps = 6
     report = run_distributed_demo(
-        DistributedDemoConfig(replicas=3, steps=steps, checksums=True, **_FAST), timeline)
+        DistributedDemoConfig(replicas=3, steps=steps, checksums=True, **_FAST), timeline
+    )
     assert report["backend"] == "torch_lm"
     assert report["failed_commands"] == 0, report["errors"]
     # Bit-identical to the trainer after every step, on every replica.
@@ -50,8 +51,10 @@ def test_the_default_demo_is_clean_bit_identical_and_loses_no_payload() -> None:
     assert report["payloads_received"] == report["payloads_sent"]
     assert report["payloads_lost"] == 0 and report["payloads_invalid"] == 0
     assert report["rollout_tokens"] > 0 and report["results_failed"] == 0
-    sends, receives = _by_pid(timeline, SpanKind.PAYLOAD_SEND), _by_pid(timeline,
-                                                                        SpanKind.PAYLOAD_RECV)
+    sends, receives = (
+        _by_pid(timeline, SpanKind.PAYLOAD_SEND),
+        _by_pid(timeline, SpanKind.PAYLOAD_RECV),
+    )
     assert len(sends) == 3 and len(receives) == 1, "every replica sent; the trainer received"
     # Generation kept going: on every replica, forwards ran between the first and the last
     # sync, syncs landed on sequences in flight, and the receivers parked once per sync.
@@ -76,7 +79,8 @@ def test_the_default_demo_is_clean_bit_identical_and_loses_no_payload() -> None:
 
 @pytest.mark.timeout(90)
 def test_the_unguarded_demo_shows_torn_reads_and_payload_overlaps(
-        capsys: pytest.CaptureFixture[str]) -> None:
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """The harness above can fail: the same run without the guard sees both hazards, on the
     replicas and on the trainer (which then receives payloads through its weight sends)."""
     code = main(["demo", "--replicas", "2", "--steps", "12", "--unguarded", "--json"])
@@ -101,7 +105,8 @@ def test_async_modes_never_pause_and_install_only_at_safe_points(mode: SyncMode)
     timeline = Timeline()
     report = run_distributed_demo(
         DistributedDemoConfig(replicas=2, steps=8, mode=mode, backend="torn_read", **_SMALL),
-        timeline)
+        timeline,
+    )
     assert report["failed_commands"] == 0, report["errors"]
     assert report["generation_pauses"] == 0
     assert report["torn_reads"] == 0 and timeline.overlaps() == []
@@ -126,21 +131,47 @@ def test_the_stream_lm_refuses_async_modes_before_spawning_anything() -> None:
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("backend", [None, "torn_read"], ids=["default", "torn_read"])
-def test_cli_demo_runs_multi_process_by_default(backend: str | None,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["demo", "--replicas", "1", "--steps", "3", "--model-mb", "0.25",
-            "--bucket-mb", "0.0625", "--json"]
+def test_cli_demo_runs_multi_process_by_default(
+    backend: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "demo",
+        "--replicas",
+        "1",
+        "--steps",
+        "3",
+        "--model-mb",
+        "0.25",
+        "--bucket-mb",
+        "0.0625",
+        "--json",
+    ]
     code = main(argv if backend is None else [*argv, "--backend", backend])
     out = capsys.readouterr().out
     report = json.loads(out.strip().splitlines()[-1])
     assert code == 0, out
     assert report["mode"] == "multi_process" and report["replicas"] == 1
     assert report["backend"] == (backend or "torch_lm")
-    for key in ("syncs", "forwards", "torn_reads", "egress_overlaps", "time_to_park_ms_p50",
-                "time_to_park_ms_p99", "sync_ms_p50", "sync_ms_p99", "transfer_mb_per_s",
-                "bit_identical", "payloads_sent", "payloads_received", "payloads_lost",
-                "weight_sync_time_ms_p50", "weight_sync_time_ms_p99", "egress_drain_ms_p50",
-                "handler_ms_p99", "fence_ms_p50"):
+    for key in (
+        "syncs",
+        "forwards",
+        "torn_reads",
+        "egress_overlaps",
+        "time_to_park_ms_p50",
+        "time_to_park_ms_p99",
+        "sync_ms_p50",
+        "sync_ms_p99",
+        "transfer_mb_per_s",
+        "bit_identical",
+        "payloads_sent",
+        "payloads_received",
+        "payloads_lost",
+        "weight_sync_time_ms_p50",
+        "weight_sync_time_ms_p99",
+        "egress_drain_ms_p50",
+        "handler_ms_p99",
+        "fence_ms_p50",
+    ):
         assert key in report
     assert report["syncs"] == 3 and report["bit_identical"] is True
     assert report["payloads_lost"] == 0

@@ -24,8 +24,16 @@ from rollout_sync.demo import InProcessWorker
 def tiny_config(**overrides: Any) -> TinyLMConfig:
     """A model small enough for many forwards per test; float64 so that greedy references
     computed in a different batch shape cannot flip on a near tie."""
-    fields: dict[str, Any] = {"vocab_size": 48, "d_model": 32, "n_layers": 2, "n_heads": 2,
-                              "d_ff": 64, "max_seq_len": 64, "dtype": torch.float64, "seed": 0}
+    fields: dict[str, Any] = {
+        "vocab_size": 48,
+        "d_model": 32,
+        "n_layers": 2,
+        "n_heads": 2,
+        "d_ff": 64,
+        "max_seq_len": 64,
+        "dtype": torch.float64,
+        "seed": 0,
+    }
     fields.update(overrides)
     return TinyLMConfig(**fields)
 
@@ -46,8 +54,9 @@ class SyncWorker(InProcessWorker):
     """A rollout worker reduced to a P2R handler, guarded and unguarded, with a hook that runs
     inside the bracket before the write (to look at the parked state)."""
 
-    def __init__(self, rollout: TorchLMBackend, timeline: Timeline | None = None,
-                 timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, rollout: TorchLMBackend, timeline: Timeline | None = None, timeout_s: float = 10.0
+    ) -> None:
         super().__init__(rollout, None, timeline, timeout_s)
         self.inside: Callable[[], None] | None = None
 
@@ -58,8 +67,9 @@ class SyncWorker(InProcessWorker):
         super().write_weights(version, weights)
 
 
-def greedy_continuation(config: TinyLMConfig, weights: Mapping[str, torch.Tensor],
-                        context: Sequence[int], n: int) -> tuple[int, ...]:
+def greedy_continuation(
+    config: TinyLMConfig, weights: Mapping[str, torch.Tensor], context: Sequence[int], n: int
+) -> tuple[int, ...]:
     """What ``weights`` generate greedily from ``context``: a fresh engine, nothing shared."""
     reference = TorchLMBackend(config)
     reference.load_weights(weights)
@@ -77,19 +87,21 @@ def _reference_model(config: TinyLMConfig, version: int) -> TinyCausalLM:
     return model
 
 
-def full_forward_argmax(
-    config: TinyLMConfig, version: int, context: Sequence[int]
-) -> list[int]:
+def full_forward_argmax(config: TinyLMConfig, version: int, context: Sequence[int]) -> list[int]:
     """Greedy next token after every prefix of ``context`` under ``weights_of(config, version)``,
     from one uncached forward of a separate model."""
     model = _reference_model(config, version)
     n = len(context)
-    empty = torch.zeros(config.n_layers, 1, config.n_heads, 0, config.head_dim,
-                        dtype=config.dtype)
+    empty = torch.zeros(config.n_layers, 1, config.n_heads, 0, config.head_dim, dtype=config.dtype)
     with torch.no_grad():
-        logits, _, _ = model(torch.tensor([list(context)]), torch.arange(n).unsqueeze(0), empty,
-                             empty, torch.zeros(1, 0, dtype=torch.bool),
-                             torch.ones(1, n, dtype=torch.bool))
+        logits, _, _ = model(
+            torch.tensor([list(context)]),
+            torch.arange(n).unsqueeze(0),
+            empty,
+            empty,
+            torch.zeros(1, 0, dtype=torch.bool),
+            torch.ones(1, n, dtype=torch.bool),
+        )
     return [int(t) for t in logits[0].argmax(dim=-1)]
 
 

@@ -56,8 +56,9 @@ class Worker(Generic[B]):
         self.reports.append(report)
 
     @weight_sync_handler
-    def receive_weights(self, weights: Weights, version: int,
-                        during: Callable[[], None] | None = None) -> None:
+    def receive_weights(
+        self, weights: Weights, version: int, during: Callable[[], None] | None = None
+    ) -> None:
         self.rollout.ensure_initialized()
         if during is not None:
             during()
@@ -82,8 +83,9 @@ class World(Generic[B]):
 
     def weights_of(self, version: int) -> Weights:
         if version not in self.weights:
-            self.weights[version] = random_llama_weights(self.shapes,
-                                                         seed=self.weights_seed + version)
+            self.weights[version] = random_llama_weights(
+                self.shapes, seed=self.weights_seed + version
+            )
         return self.weights[version]
 
     def sync(self, during: Callable[[], None] | None = None) -> int:
@@ -93,15 +95,24 @@ class World(Generic[B]):
         self.version = version
         return version
 
-    def sync_split(self, prompt: list[int], tokens: list[int], old_version: int,
-                   new_version: int, *, at_least: int) -> int | None:
+    def sync_split(
+        self,
+        prompt: list[int],
+        tokens: list[int],
+        old_version: int,
+        new_version: int,
+        *,
+        at_least: int,
+    ) -> int | None:
         """Where ``tokens`` switch from ``old_version``'s greedy continuation of ``prompt`` to
         ``new_version``'s continuation of the tokens so far; None if no such point exists."""
         old = self.reference(self.weights_of(old_version), prompt, len(tokens))
         return find_sync_split(
-            tokens, old,
-            lambda k: self.reference(self.weights_of(new_version), prompt + tokens[:k],
-                                     len(tokens) - k),
+            tokens,
+            old,
+            lambda k: self.reference(
+                self.weights_of(new_version), prompt + tokens[:k], len(tokens) - k
+            ),
             at_least=at_least,
         )
 
@@ -136,11 +147,18 @@ def running_world(
     timeline = Timeline()
     backend = backend_class(
         VLLMEngineConfig(model_dir, dtype="float32", kv_cache_memory_bytes=64 << 20),
-        timeline=timeline, **backend_kwargs,
+        timeline=timeline,
+        **backend_kwargs,
     )
-    world = World(backend, Worker(backend, timeline), timeline, greedy_reference(model_dir),
-                  {name: tuple(t.shape) for name, t in initial.items()}, weights_seed,
-                  weights={0: initial})
+    world = World(
+        backend,
+        Worker(backend, timeline),
+        timeline,
+        greedy_reference(model_dir),
+        {name: tuple(t.shape) for name, t in initial.items()},
+        weights_seed,
+        weights={0: initial},
+    )
     try:
         world.sync(None if first_sync is None else lambda: first_sync(world))
         yield world
@@ -158,4 +176,3 @@ def check_greedy_output_equals_transformers(world: World[Any]) -> None:
         assert list(result.token_ids) == world.reference(world.weights_of(version), prompt, 24)
         assert (result.admitted_version, result.completed_version) == (version, version)
         assert not result.straddled
-

@@ -37,8 +37,9 @@ TINY_LLAMA: Mapping[str, Any] = {
 }
 
 
-def random_llama_weights(names_and_shapes: Mapping[str, Sequence[int]], seed: int,
-                         dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def random_llama_weights(
+    names_and_shapes: Mapping[str, Sequence[int]], seed: int, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
     """A full set of random weights for the given names and shapes (a new policy version).
 
     Norm weights are drawn around 1, everything else with std 0.5; deterministic in ``seed``.
@@ -51,8 +52,9 @@ def random_llama_weights(names_and_shapes: Mapping[str, Sequence[int]], seed: in
     return weights
 
 
-def build_tiny_llama(directory: str | os.PathLike[str], *, seed: int = 0,
-                     **overrides: Any) -> dict[str, torch.Tensor]:
+def build_tiny_llama(
+    directory: str | os.PathLike[str], *, seed: int = 0, **overrides: Any
+) -> dict[str, torch.Tensor]:
     """Write a tiny random Llama checkpoint (config + safetensors) into ``directory``.
 
     Returns its weights (checkpoint names). ``overrides`` change :data:`TINY_LLAMA` entries.
@@ -82,12 +84,14 @@ class greedy_reference:
         import transformers
 
         self._model = transformers.LlamaForCausalLM.from_pretrained(
-            directory, torch_dtype=torch.float32)
+            directory, torch_dtype=torch.float32
+        )
         self._model.eval()
 
     @torch.no_grad()
-    def __call__(self, weights: Mapping[str, torch.Tensor], prompt: Sequence[int],
-                 n: int) -> list[int]:
+    def __call__(
+        self, weights: Mapping[str, torch.Tensor], prompt: Sequence[int], n: int
+    ) -> list[int]:
         self._model.load_state_dict(dict(weights))
         ids = torch.tensor([list(prompt)], dtype=torch.long)
         out: list[int] = []

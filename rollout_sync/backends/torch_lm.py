@@ -88,8 +88,9 @@ class TinyLMConfig:
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if self.d_model % max(self.n_heads, 1):
-            problems.append(f"d_model ({self.d_model}) must be divisible by n_heads "
-                            f"({self.n_heads})")
+            problems.append(
+                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
+            )
         if not self.dtype.is_floating_point:
             problems.append(f"dtype must be a floating point dtype, got {self.dtype}")
         if problems:
@@ -384,16 +385,20 @@ class TorchLMBackend(RolloutBase):
             try:
                 super().load_weights(weights, require_all=require_all)
             except BaseException as exc:
-                self.mark_weights_torn(f"load_weights failed part-way: {type(exc).__name__}: "
-                                       f"{exc}")
+                self.mark_weights_torn(f"load_weights failed part-way: {type(exc).__name__}: {exc}")
                 raise
             finally:
                 self._write_seq += 1
                 self._weights_epoch += 1
                 self._weight_writes += 1
         if self.timeline is not None:
-            self.timeline.add_span(SpanKind.WEIGHT_WRITE, f"{self.name} load_weights", start,
-                                   tensors=len(weights), epoch=self._weights_epoch)
+            self.timeline.add_span(
+                SpanKind.WEIGHT_WRITE,
+                f"{self.name} load_weights",
+                start,
+                tensors=len(weights),
+                epoch=self._weights_epoch,
+            )
 
     def commit_weight_version(self, version: int) -> None:
         """Record that a complete sync of ``version`` landed (it also moves the epoch).
@@ -420,13 +425,16 @@ class TorchLMBackend(RolloutBase):
             problems.append("the prompt is empty (at least one token is needed)")
         bad = [t for t in request.prompt if not 0 <= t < cfg.vocab_size]
         if bad:
-            problems.append(f"prompt token ids {bad[:8]} are outside the vocabulary "
-                            f"[0, {cfg.vocab_size})")
+            problems.append(
+                f"prompt token ids {bad[:8]} are outside the vocabulary [0, {cfg.vocab_size})"
+            )
         if request.max_new_tokens < 1:
             problems.append(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
         if len(request.prompt) + request.max_new_tokens > cfg.max_seq_len:
-            problems.append(f"prompt ({len(request.prompt)} tokens) + max_new_tokens "
-                            f"({request.max_new_tokens}) exceeds max_seq_len {cfg.max_seq_len}")
+            problems.append(
+                f"prompt ({len(request.prompt)} tokens) + max_new_tokens "
+                f"({request.max_new_tokens}) exceeds max_seq_len {cfg.max_seq_len}"
+            )
         sampling = request.sampling
         if not sampling.temperature >= 0:
             problems.append(f"temperature must be >= 0, got {sampling.temperature!r}")
@@ -436,8 +444,9 @@ class TorchLMBackend(RolloutBase):
         if bad_stop:
             problems.append(f"stop_token_ids {bad_stop[:8]} are outside the vocabulary")
         if problems:
-            raise ValueError(f"{type(self).__name__} cannot serve this request: "
-                             + "; ".join(problems))
+            raise ValueError(
+                f"{type(self).__name__} cannot serve this request: " + "; ".join(problems)
+            )
 
     def decode_step(self, sequences: Sequence[SequenceState]) -> None:
         """One batched forward: advance every unfinished sequence by one token.
@@ -459,7 +468,7 @@ class TorchLMBackend(RolloutBase):
         epoch = self._weights_epoch
         version = self.weight_version
         caches = [self._cache_for(s, epoch) for s in live]
-        pending = [s.context()[kv.length:] for s, kv in zip(live, caches, strict=True)]
+        pending = [s.context()[kv.length :] for s, kv in zip(live, caches, strict=True)]
 
         batch = len(live)
         width = max(len(p) for p in pending)
@@ -489,8 +498,13 @@ class TorchLMBackend(RolloutBase):
         start = time.monotonic_ns()
         with torch.no_grad():
             logits, new_k, new_v = model(
-                tokens.to(device), positions.to(device), past_k, past_v,
-                past_mask.to(device), new_mask.to(device), on_layer,
+                tokens.to(device),
+                positions.to(device),
+                past_k,
+                past_v,
+                past_mask.to(device),
+                new_mask.to(device),
+                on_layer,
             )
         seen.append(self._write_seq)
         torn = any(s % 2 for s in seen) or len(set(seen)) > 1
@@ -499,8 +513,15 @@ class TorchLMBackend(RolloutBase):
         self._torn_forwards += torn
         self._tokens_processed += n_tokens
         if self.timeline is not None:
-            self.timeline.add_span(SpanKind.FORWARD, f"{self.name} decode step", start,
-                                   batch=batch, tokens=n_tokens, epoch=epoch, torn=torn)
+            self.timeline.add_span(
+                SpanKind.FORWARD,
+                f"{self.name} decode step",
+                start,
+                batch=batch,
+                tokens=n_tokens,
+                epoch=epoch,
+                torn=torn,
+            )
 
         last = torch.tensor([len(p) - 1 for p in pending], device=device)
         next_logits = logits[torch.arange(batch, device=device), last]
@@ -526,8 +547,10 @@ class TorchLMBackend(RolloutBase):
             kv = _KVState(self.config, epoch)
             seq.engine_state = kv
         if not isinstance(kv, _KVState):
-            raise TypeError(f"request {seq.request_id} carries engine state of another engine "
-                            f"({type(kv).__name__})")
+            raise TypeError(
+                f"request {seq.request_id} carries engine state of another engine "
+                f"({type(kv).__name__})"
+            )
         if kv.length and kv.epoch != epoch:
             if self.kv_policy is KVCachePolicy.RECOMPUTE:
                 self._recomputed_tokens += kv.length
@@ -552,8 +575,10 @@ class TorchLMBackend(RolloutBase):
             scaled = scaled.masked_fill(scaled < kth, -math.inf)
         logp = torch.log_softmax(scaled, dim=-1)
         if kv.generator is None:
-            seed = params.seed if params.seed is not None else (
-                self.config.seed * 1_000_003 + seq.request_id
+            seed = (
+                params.seed
+                if params.seed is not None
+                else (self.config.seed * 1_000_003 + seq.request_id)
             )
             kv.generator = torch.Generator(device=logits.device).manual_seed(seed % (1 << 63))
         token = int(torch.multinomial(logp.exp(), 1, generator=kv.generator))
@@ -582,8 +607,11 @@ class TorchLMBackend(RolloutBase):
         self.ensure_initialized()
         self.check_servable()
         requests = [
-            p if isinstance(p, GenerationRequest) else GenerationRequest(
-                tuple(p), max_new_tokens=max_new_tokens,
+            p
+            if isinstance(p, GenerationRequest)
+            else GenerationRequest(
+                tuple(p),
+                max_new_tokens=max_new_tokens,
                 sampling=sampling if sampling is not None else SamplingParams(),
                 stop_token_ids=tuple(stop_token_ids),
             )
@@ -628,8 +656,10 @@ class TorchLMBackend(RolloutBase):
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"<{type(self).__name__} {c.n_layers}x{c.d_model} vocab {c.vocab_size}, "
-                f"v{self.weight_version}, {self.kv_policy.value}, {self._forwards} forwards>")
+        return (
+            f"<{type(self).__name__} {c.n_layers}x{c.d_model} vocab {c.vocab_size}, "
+            f"v{self.weight_version}, {self.kv_policy.value}, {self._forwards} forwards>"
+        )
 
 
 class TorchLMStreamBackend(TorchLMBackend):
@@ -658,8 +688,9 @@ class TorchLMStreamBackend(TorchLMBackend):
         timeline: Timeline | None = None,
         name: str = "generation",
     ) -> None:
-        super().__init__(config, kv_policy=kv_policy, pause_timeout=pause_timeout,
-                         timeline=timeline, name=name)
+        super().__init__(
+            config, kv_policy=kv_policy, pause_timeout=pause_timeout, timeline=timeline, name=name
+        )
         self.drain_on_pause = drain_on_pause
         self.scheduler = RolloutTaskScheduler(
             self,
@@ -691,8 +722,9 @@ class TorchLMStreamBackend(TorchLMBackend):
         stop_token_ids: Sequence[int] = (),
     ) -> int:
         """Queue a request; see :meth:`RolloutTaskScheduler.put`."""
-        return self.scheduler.put(request, max_new_tokens=max_new_tokens, sampling=sampling,
-                                  stop_token_ids=stop_token_ids)
+        return self.scheduler.put(
+            request, max_new_tokens=max_new_tokens, sampling=sampling, stop_token_ids=stop_token_ids
+        )
 
     def get_all(self) -> list[GenerationResult]:
         """Take every result waiting now; see :meth:`RolloutTaskScheduler.get_all`."""

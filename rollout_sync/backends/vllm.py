@@ -111,8 +111,11 @@ class WeightsNotLandedError(RolloutSyncError):
     def __init__(self, problems: list[str], *, torn: bool, context: str) -> None:
         shown = "\n  ".join(problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        state = ("the served weights are now torn; generation stays parked until a complete "
-                 "sync lands" if torn else "nothing was written")
+        state = (
+            "the served weights are now torn; generation stays parked until a complete sync lands"
+            if torn
+            else "nothing was written"
+        )
         super().__init__(f"{context}: {len(problems)} problem(s), {state}:\n  {shown}{more}")
         self.problems = problems
         self.torn = torn
@@ -259,8 +262,9 @@ class VLLMRequest:
     Thread-safe. Every wait takes a timeout and raises :class:`TimeoutError` naming the request.
     """
 
-    def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
-                 versions: _VersionHistory) -> None:
+    def __init__(
+        self, request_id: str, prompt_token_ids: Sequence[int], versions: _VersionHistory
+    ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = tuple(int(t) for t in prompt_token_ids)
         self._versions = versions
@@ -320,16 +324,20 @@ class VLLMRequest:
         """Block until ``count`` tokens exist (or the request ended); return them."""
         with self._cond:
             if not self._cond.wait_for(lambda: len(self._tokens) >= count or self.done, timeout):
-                raise TimeoutError(f"request {self.request_id} did not produce {count} tokens "
-                                   f"within {timeout:.1f} s (has {len(self._tokens)})")
+                raise TimeoutError(
+                    f"request {self.request_id} did not produce {count} tokens "
+                    f"within {timeout:.1f} s (has {len(self._tokens)})"
+                )
             return self._tokens
 
     def result(self, timeout: float) -> VLLMGeneration:
         """Block until the request ended (finished, aborted or failed) and return its result."""
         with self._cond:
             if not self._cond.wait_for(lambda: self._result is not None, timeout):
-                raise TimeoutError(f"request {self.request_id} did not finish within "
-                                   f"{timeout:.1f} s ({len(self._tokens)} tokens so far)")
+                raise TimeoutError(
+                    f"request {self.request_id} did not finish within "
+                    f"{timeout:.1f} s ({len(self._tokens)} tokens so far)"
+                )
             assert self._result is not None
             return self._result
 
@@ -387,8 +395,9 @@ class _VLLMBackendBase(RolloutBase):
         if write_method not in ("reload", "copy"):
             raise ValueError(f"write_method must be 'reload' or 'copy', got {write_method!r}")
         if payload_transport not in ("bytes", "file"):
-            raise ValueError(f"payload_transport must be 'bytes' or 'file', got "
-                             f"{payload_transport!r}")
+            raise ValueError(
+                f"payload_transport must be 'bytes' or 'file', got {payload_transport!r}"
+            )
         if verify_columns < 1:
             raise ValueError(f"verify_columns must be at least 1, got {verify_columns}")
         self.config = config
@@ -417,8 +426,12 @@ class _VLLMBackendBase(RolloutBase):
         self.ensure_initialized()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.shutdown()
 
     # -- engine access, provided by the subclass ---------------------------------------------
@@ -450,11 +463,14 @@ class _VLLMBackendBase(RolloutBase):
                 "from the served model, so it could not tell a write that did not land:\n  "
                 + "\n  ".join(lines[:20])
             )
-        specs = [WeightSpec(name, tuple(shape), getattr(torch, dtype))
-                 for name, shape, dtype in info["specs"]]
+        specs = [
+            WeightSpec(name, tuple(shape), getattr(torch, dtype))
+            for name, shape, dtype in info["specs"]
+        ]
         self._specs = {s.name: s for s in specs}
-        self._spec_meta = {s.name: torch.empty(s.shape, dtype=s.dtype, device="meta")
-                           for s in specs}
+        self._spec_meta = {
+            s.name: torch.empty(s.shape, dtype=s.dtype, device="meta") for s in specs
+        }
         self._groups = dict(info["groups"])
         if self.timeline is not None:
             self.set_engine_tracing(True)
@@ -482,11 +498,14 @@ class _VLLMBackendBase(RolloutBase):
         """
         self.ensure_initialized()
         if self._buffers is None:
-            self._buffers = {s.name: torch.empty(s.shape, dtype=s.dtype)
-                             for s in self._specs.values()}
+            self._buffers = {
+                s.name: torch.empty(s.shape, dtype=s.dtype) for s in self._specs.values()
+            }
         return self._buffers
 
-    def load_weights(self, weights: Mapping[str, torch.Tensor], *, require_all: bool = True) -> None:
+    def load_weights(
+        self, weights: Mapping[str, torch.Tensor], *, require_all: bool = True
+    ) -> None:
         """Write ``weights`` into the engine, then check that they landed.
 
         Call inside :meth:`paused` (the guard does). Order: validate every name, shape and
@@ -503,15 +522,22 @@ class _VLLMBackendBase(RolloutBase):
         self.ensure_initialized()
         self._check_write_allowed()
         context = f"weights for {type(self).__name__}"
-        check_weights_match(specs_of(weights), self._spec_meta, require_all=require_all,
-                            context=context)
+        check_weights_match(
+            specs_of(weights), self._spec_meta, require_all=require_all, context=context
+        )
         if not require_all:
             self._check_whole_groups(weights.keys(), context)
         payload, cleanup = self._encode(weights)
         self._writes += 1
         try:
-            report = self._rpc("rollout_sync_write", payload, self.write_method,
-                               self.verify_columns, self._writes, timeout=self.rpc_timeout)
+            report = self._rpc(
+                "rollout_sync_write",
+                payload,
+                self.write_method,
+                self.verify_columns,
+                self._writes,
+                timeout=self.rpc_timeout,
+            )
         except BaseException as exc:
             self.mark_weights_torn(f"the engine's weight write failed: {type(exc).__name__}: {exc}")
             raise
@@ -519,12 +545,16 @@ class _VLLMBackendBase(RolloutBase):
             cleanup()
         self._last_write = report
         if report["refused"]:
-            raise WeightsNotLandedError(list(report["refused"]), torn=False,
-                                        context=f"{context}: the engine refused the write")
+            raise WeightsNotLandedError(
+                list(report["refused"]),
+                torn=False,
+                context=f"{context}: the engine refused the write",
+            )
         if report["problems"]:
             self.mark_weights_torn(f"{len(report['problems'])} tensor(s) did not land")
             raise WeightsNotLandedError(
-                list(report["problems"]), torn=True,
+                list(report["problems"]),
+                torn=True,
                 context=f"{context}: the {self.write_method!r} write did not land in the "
                 "weights the engine computes with",
             )
@@ -539,12 +569,15 @@ class _VLLMBackendBase(RolloutBase):
         for group in sorted({self._groups[n] for n in sent}):
             missing = [n for n in members[group] if n not in sent]
             if missing:
-                problems.append(f"{group}: a subset must send all of its parts; missing "
-                                f"{', '.join(missing)}")
+                problems.append(
+                    f"{group}: a subset must send all of its parts; missing {', '.join(missing)}"
+                )
         if problems:
             raise WeightMismatchError(problems, context=context)
 
-    def _encode(self, weights: Mapping[str, torch.Tensor]) -> tuple[bytes | str, Callable[[], None]]:
+    def _encode(
+        self, weights: Mapping[str, torch.Tensor]
+    ) -> tuple[bytes | str, Callable[[], None]]:
         import safetensors.torch
 
         flat: dict[str, torch.Tensor] = {}
@@ -557,8 +590,9 @@ class _VLLMBackendBase(RolloutBase):
             seen.add(storage)
         if self.payload_transport == "bytes":
             return safetensors.torch.save(flat), lambda: None
-        fd, path = tempfile.mkstemp(suffix=".safetensors", prefix="rollout_sync_",
-                                    dir=self.payload_dir)
+        fd, path = tempfile.mkstemp(
+            suffix=".safetensors", prefix="rollout_sync_", dir=self.payload_dir
+        )
         os.close(fd)
         safetensors.torch.save_file(flat, path)
         return path, lambda: Path(path).unlink(missing_ok=True)
@@ -579,8 +613,18 @@ class _VLLMBackendBase(RolloutBase):
         """
         records = self._rpc("rollout_sync_spans", True, timeout=self.rpc_timeout)
         pid = os.getpid()
-        spans = [Span(r["kind"], r["name"], r["start_ns"], r["end_ns"], pid, r["tid"],
-                      {**r["args"], "engine_pid": r["pid"]}) for r in records]
+        spans = [
+            Span(
+                r["kind"],
+                r["name"],
+                r["start_ns"],
+                r["end_ns"],
+                pid,
+                r["tid"],
+                {**r["args"], "engine_pid": r["pid"]},
+            )
+            for r in records
+        ]
         if self.timeline is not None:
             self.timeline.extend(spans)
         return spans
@@ -655,15 +699,18 @@ class _LoopThread:
         ``timeout`` seconds (the coroutine is cancelled)."""
         if threading.current_thread() is self._thread:
             coro.close()
-            raise RuntimeError(f"{operation} was called on the engine's own event loop thread, "
-                               "where waiting for it would deadlock")
+            raise RuntimeError(
+                f"{operation} was called on the engine's own event loop thread, "
+                "where waiting for it would deadlock"
+            )
         future = self.submit(coro)
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
             future.cancel()
-            raise EngineCallTimeout(f"{operation} did not complete within {timeout:.1f} s") \
-                from None
+            raise EngineCallTimeout(
+                f"{operation} did not complete within {timeout:.1f} s"
+            ) from None
 
     def stop(self, timeout: float) -> None:
         """Cancel the tasks still on the loop, stop it and join its thread."""
@@ -738,10 +785,11 @@ class VLLMAsyncBackend(_VLLMBackendBase):
         self._pauses = 0
 
     def __repr__(self) -> str:
-        state = ("not started" if self._engine is None else
-                 "parked" if self._parked else "running")
-        return (f"<{type(self).__name__} {state}: {self.requests_in_flight} requests in flight, "
-                f"weights v{self.weight_version}{' (torn)' if self.weights_torn else ''}>")
+        state = "not started" if self._engine is None else "parked" if self._parked else "running"
+        return (
+            f"<{type(self).__name__} {state}: {self.requests_in_flight} requests in flight, "
+            f"weights v{self.weight_version}{' (torn)' if self.weights_torn else ''}>"
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -777,6 +825,7 @@ class VLLMAsyncBackend(_VLLMBackendBase):
         engine, loop = self._engine, self._loop
         self._engine = self._loop = None
         if engine is not None and loop is not None:
+
             async def close() -> None:
                 engine.shutdown()
 
@@ -792,8 +841,13 @@ class VLLMAsyncBackend(_VLLMBackendBase):
 
     # -- generation --------------------------------------------------------------------------
 
-    def submit(self, prompt_token_ids: Sequence[int], sampling_params: Any = None, *,
-               request_id: str | None = None) -> VLLMRequest:
+    def submit(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: Any = None,
+        *,
+        request_id: str | None = None,
+    ) -> VLLMRequest:
         """Submit one prompt (token ids); returns at once. Greedy, 64 tokens by default.
 
         Raises :class:`~rollout_sync.TornWeightsError` while the weights are torn, and
@@ -825,8 +879,13 @@ class VLLMAsyncBackend(_VLLMBackendBase):
         loop.submit(drive())
         return request
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling_params: Any = None, *,
-                 timeout: float = 300.0) -> list[VLLMGeneration]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling_params: Any = None,
+        *,
+        timeout: float = 300.0,
+    ) -> list[VLLMGeneration]:
         """Submit every prompt and wait for all results (in prompt order)."""
         requests = [self.submit(p, sampling_params) for p in prompts]
         deadline = time.monotonic() + timeout
@@ -853,7 +912,8 @@ class VLLMAsyncBackend(_VLLMBackendBase):
             raise PauseTimeout(
                 f"generation did not park within {limit:.1f} s: another thread holds the pause "
                 f"of {type(self).__name__} ({self.requests_in_flight} requests in flight)",
-                operation="pause generation", timeout=limit,
+                operation="pause generation",
+                timeout=limit,
                 sections_running=self.requests_in_flight,
             )
         outer = False
@@ -866,8 +926,9 @@ class VLLMAsyncBackend(_VLLMBackendBase):
                     self._park_locked(limit)
             park_ms = (time.monotonic_ns() - started) / 1e6
             if outer and self.timeline is not None and self._parked:
-                with self.timeline.span(SpanKind.PAUSE, "generation paused",
-                                        park_ms=park_ms, mode=self.pause_mode.value):
+                with self.timeline.span(
+                    SpanKind.PAUSE, "generation paused", park_ms=park_ms, mode=self.pause_mode.value
+                ):
                     yield
             else:
                 yield
@@ -907,13 +968,16 @@ class VLLMAsyncBackend(_VLLMBackendBase):
                 f"generation did not park within {limit:.1f} s ({self.requests_in_flight} "
                 f"requests in flight, pause mode {mode!r}); the engine is held up between steps "
                 "or the mode drains long requests",
-                operation="pause generation", timeout=limit,
+                operation="pause generation",
+                timeout=limit,
                 sections_running=self.requests_in_flight,
             ) from None
         if not confirmed:
             loop.submit(engine.resume_generation())
-            raise RuntimeError("vLLM reported the engine not paused right after "
-                               "pause_generation(); another client resumed it")
+            raise RuntimeError(
+                "vLLM reported the engine not paused right after "
+                "pause_generation(); another client resumed it"
+            )
         self._parked = True
         self._pauses += 1
 
@@ -999,10 +1063,17 @@ class VLLMBlockingBackend(_VLLMBackendBase):
         self._generate_lock = threading.Lock()
 
     def __repr__(self) -> str:
-        state = ("not started" if self._llm is None else
-                 "generating" if self._generating is not None else "idle")
-        return (f"<{type(self).__name__} {state}: weights v{self.weight_version}"
-                f"{' (torn)' if self.weights_torn else ''}>")
+        state = (
+            "not started"
+            if self._llm is None
+            else "generating"
+            if self._generating is not None
+            else "idle"
+        )
+        return (
+            f"<{type(self).__name__} {state}: weights v{self.weight_version}"
+            f"{' (torn)' if self.weights_torn else ''}>"
+        )
 
     def initialize(self) -> None:
         require_vllm()
@@ -1044,8 +1115,10 @@ class VLLMBlockingBackend(_VLLMBackendBase):
         self.ensure_initialized()
         self.check_servable()
         if not self._generate_lock.acquire(timeout=timeout):
-            raise TimeoutError(f"generate() waited {timeout:.1f} s for another generate() call "
-                               f"on {type(self).__name__} to finish")
+            raise TimeoutError(
+                f"generate() waited {timeout:.1f} s for another generate() call "
+                f"on {type(self).__name__} to finish"
+            )
         from vllm.inputs import TokensPrompt
 
         engine = self._llm.llm_engine
@@ -1056,15 +1129,18 @@ class VLLMBlockingBackend(_VLLMBackendBase):
         self._generating = threading.get_ident()
         try:
             for request in requests:
-                engine.add_request(request.request_id,
-                                   TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
-                                   params)
+                engine.add_request(
+                    request.request_id,
+                    TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
+                    params,
+                )
             while engine.has_unfinished_requests():
                 self.check_servable()
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"generate() did not finish within {timeout:.1f} s "
-                        f"({sum(not r.done for r in requests)} of {len(requests)} requests left)")
+                        f"({sum(not r.done for r in requests)} of {len(requests)} requests left)"
+                    )
                 for output in engine.step():
                     stepped = by_id.get(output.request_id)
                     if stepped is None:

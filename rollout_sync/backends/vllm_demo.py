@@ -73,8 +73,9 @@ class _VLLMDemoWorker(InProcessWorker):
 class _Feeder:
     """Keeps ``streams`` requests in flight and packs each finished one as a payload."""
 
-    def __init__(self, backend: VLLMAsyncBackend, packer: RecordingPacker,
-                 config: VLLMDemoConfig) -> None:
+    def __init__(
+        self, backend: VLLMAsyncBackend, packer: RecordingPacker, config: VLLMDemoConfig
+    ) -> None:
         self.backend, self.packer, self.config = backend, packer, config
         self.results: list[VLLMGeneration] = []
         self.error: BaseException | None = None
@@ -116,10 +117,11 @@ class _Feeder:
 
 def _torn_reads(spans: list[Span], writes_per_sync: int) -> int:
     """Forwards that started inside the write window of one sync (first to last write)."""
-    writes = sorted((s for s in spans if s.kind == SpanKind.WEIGHT_WRITE),
-                    key=lambda s: s.start_ns)
-    windows = [(writes[i].start_ns, writes[i + writes_per_sync - 1].end_ns)
-               for i in range(0, len(writes) - writes_per_sync + 1, writes_per_sync)]
+    writes = sorted((s for s in spans if s.kind == SpanKind.WEIGHT_WRITE), key=lambda s: s.start_ns)
+    windows = [
+        (writes[i].start_ns, writes[i + writes_per_sync - 1].end_ns)
+        for i in range(0, len(writes) - writes_per_sync + 1, writes_per_sync)
+    ]
     forwards = [s for s in spans if s.kind == SpanKind.FORWARD]
     return sum(any(lo < f.end_ns and f.start_ns < hi for lo, hi in windows) for f in forwards)
 
@@ -145,7 +147,8 @@ def run_vllm_demo(
             build_tiny_llama(Path(tmp), seed=0)
             backend = VLLMAsyncBackend(
                 VLLMEngineConfig(tmp, dtype="float32", kv_cache_memory_bytes=64 << 20),
-                timeline=timeline, pause_timeout=config.timeout_s,
+                timeline=timeline,
+                pause_timeout=config.timeout_s,
             )
         elif backend.timeline is None:
             raise ValueError("run_vllm_demo needs a backend built with a timeline")
@@ -159,8 +162,9 @@ def run_vllm_demo(
 
 
 def _run(config: VLLMDemoConfig, backend: VLLMAsyncBackend, timeline: Timeline) -> dict[str, Any]:
-    packer = RecordingPacker(capacity=32, send_s=config.send_s, timeline=timeline,
-                             default_timeout=config.timeout_s)
+    packer = RecordingPacker(
+        capacity=32, send_s=config.send_s, timeline=timeline, default_timeout=config.timeout_s
+    )
     worker = _VLLMDemoWorker(backend, packer, timeline, config.timeout_s)
     sync = worker.receive_weights if config.guarded else worker.receive_weights_unguarded
     feeder = _Feeder(backend, packer, config)
@@ -186,9 +190,12 @@ def _run(config: VLLMDemoConfig, backend: VLLMAsyncBackend, timeline: Timeline) 
     backend.collect_engine_spans()
     spans = [s for s in timeline.spans() if s.start_ns >= start_ns]
     forwards = [s for s in spans if s.kind == SpanKind.FORWARD and s.name == "forward"]
-    egress = [o for o in timeline.overlaps()
-              if o.first.start_ns >= start_ns
-              and o.first.kind in (SpanKind.PAYLOAD_SEND, SpanKind.PAYLOAD_RECV)]
+    egress = [
+        o
+        for o in timeline.overlaps()
+        if o.first.start_ns >= start_ns
+        and o.first.kind in (SpanKind.PAYLOAD_SEND, SpanKind.PAYLOAD_RECV)
+    ]
     # The first sync started the engine: reported apart, so the percentiles describe syncs.
     first, steady = worker.reports[:1], worker.reports[1:]
     park = summarize([r.park_s for r in steady])
@@ -220,7 +227,9 @@ def _drain(packer: RecordingPacker, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while packer.buffered:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the packer did not send its buffered payloads within "
-                               f"{timeout:.1f} s ({packer.buffered} left)")
+            raise TimeoutError(
+                f"the packer did not send its buffered payloads within "
+                f"{timeout:.1f} s ({packer.buffered} left)"
+            )
         time.sleep(0.001)  # the packer offers no event for an empty buffer
     packer.flush_pending_sends(timeout)

@@ -98,8 +98,11 @@ def _checkpoint_files(model: str) -> list[Path]:
         try:
             from huggingface_hub import snapshot_download
 
-            root = Path(snapshot_download(model, allow_patterns=["*.safetensors", "*.json"],
-                                          local_files_only=True))
+            root = Path(
+                snapshot_download(
+                    model, allow_patterns=["*.safetensors", "*.json"], local_files_only=True
+                )
+            )
         except Exception as exc:
             raise FileNotFoundError(
                 f"{model!r} is neither a directory nor a model in the local hub cache; the "
@@ -121,7 +124,9 @@ def _checkpoint_files(model: str) -> list[Path]:
     return files
 
 
-def checkpoint_specs(model: str, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def checkpoint_specs(
+    model: str, dtype: torch.dtype
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Checkpoint-format names and shapes of what the engine loaded, by name, in name order.
 
     Floating-point tensors get the engine's ``dtype`` (that is what the engine serves and what
@@ -133,8 +138,10 @@ def checkpoint_specs(model: str, dtype: torch.dtype) -> dict[str, tuple[tuple[in
             stored = _SAFETENSORS_DTYPES.get(entry["dtype"])
             if stored is None:
                 raise ValueError(f"{path.name}: {name} has an unsupported dtype {entry['dtype']}")
-            found[name] = (tuple(int(d) for d in entry["shape"]),
-                           dtype if stored.is_floating_point else stored)
+            found[name] = (
+                tuple(int(d) for d in entry["shape"]),
+                dtype if stored.is_floating_point else stored,
+            )
     return dict(sorted(found.items()))
 
 
@@ -217,7 +224,9 @@ def build_probe_plan(
                     offset += sibling_spec[0][0]
                 break
         if offset < 0:
-            plan.unverifiable[name] = f"a part packed with it into {target} is not in the checkpoint"
+            plan.unverifiable[name] = (
+                f"a part packed with it into {target} is not in the checkpoint"
+            )
             continue
         try:
             module = model.get_submodule(target)
@@ -240,9 +249,12 @@ def build_probe_plan(
 def _holds_rows(served: object, shape: Sequence[int], row_offset: int, rows: int) -> bool:
     """Whether ``served`` is a plain tensor with rows ``row_offset : row_offset + rows`` of a
     tensor of ``shape`` (not repacked by the platform into another layout, or to nothing)."""
-    return (isinstance(served, torch.Tensor) and served.numel() > 0
-            and tuple(served.shape[1:]) == tuple(shape[1:])
-            and served.shape[0] >= row_offset + rows)
+    return (
+        isinstance(served, torch.Tensor)
+        and served.numel() > 0
+        and tuple(served.shape[1:]) == tuple(shape[1:])
+        and served.shape[0] >= row_offset + rows
+    )
 
 
 def _add_tied_lm_head(model: torch.nn.Module, plan: ProbePlan, claimed: set[str]) -> None:
@@ -269,8 +281,9 @@ def decode_payload(payload: bytes | str) -> dict[str, torch.Tensor]:
     return dict(safetensors.torch.load_file(payload))
 
 
-def copy_in_place(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
-                  plan: ProbePlan) -> None:
+def copy_in_place(
+    model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], plan: ProbePlan
+) -> None:
     """Write by ``param.data[rows].copy_``: right only where parameters are what the forward reads.
 
     Checks every target first and raises :class:`WriteRefused` (nothing written) if any
@@ -284,15 +297,17 @@ def copy_in_place(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
         probe = plan.probes[name][0]
         served = getattr(model.get_submodule(probe.module), probe.param)
         if not _holds_rows(served, tensor.shape, probe.row_offset, probe.rows):
-            problems.append(f"{name}: {probe.module}.{probe.param} is served with shape "
-                            f"{list(served.shape)} (repacked by the platform), not writable in place")
+            problems.append(
+                f"{name}: {probe.module}.{probe.param} is served with shape "
+                f"{list(served.shape)} (repacked by the platform), not writable in place"
+            )
             continue
         targets.append((served, probe, tensor))
     if problems:
         raise WriteRefused(problems)
     with torch.no_grad():
         for served, probe, tensor in targets:
-            served.data[probe.row_offset: probe.row_offset + probe.rows].copy_(tensor)
+            served.data[probe.row_offset : probe.row_offset + probe.rows].copy_(tensor)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -326,10 +341,11 @@ def verify_written(
                 by_module.setdefault(probe.module, []).append((probe, tensor))
             else:
                 served = getattr(model.get_submodule(probe.module), probe.param)
-                got = served.data[probe.row_offset: probe.row_offset + probe.rows]
+                got = served.data[probe.row_offset : probe.row_offset + probe.rows]
                 if not _same(got, tensor.to(got.device)):
-                    problems.append(f"{name}: served {probe.module}.{probe.param} differs from "
-                                    "what was written")
+                    problems.append(
+                        f"{name}: served {probe.module}.{probe.param} differs from what was written"
+                    )
     for module_name, entries in by_module.items():
         module = model.get_submodule(module_name)
         width = entries[0][1].shape[1]
@@ -342,7 +358,7 @@ def verify_written(
         quant_method: Any = getattr(module, "quant_method")  # noqa: B009 - typed as Any
         out: torch.Tensor = quant_method.apply(module, one_hot)
         for probe, tensor in entries:
-            got = out[:, probe.row_offset: probe.row_offset + probe.rows]
+            got = out[:, probe.row_offset : probe.row_offset + probe.rows]
             want = tensor[:, cols].T.to(got.device)
             if not _same(got, want):
                 problems.append(
@@ -394,8 +410,10 @@ class RolloutSyncWorkerExtension:
 
         state = self._rollout_sync_state()
         return {
-            "specs": [[name, list(shape), str(dtype).removeprefix("torch.")]
-                      for name, (shape, dtype) in state.specs.items()],
+            "specs": [
+                [name, list(shape), str(dtype).removeprefix("torch.")]
+                for name, (shape, dtype) in state.specs.items()
+            ],
             "groups": dict(state.plan.groups),
             "unverifiable": dict(state.plan.unverifiable),
             "tensor_parallel_size": int(get_tensor_model_parallel_world_size()),
@@ -415,33 +433,46 @@ class RolloutSyncWorkerExtension:
         land. An exception from the engine's loader propagates (the write may be partial).
         """
         if method not in WRITE_METHODS:
-            return {"written": False, "refused": [f"unknown write method {method!r}"],
-                    "problems": []}
+            return {
+                "written": False,
+                "refused": [f"unknown write method {method!r}"],
+                "problems": [],
+            }
         state = self._rollout_sync_state()
         tensors = decode_payload(payload)
         unknown = [n for n in tensors if n not in state.plan.probes]
         if unknown:
-            return {"written": False, "problems": [],
-                    "refused": [f"{n}: not a verifiable served weight" for n in unknown]}
+            return {
+                "written": False,
+                "problems": [],
+                "refused": [f"{n}: not a verifiable served weight" for n in unknown],
+            }
         model = self.model_runner.get_model()
         state.writes += 1
         start = time.monotonic_ns()
         try:
             if method == "reload":
-                self.reload_weights(weights_iterator=iter(tensors.items()),
-                                    is_checkpoint_format=True)
+                self.reload_weights(
+                    weights_iterator=iter(tensors.items()), is_checkpoint_format=True
+                )
             else:
                 copy_in_place(model, tensors, state.plan)
         except WriteRefused as refused:
             return {"written": False, "refused": refused.problems, "problems": []}
         finally:
             if state.hooks:
-                state.timeline.add_span(SpanKind.WEIGHT_WRITE, f"weight write #{state.writes}",
-                                        start, method=method, tensors=len(tensors))
+                state.timeline.add_span(
+                    SpanKind.WEIGHT_WRITE,
+                    f"weight write #{state.writes}",
+                    start,
+                    method=method,
+                    tensors=len(tensors),
+                )
         written = time.monotonic_ns()
         generator = torch.Generator().manual_seed(probe_seed)
-        problems = verify_written(model, tensors, state.plan, columns=verify_columns,
-                                  generator=generator)
+        problems = verify_written(
+            model, tensors, state.plan, columns=verify_columns, generator=generator
+        )
         return {
             "written": True,
             "refused": [],
@@ -476,6 +507,7 @@ class RolloutSyncWorkerExtension:
                     with state.lock:
                         state.forwards += 1
                     state.timeline.add_span(SpanKind.FORWARD, label, start, writes=state.writes)
+
             return post_hook
 
         for label, module in modules:
