@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pytest
 import torch
+from conftest import wait_until as wait_until
 
 from rollout_sync import (
     Timeline,
@@ -116,15 +116,6 @@ def weights_of(config: TinyLMConfig, version: int) -> dict[str, torch.Tensor]:
     A fresh dict each call (callers may edit it); the tensors are shared and must not be
     written."""
     return dict(_weights(config, version))
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll ``predicate`` until it holds (a deterministic wait for a state, not a sleep)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.0005)
 
 
 class Runner:
