@@ -800,18 +800,7 @@ class RolloutTaskScheduler:
         """
         if self.gate.held:
             return 0
-        with self._lock:
-            room = self.max_concurrent - len(self._active) - self._admitting
-            taken = []
-            if not self._drainers and not self._stopping:
-                while room > 0 and self._queue:
-                    taken.append(self._queue.popleft())
-                    room -= 1
-            self._admitting += len(taken)
-        if not taken:
-            return 0
-        self._activate(taken)
-        return len(taken)
+        return self._admit()
 
     def _activate(self, taken: list[tuple[int, GenerationRequest]]) -> None:
         """Start the admitted requests: the hook's window, then the version stamp."""
