@@ -10,6 +10,7 @@ from contextlib import AbstractContextManager, contextmanager
 
 import pytest
 import torch
+from conftest import wait_until
 
 from rollout_sync.backend import RolloutBase
 from rollout_sync.buffer import (
@@ -32,14 +33,6 @@ def _write_version(buffer: WeightBuffer, version: int, gap_s: float = 0.0) -> No
             if gap_s:
                 time.sleep(gap_s)  # widens the write on purpose, so a racing read would tear
         handle.version = version
-
-
-def _wait_until(predicate: object, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.001)  # polling state another thread changes
 
 
 def test_buffer_needs_an_async_mode_and_clones() -> None:
@@ -97,8 +90,8 @@ def test_generation_never_pauses_and_installs_only_at_safe_points(mode: SyncMode
             before = model.forwards
             _write_version(buffer, version, gap_s=200e-6)
             # Generation goes on around the write: the sync does not stop it.
-            _wait_until(lambda before=before: model.forwards > before)
-        _wait_until(lambda: backend.weight_version == 12)
+            wait_until(lambda before=before: model.forwards > before)
+        wait_until(lambda: backend.weight_version == 12)
     finally:
         backend.stop()
     assert model.torn_reads == 0
@@ -175,7 +168,7 @@ def test_the_reverse_fence_keeps_the_next_write_off_a_buffer_being_installed(fen
     writer = threading.Thread(target=write_next)
     writer.start()
     if fenced:
-        _wait_until(lambda: buffer.statistics().fence_waits == 1)
+        wait_until(lambda: buffer.statistics().fence_waits == 1)
         assert not writer_done.is_set()  # held off while the install reads
     else:
         assert writer_done.wait(10)  # nothing stops it: it overwrites the buffer mid-install

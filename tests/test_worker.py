@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import wait_until
 
 from rollout_sync.errors import TornWeightsError
 from rollout_sync.guard import SyncMode
@@ -199,9 +200,7 @@ def test_a_threaded_engine_starts_inside_the_first_sync_and_first_serves_new_wei
     try:
         assert worker.handle(P2R()).ok
         assert backend.running and worker.statistics().engine_started
-        deadline = time.monotonic() + 10
-        while model.forwards == 0 and time.monotonic() < deadline:
-            time.sleep(0.001)  # polling a counter the serving thread bumps
+        wait_until(lambda: model.forwards > 0, what="the first forward after the sync")
     finally:
         worker.close()
     sync = timeline.spans(SpanKind.SYNC)[0]
@@ -372,9 +371,7 @@ def test_async_syncs_run_on_the_sync_thread_and_install_at_safe_points() -> None
     worker.submit(Stop())
     try:
         results = worker.run(idle_timeout_s=10)
-        deadline = time.monotonic() + 10
-        while backend.weight_version < 5 and time.monotonic() < deadline:
-            time.sleep(0.001)  # polling for the safe point to install the last version
+        wait_until(lambda: backend.weight_version == 5, what="the install of the last version")
     finally:
         worker.close()
     assert [r.ok for r in results] == [True] * 6
