@@ -350,12 +350,8 @@ class TransportEnd:
     ) -> None:
         self.default_timeout = default_timeout
         # Private: the bookkeeping counts every hold, so a hold must come through _hold.
-        self._gate = Gate(
-            name,
-            section_noun="payload transfer",
-            close_verb="hold",
-            default_timeout=default_timeout,
-            timeout_error=hold_timeout_error,
+        self._gate = Gate.for_payloads(
+            "payload transfer", timeout=default_timeout, name=name, timeout_error=hold_timeout_error
         )
         self._lock = threading.Lock()
         self._failure_subject = failure_subject

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import PauseTimeout, TornWeightsError
+from .errors import TornWeightsError
 from .gate import Gate
 from .trace import SpanKind, Timeline
 from .weights import check_weights_match, specs_of
@@ -197,13 +197,7 @@ class ThreadedRolloutBackend(RolloutBase):
         super().__init__()
         self.pause_timeout = pause_timeout
         self.timeline = timeline
-        self.generation_gate = Gate(
-            name,
-            section_noun="serving step",
-            close_verb="park",
-            default_timeout=pause_timeout,
-            timeout_error=PauseTimeout,
-        )
+        self.generation_gate = Gate.for_generation("serving step", timeout=pause_timeout, name=name)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._error: BaseException | None = None

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from types import TracebackType
 
-from .errors import GateTimeout, WouldBlock
+from .errors import EgressHoldTimeout, GateTimeout, PauseTimeout, WouldBlock
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Gate", "GateStatistics"]
 
@@ -97,6 +97,37 @@ class Gate:
         self._exclusive_acquired = 0
         self._timeouts = 0
         self._section_context = _SectionContext(self, None)
+
+    @classmethod
+    def for_generation(cls, step_noun: str, *, timeout: float, name: str = "generation") -> Gate:
+        """The gate generation steps run in: holding it parks generation, and a hold that
+        cannot be had in time raises :class:`PauseTimeout` ("generation did not park ...")."""
+        return cls(
+            name,
+            section_noun=step_noun,
+            close_verb="park",
+            default_timeout=timeout,
+            timeout_error=PauseTimeout,
+        )
+
+    @classmethod
+    def for_payloads(
+        cls,
+        transfer_noun: str,
+        *,
+        timeout: float,
+        name: str = "payload egress",
+        timeout_error: type[GateTimeout] = EgressHoldTimeout,
+    ) -> Gate:
+        """The gate payload transfers run in: holding it holds egress (on a receiver,
+        ingress); a hold that cannot be had in time raises ``timeout_error``."""
+        return cls(
+            name,
+            section_noun=transfer_noun,
+            close_verb="hold",
+            default_timeout=timeout,
+            timeout_error=timeout_error,
+        )
 
     # -- sections ------------------------------------------------------------------------------
 

@@ -365,13 +365,7 @@ class RolloutTaskScheduler:
         self.gate = (
             gate
             if gate is not None
-            else Gate(
-                name,
-                section_noun="decode step",
-                close_verb="park",
-                default_timeout=pause_timeout,
-                timeout_error=PauseTimeout,
-            )
+            else Gate.for_generation("decode step", timeout=pause_timeout, name=name)
         )
         self.guard_steps = guard_steps
         self.unsafe_admission_race = unsafe_admission_race

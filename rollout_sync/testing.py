@@ -35,7 +35,7 @@ import torch
 
 from .backend import RolloutBase, ThreadedRolloutBackend
 from .buffer import WeightBuffer, install_inference_sync
-from .errors import EgressHoldTimeout, PayloadBackpressureTimeout
+from .errors import PayloadBackpressureTimeout
 from .gate import Gate
 from .guard import SyncMode
 from .trace import SpanKind, Timeline
@@ -286,13 +286,7 @@ class RecordingPacker:
         timeline: Timeline | None = None,
         default_timeout: float = 30.0,
     ) -> None:
-        self.egress_gate = Gate(
-            "payload egress",
-            section_noun="payload send",
-            close_verb="hold",
-            default_timeout=default_timeout,
-            timeout_error=EgressHoldTimeout,
-        )
+        self.egress_gate = Gate.for_payloads("payload send", timeout=default_timeout)
         self.capacity = capacity
         self.send_s = send_s
         self.log = log

@@ -42,7 +42,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..backend import KVCachePolicy, RolloutBase
-from ..errors import PauseTimeout
 from ..gate import Gate
 from ..scheduler import (
     GenerationRequest,
@@ -302,13 +301,7 @@ class TorchLMBackend(RolloutBase):
         self.pause_timeout = pause_timeout
         self.timeline = timeline
         self.name = name
-        self.generation_gate = Gate(
-            name,
-            section_noun="decode step",
-            close_verb="park",
-            default_timeout=pause_timeout,
-            timeout_error=PauseTimeout,
-        )
+        self.generation_gate = Gate.for_generation("decode step", timeout=pause_timeout, name=name)
         self.layer_hook: LayerHook | None = None
         self._model: TinyCausalLM | None = None
         self._served: dict[str, torch.Tensor] = {}
