@@ -1,6 +1,6 @@
 """Time to park stream generation: step-boundary park vs drain, and what the guard costs.
 
-Runs :class:`~rollout_sync.TorchLMStreamBackend` (the tiny torch LM under
+Runs :class:`~rollout_sync.backends.torch_lm.TorchLMStreamBackend` (the tiny torch LM under
 :class:`~rollout_sync.RolloutTaskScheduler`) on its own thread with generations of mixed length
 kept in flight, and times many weight syncs:
 
@@ -30,15 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from rollout_sync import (
-    Gate,
-    RolloutTaskScheduler,
-    Timeline,
-    TinyLMConfig,
-    TorchLMStreamBackend,
-    summarize,
-    tiny_lm_weights,
-)
+from rollout_sync import Gate, RolloutTaskScheduler, Timeline
+from rollout_sync.backends.torch_lm import TinyLMConfig, TorchLMStreamBackend, tiny_lm_weights
+from rollout_sync.metrics import summarize
 from rollout_sync.scheduler import SCHEDULER_STEP_SPAN
 
 

@@ -35,12 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # Imported after the path fix, so that a checkout runs without installing.
-from rollout_sync import (
-    TimerClock,
-    TrainerCallbacks,
-    WeightBroadcastCallback,
-    WeightSyncTimer,
-)
+from rollout_sync import TrainerCallbacks, WeightBroadcastCallback, WeightSyncTimer
+from rollout_sync.metrics import TimerClock
 from rollout_sync.testing import FakeCudaStream, HostSyncCount, count_host_syncs
 
 

@@ -8,6 +8,9 @@ groups, each iteration measures:
   then replica 1 -> the other replicas (the R2R group). No manifest, no packing: the floor.
 * **bucketed (B MB)**: :class:`rollout_sync.WeightTransfer` send/receive, P2R then R2R, for
   every bucket size of the sweep (manifest, validation vote, packing, unpacking, commit vote).
+* **per-tensor**: :class:`rollout_sync.trainer.BroadcastWeightPusher`, one broadcast per
+  tensor (no manifest, no buckets), P2R then R2R: what the bucketed transfer replaced as
+  ``WeightBroadcastCallback``'s default.
 * **guarded**: the same through :class:`rollout_sync.RolloutWorker`'s guarded handlers (pause,
   egress hold on a packer, lazy init, fence, version commit) at the default bucket size.
 * **raw + copies**: raw plus the time to pack and unpack the model locally (``_foreach_copy_``
@@ -41,18 +44,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # The path is set up above, so a source checkout runs without installing the package.
-from rollout_sync import (
-    P2R,
-    R2R,
-    RolloutBase,
-    RolloutWorker,
-    TransferConfig,
-    build_sync_groups,
-    find_free_port,
-    init_process_group,
-    run_processes,
-)
-from rollout_sync.testing import RecordingPacker
+from rollout_sync import P2R, R2R, RolloutBase, RolloutWorker, TransferConfig, build_sync_groups
+from rollout_sync.distributed import init_process_group
+from rollout_sync.testing import RecordingPacker, find_free_port, run_processes
+from rollout_sync.trainer import BroadcastWeightPusher, CommandKind, WeightSyncCommand
 
 
 class _IdleRollout(RolloutBase):
@@ -132,6 +127,30 @@ def _bench_process(rank: int, port: int, args: argparse.Namespace) -> dict[str, 
 
         return run
 
+    def per_tensor() -> Callable[[], tuple[float, float]]:
+        p2r_pusher = BroadcastWeightPusher(groups.p2r, src=0)
+        r2r_pusher = BroadcastWeightPusher(groups.r2r, src=1)
+        version = [0]
+
+        def hop(pusher: BroadcastWeightPusher, member: bool) -> None:
+            if not member:
+                return
+            if rank == pusher.src:
+                pusher.push_weights(weights, version=version[0], timeout=args.timeout)
+            else:
+                command = WeightSyncCommand(
+                    CommandKind.WEIGHTS, version[0], version[0], len(weights), nbytes
+                )
+                pusher.receive_weights(weights, command, args.timeout)
+
+        def run() -> tuple[float, float]:
+            version[0] += 1
+            p2r_s = _timed(lambda: hop(p2r_pusher, in_p2r))
+            r2r_s = _timed(lambda: hop(r2r_pusher, in_r2r)) if groups.r2r is not None else 0.0
+            return p2r_s, r2r_s
+
+        return run
+
     workers: list[RolloutWorker] = []
 
     def guarded() -> Callable[[], tuple[float, float]]:
@@ -194,6 +213,7 @@ def _bench_process(rank: int, port: int, args: argparse.Namespace) -> dict[str, 
         ("local pack/unpack", None, copies),
     ]
     methods += [("bucketed", b, bucketed(b)) for b in args.buckets]
+    methods.append(("per-tensor", None, per_tensor()))
     methods.append(("guarded", args.default_bucket_mb, guarded_run))
     samples: dict[int, list[tuple[float, float]]] = {i: [] for i in range(len(methods))}
     for iteration in range(args.iterations + 1):
@@ -314,11 +334,13 @@ def main(argv: list[str] | None = None) -> int:
     best = max(bucketed, key=lambda r: r["mb_per_s"])
     guarded = next(r for r in rows if r["method"] == "guarded")
     same = next(r for r in bucketed if r["bucket_mb"] == guarded["bucket_mb"])
+    per_tensor_row = next(r for r in rows if r["method"] == "per-tensor")
     ratios = {
         "best_bucketed_over_raw": best["mb_per_s"] / raw["mb_per_s"],
         "best_bucket_mb": best["bucket_mb"],
         "best_bucketed_over_raw_plus_copies": best["mb_per_s"] / copy_row["mb_per_s"],
         "guarded_over_raw": raw["total_ms"] / guarded["total_ms"],
+        "per_tensor_over_bucketed_time": per_tensor_row["total_ms"] / same["total_ms"],
         "guard_overhead": guarded["total_ms"] / same["total_ms"] - 1.0,
         "bracket_overhead": bracket_s / handler_s if handler_s else float("nan"),
     }
@@ -332,6 +354,10 @@ def main(argv: list[str] | None = None) -> int:
         "pipeline hides)"
     )
     print(f"guarded / raw bytes/s:                        {ratios['guarded_over_raw']:.2f}")
+    print(
+        f"per-tensor broadcast time / bucketed ({same['bucket_mb']:g} MB):   "
+        f"{ratios['per_tensor_over_bucketed_time']:.2f}x"
+    )
     print(
         f"guard overhead, end to end (guarded / bucketed time - 1, {guarded['bucket_mb']:g} MB):"
         f" {ratios['guard_overhead'] * 100:+.1f}%   (target <= 5%; noisy under load)"

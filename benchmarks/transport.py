@@ -29,13 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 import torch.distributed as dist
 
-from rollout_sync import (
-    PayloadReceiver,
-    PayloadSender,
-    new_payload_groups,
-    summarize,
-)
-from rollout_sync.distributed import find_free_port, init_process_group, run_processes
+from rollout_sync import PayloadReceiver, PayloadSender, new_payload_groups
+from rollout_sync.distributed import init_process_group
+from rollout_sync.metrics import summarize
+from rollout_sync.testing import find_free_port, run_processes
 
 
 @dataclass(frozen=True)

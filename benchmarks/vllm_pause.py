@@ -28,15 +28,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rollout_sync import percentile
-from rollout_sync.backends.tiny_llama import build_tiny_llama, random_llama_weights
-from rollout_sync.backends.vllm import (
-    PauseMode,
-    VLLMAsyncBackend,
-    VLLMEngineConfig,
-    VLLMUnavailableError,
-    greedy_params,
-)
+from rollout_sync.backends.vllm import PauseMode, VLLMAsyncBackend, VLLMEngineConfig, greedy_params
+from rollout_sync.errors import VLLMUnavailableError
+from rollout_sync.metrics import percentile
+from rollout_sync.testing.tiny_llama import build_tiny_llama, random_llama_weights
 
 
 def _pause_modes(backend: VLLMAsyncBackend, runs: int, long_tokens: int) -> dict[str, Any]:

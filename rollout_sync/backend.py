@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import TornWeightsError
+from .errors import ShutdownTimeout, TornWeightsError
 from .gate import Gate
 from .trace import SpanKind, Timeline
 from .weights import check_weights_match, specs_of
@@ -223,13 +223,17 @@ class ThreadedRolloutBackend(RolloutBase):
         """Stop serving and join the thread; re-raise an error that killed it.
 
         Call outside :meth:`paused`: a parked thread finishes only when the pause ends.
+
+        Raises:
+            ShutdownTimeout: the thread did not stop within ``timeout`` seconds.
+            RuntimeError: the thread had failed (its error is chained).
         """
         thread = self._thread
         self._stopping.set()
         if thread is not None:
             thread.join(timeout)
             if thread.is_alive():
-                raise TimeoutError(
+                raise ShutdownTimeout(
                     f"{type(self).__name__}'s serving thread did not stop within {timeout:.1f} s "
                     "(is stop() called inside paused(), or is serve_step() stuck?)"
                 )

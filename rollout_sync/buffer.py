@@ -37,8 +37,9 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
+from ._deadline import deadline_after, limit_of, wait_arg, wait_device_event
 from .backend import RolloutBase
-from .errors import FenceTimeout, RolloutSyncError
+from .errors import FenceTimeout, WeightSyncThreadError
 from .guard import SyncMode, device_fence
 from .trace import SpanKind, Timeline
 
@@ -167,8 +168,8 @@ class WeightBuffer:
             FenceTimeout: the install in progress did not finish within ``timeout`` seconds.
             RuntimeError: another write is in progress (one writer only).
         """
-        limit = self.fence_timeout_s if timeout is None else timeout
-        deadline = time.monotonic() + limit
+        limit = limit_of(timeout, self.fence_timeout_s)
+        deadline = deadline_after(limit)
         with self._lock:
             if self._writing:
                 raise RuntimeError(
@@ -178,7 +179,7 @@ class WeightBuffer:
             if self.reverse_fence and self._installing:
                 self._fence_waits += 1
                 while self._installing:
-                    woken = self._changed.wait(max(0.0, deadline - time.monotonic()))
+                    woken = self._changed.wait(wait_arg(deadline))
                     if not woken and self._installing:
                         raise FenceTimeout(
                             f"WeightBuffer.write: an install of v{self._published} was "
@@ -195,7 +196,14 @@ class WeightBuffer:
         ok = False
         try:
             if self.reverse_fence and install_event is not None:
-                _wait_event(install_event, deadline, limit, "an install's device reads")
+                wait_device_event(
+                    install_event,
+                    deadline,
+                    lambda: FenceTimeout(
+                        f"WeightBuffer.write: an install's device reads did not complete within "
+                        f"{limit:.1f} s (reverse fence)"
+                    ),
+                )
             yield handle
             if handle.version is not None:
                 # Publish only what the device has finished writing.
@@ -289,15 +297,6 @@ def _record_event_if_cuda(tensors: Mapping[str, torch.Tensor]) -> Any:
     return None
 
 
-def _wait_event(event: Any, deadline: float, limit: float, what: str) -> None:
-    while not event.query():
-        if time.monotonic() > deadline:
-            raise FenceTimeout(
-                f"WeightBuffer.write: {what} did not complete within {limit:.1f} s (reverse fence)"
-            )
-        time.sleep(50e-6)  # polling a CUDA event; synchronize() would not honour the limit
-
-
 @runtime_checkable
 class SupportsWeightBuffer(Protocol):
     """A backend that takes a :class:`WeightBuffer` and installs it at its safe points.
@@ -330,10 +329,6 @@ def install_inference_sync(
 
 
 # -- the weight-sync thread --------------------------------------------------------------------
-
-
-class WeightSyncThreadError(RolloutSyncError):
-    """The weight-sync thread failed, or did not stop within its limit."""
 
 
 _P2R_PRIORITY = 0

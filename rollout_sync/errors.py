@@ -1,17 +1,51 @@
-"""The exceptions rollout_sync raises, in one place so callers can catch them by family.
+"""Every exception rollout_sync raises on purpose, in one place so callers catch them by family.
 
-Every timeout error is a :class:`TimeoutError` and names the operation, the limit and what was
-still in the way, so a log line alone tells what hung.
+Every one derives from :class:`RolloutSyncError`. Every timeout derives from both it and the
+builtin :class:`TimeoutError` (the library never raises a bare ``TimeoutError``) and names the
+operation, the limit and what was still in the way, so a log line alone tells what hung.
+
+The families, in the order a weight sync meets them:
+
+* the guard: :class:`WorkerContractError` (a worker the guard cannot guard),
+  :class:`GateTimeout` and its kinds (:class:`PauseTimeout`, :class:`EgressHoldTimeout`,
+  :class:`IngressHoldTimeout`), :class:`FenceTimeout`;
+* the weights: :class:`WeightMismatchError` (validation before any write),
+  :class:`TornWeightsError` (generation refused), :class:`WeightTransferError` and its kinds,
+  :class:`ManifestError`, :class:`WeightsNotLandedError` (vLLM);
+* processes and collectives: :class:`CollectiveError`, :class:`CollectiveTimeout`,
+  :class:`GroupProcessError`;
+* the payload transport: :class:`PayloadTransportError`, :class:`PayloadTimeout` and kinds;
+* the trainer side: :class:`WeightBroadcastError`, :class:`MetricKeyCollisionError`,
+  :class:`HarvestTimeout`;
+* engines and threads: :class:`SchedulerTimeout`, :class:`GenerationTimeout`,
+  :class:`EngineCallTimeout`, :class:`CommandTimeout`, :class:`InstallTimeout`,
+  :class:`ShutdownTimeout`, :class:`WeightSyncThreadError`, :class:`VLLMUnavailableError`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .testing.processes import ChildFailure
+
 __all__ = [
+    "ChecksumMismatchError",
+    "CollectiveError",
+    "CollectiveTimeout",
+    "CommandTimeout",
     "EgressHoldTimeout",
+    "EngineCallTimeout",
     "FenceTimeout",
     "GateTimeout",
+    "GenerationTimeout",
+    "GroupProcessError",
     "HarvestTimeout",
     "IngressHoldTimeout",
+    "InstallTimeout",
+    "ManifestError",
+    "ManifestRejected",
     "MetricKeyCollisionError",
     "PauseTimeout",
     "PayloadBackpressureTimeout",
@@ -19,9 +53,19 @@ __all__ = [
     "PayloadTransportError",
     "PayloadsExhausted",
     "RolloutSyncError",
+    "SchedulerTimeout",
+    "ShutdownTimeout",
     "TornWeightsError",
+    "VLLMUnavailableError",
     "WeightBroadcastError",
+    "WeightMismatchError",
+    "WeightSyncThreadError",
+    "WeightTransferError",
+    "WeightTransferTimeout",
+    "WeightsNotLandedError",
+    "WorkerContractError",
     "WouldBlock",
+    "WriteRefused",
 ]
 
 
@@ -31,6 +75,24 @@ class RolloutSyncError(Exception):
 
 class WouldBlock(RolloutSyncError):
     """A ``*_nowait`` call could not proceed without waiting."""
+
+
+# -- the guard ---------------------------------------------------------------------------------
+
+
+class WorkerContractError(RolloutSyncError, TypeError):
+    """A decorated worker does not meet the guard's contract (:class:`~rollout_sync.guard.
+    WeightSyncWorker`): an attribute the guard reads is missing or of the wrong kind.
+
+    Raised at the first sync, before anything is paused, held or written.
+
+    Attributes:
+        attribute: the attribute the guard looked for.
+    """
+
+    def __init__(self, message: str, *, attribute: str) -> None:
+        super().__init__(message)
+        self.attribute = attribute
 
 
 class GateTimeout(RolloutSyncError, TimeoutError):
@@ -61,8 +123,225 @@ class IngressHoldTimeout(GateTimeout):
     """Payload receives could not be held or flushed within the limit (a receive kept running)."""
 
 
+class FenceTimeout(RolloutSyncError, TimeoutError):
+    """Device work did not complete within the limit (the fence after a weight sync, or the
+    reverse fence of an async-mode weight buffer)."""
+
+
+# -- weights -----------------------------------------------------------------------------------
+
+
+class WeightMismatchError(RolloutSyncError, ValueError):
+    """Incoming weights do not fit the served ones; nothing was written.
+
+    Attributes:
+        problems: one line per mismatch (unknown name, missing name, shape, dtype).
+    """
+
+    def __init__(self, problems: list[str], *, context: str = "incoming weights") -> None:
+        shown = "\n  ".join(problems[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        super().__init__(
+            f"{context} do not match the served weights ({len(problems)} problem(s)); "
+            f"no served tensor was written:\n  {shown}{more}\n"
+            "Check that trainer and rollout build the same model architecture and that the "
+            "trainer sends served (not training-only, e.g. optimizer or LoRA) parameter names."
+        )
+        self.problems = problems
+
+
+class TornWeightsError(RolloutSyncError):
+    """The served weights are known to be a mix of two versions; generation is refused.
+
+    Raised after a synchronous weight transfer failed part-way. The only way out is a complete,
+    successful sync.
+    """
+
+
+class ManifestError(RolloutSyncError, ValueError):
+    """A weight manifest could not be built or decoded."""
+
+
+class WeightTransferError(RolloutSyncError):
+    """A weight transfer failed.
+
+    Attributes:
+        operation: what was being done ("receive bucket 3/12 of version 7 from rank 0").
+        version: the weight version being transferred, if the manifest got that far.
+        tensors_written: target tensors this rank had (partly) written when it failed. Zero
+            means the targets are exactly as before.
+        complete: this rank received and wrote every tensor intact; the transfer failed
+            elsewhere in the group (another rank's checksum). Its targets hold ``version``
+            whole.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        operation: str,
+        version: int | None = None,
+        tensors_written: int = 0,
+        complete: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.operation = operation
+        self.version = version
+        self.tensors_written = tensors_written
+        self.complete = complete
+
+    @property
+    def targets_torn(self) -> bool:
+        """Whether this rank's targets now mix two versions (written, but not completely)."""
+        return self.tensors_written > 0 and not self.complete
+
+
+class WeightTransferTimeout(WeightTransferError, TimeoutError):
+    """A collective of the transfer did not complete within the limit."""
+
+
+class ManifestRejected(WeightTransferError):
+    """Another rank rejected the manifest (or the source aborted); nothing was written.
+
+    Attributes:
+        rejected_by: global ranks that said no.
+    """
+
+    def __init__(
+        self, message: str, *, operation: str, version: int | None, rejected_by: Sequence[int]
+    ) -> None:
+        super().__init__(message, operation=operation, version=version)
+        self.rejected_by = tuple(rejected_by)
+
+
+class ChecksumMismatchError(WeightTransferError):
+    """A bucket's bytes differ from what its source (or the original sender) checksummed.
+
+    Attributes:
+        buckets: indices of the buckets that failed, on this rank.
+        failed_ranks: global ranks that reported a failure in the commit vote.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        operation: str,
+        version: int | None,
+        tensors_written: int,
+        buckets: Sequence[int],
+        failed_ranks: Sequence[int],
+        complete: bool = False,
+    ) -> None:
+        super().__init__(
+            message,
+            operation=operation,
+            version=version,
+            tensors_written=tensors_written,
+            complete=complete,
+        )
+        self.buckets = tuple(buckets)
+        self.failed_ranks = tuple(failed_ranks)
+
+
+class WeightsNotLandedError(RolloutSyncError):
+    """A vLLM weight write was refused, or did not change what the engine computes with.
+
+    Attributes:
+        problems: one line per tensor that was refused or did not land.
+        torn: whether anything may have been written. When true the backend has marked its
+            weights torn and keeps generation parked until a complete sync lands.
+    """
+
+    def __init__(self, problems: list[str], *, torn: bool, context: str) -> None:
+        shown = "\n  ".join(problems[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        state = (
+            "the served weights are now torn; generation stays parked until a complete sync lands"
+            if torn
+            else "nothing was written"
+        )
+        super().__init__(f"{context}: {len(problems)} problem(s), {state}:\n  {shown}{more}")
+        self.problems = problems
+        self.torn = torn
+
+
+class WriteRefused(RolloutSyncError):
+    """Inside a vLLM engine: a write was refused before any served tensor was touched.
+
+    Attributes:
+        problems: why, one line each.
+    """
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+# -- processes and collectives -----------------------------------------------------------------
+
+
+class CollectiveError(RolloutSyncError):
+    """A collective failed: a peer died, closed its connection, or the group is broken.
+
+    Attributes:
+        operation: what was being done, in words ("broadcast bucket 3/12 from rank 0").
+        group: the global ranks of the group.
+    """
+
+    def __init__(self, message: str, *, operation: str, group: Sequence[int]) -> None:
+        super().__init__(message)
+        self.operation = operation
+        self.group = tuple(group)
+
+
+class CollectiveTimeout(CollectiveError, TimeoutError):
+    """A collective did not complete within its limit (a peer hung or never joined).
+
+    Attributes:
+        timeout: the limit, in seconds.
+    """
+
+    def __init__(
+        self, message: str, *, operation: str, group: Sequence[int], timeout: float
+    ) -> None:
+        super().__init__(message, operation=operation, group=group)
+        self.timeout = timeout
+
+
+class GroupProcessError(RolloutSyncError, ChildProcessError):
+    """One or more children of :func:`~rollout_sync.testing.run_processes` failed, died or
+    overstayed.
+
+    Attributes:
+        failures: one :class:`~rollout_sync.testing.ChildFailure` per failed child, the first
+            to fail first. A child killed by a signal has the negative signal number as its
+            exit code (``-9`` for SIGKILL), as :mod:`multiprocessing` reports it.
+        results: the return values of the children that did finish, by rank.
+    """
+
+    def __init__(self, failures: list[ChildFailure], results: dict[int, Any], what: str) -> None:
+        parts = [
+            f"--- rank {f.rank} (exit code {f.exitcode}) ---\n{f.error.rstrip()}" for f in failures
+        ]
+        super().__init__(f"{what}: {len(failures)} child process(es) failed\n" + "\n".join(parts))
+        self.failures = failures
+        self.results = results
+
+
+# -- the payload transport ---------------------------------------------------------------------
+
+
+class PayloadTransportError(RolloutSyncError):
+    """The payload transport broke (a peer went away, the protocol was violated) or is closed."""
+
+
+class PayloadsExhausted(PayloadTransportError):
+    """Every payload sender has closed and every payload it sent was taken: the stream ended."""
+
+
 class PayloadTimeout(RolloutSyncError, TimeoutError):
-    """A payload transport wait ran past its limit (a receive, a drain, a close).
+    """A payload wait ran past its limit (a receive, a drain, a close).
 
     Attributes:
         operation: what was being waited for, in words.
@@ -82,40 +361,15 @@ class PayloadBackpressureTimeout(PayloadTimeout):
     """
 
 
-class PayloadTransportError(RolloutSyncError):
-    """The payload transport broke (a peer went away, the protocol was violated) or is closed."""
+# -- the trainer side --------------------------------------------------------------------------
 
 
-class PayloadsExhausted(PayloadTransportError):
-    """Every payload sender has closed and every payload it sent was taken: the stream ended."""
+class WeightBroadcastError(RolloutSyncError):
+    """A trainer-side weight broadcast or its command announcement failed or timed out.
 
-
-class FenceTimeout(RolloutSyncError, TimeoutError):
-    """The device fence after a weight sync did not complete within the limit."""
-
-
-class TornWeightsError(RolloutSyncError):
-    """The served weights are known to be a mix of two versions; generation is refused.
-
-    Raised after a synchronous weight transfer failed part-way. The only way out is a complete,
-    successful sync.
+    Raised with the operation, the limit and the process group in the message; the cause (the
+    backend's own error) is chained.
     """
-
-
-class HarvestTimeout(RolloutSyncError, TimeoutError):
-    """An explicit wait for a timer's pending samples ran past its limit.
-
-    Only :meth:`~rollout_sync.WeightSyncTimer.drain` waits; harvesting never does.
-
-    Attributes:
-        timeout: the limit, in seconds.
-        pending: samples whose end event was still incomplete when the wait gave up.
-    """
-
-    def __init__(self, message: str, *, timeout: float, pending: int) -> None:
-        super().__init__(message)
-        self.timeout = timeout
-        self.pending = pending
 
 
 class MetricKeyCollisionError(RolloutSyncError, ValueError):
@@ -134,9 +388,54 @@ class MetricKeyCollisionError(RolloutSyncError, ValueError):
         self.second = second
 
 
-class WeightBroadcastError(RolloutSyncError):
-    """A trainer-side weight broadcast or its command announcement failed or timed out.
+class HarvestTimeout(RolloutSyncError, TimeoutError):
+    """An explicit wait for a timer's pending samples ran past its limit.
 
-    Raised with the operation, the limit and the process group in the message; the cause (the
-    backend's own error) is chained.
+    Only :meth:`~rollout_sync.WeightSyncTimer.drain` waits; harvesting never does.
+
+    Attributes:
+        timeout: the limit, in seconds.
+        pending: samples whose end event was still incomplete when the wait gave up.
     """
+
+    def __init__(self, message: str, *, timeout: float, pending: int) -> None:
+        super().__init__(message)
+        self.timeout = timeout
+        self.pending = pending
+
+
+# -- engines, workers and their threads --------------------------------------------------------
+
+
+class SchedulerTimeout(RolloutSyncError, TimeoutError):
+    """A scheduler wait (for a result, for idleness, for the thread to stop) ran past its limit."""
+
+
+class GenerationTimeout(RolloutSyncError, TimeoutError):
+    """A generation request did not produce its tokens, or finish, within its limit."""
+
+
+class EngineCallTimeout(RolloutSyncError, TimeoutError):
+    """A call into the vLLM engine did not return within its limit."""
+
+
+class CommandTimeout(RolloutSyncError, TimeoutError):
+    """A rollout worker waited longer than its limit for the next command (is the controller
+    alive?)."""
+
+
+class InstallTimeout(RolloutSyncError, TimeoutError):
+    """An async-mode weight version was not installed at a safe point within the limit (is the
+    backend generating?)."""
+
+
+class ShutdownTimeout(RolloutSyncError, TimeoutError):
+    """A thread, engine or sender did not stop within its limit."""
+
+
+class WeightSyncThreadError(RolloutSyncError):
+    """The weight-sync thread failed, or did not stop within its limit."""
+
+
+class VLLMUnavailableError(RolloutSyncError, ImportError):
+    """vLLM is not installed (or fails to import); the message says how to install it."""

@@ -25,12 +25,11 @@ Rules, in the order they matter:
 
 from __future__ import annotations
 
-import math
 import threading
-import time
 from dataclasses import dataclass
 from types import TracebackType
 
+from ._deadline import deadline_after, limit_of, wait_arg
 from .errors import EgressHoldTimeout, GateTimeout, PauseTimeout, WouldBlock
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Gate", "GateStatistics"]
@@ -174,15 +173,15 @@ class Gate:
                 f"a {self.section_noun} was started on {self.name} by the thread that holds it "
                 "exclusively; it would wait for itself. Do the work outside the hold."
             )
-        limit = self._limit(timeout)
-        deadline = time.monotonic() + limit
+        limit = limit_of(timeout, self.default_timeout)
+        deadline = deadline_after(limit)
         handoff = self._handoffs
         self._sections_waiting += 1
         try:
             while self._holder_depth or self._exclusive_waiting:
                 if self._handoffs != handoff:
                     return  # admitted (and counted) by the release we waited through
-                if not self._opened.wait(_remaining(deadline)):
+                if not self._opened.wait(wait_arg(deadline)):
                     if self._handoffs != handoff:
                         return
                     if self._holder_depth or self._exclusive_waiting:
@@ -216,12 +215,12 @@ class Gate:
         with self._lock:
             if self._admit_holder_now(me):
                 return
-            limit = self._limit(timeout)
-            deadline = time.monotonic() + limit
+            limit = limit_of(timeout, self.default_timeout)
+            deadline = deadline_after(limit)
             self._exclusive_waiting += 1
             try:
                 while self._sections:
-                    if not self._sections_done.wait(_remaining(deadline)) and self._sections:
+                    if not self._sections_done.wait(wait_arg(deadline)) and self._sections:
                         self._timeouts += 1
                         noun = self.section_noun + ("" if self._sections == 1 else "s")
                         raise self.timeout_error(
@@ -300,12 +299,12 @@ class Gate:
         with self._lock:
             if not self._sections:
                 return
-            limit = self._limit(timeout)
-            deadline = time.monotonic() + limit
+            limit = limit_of(timeout, self.default_timeout)
+            deadline = deadline_after(limit)
             self._idle_waiting += 1
             try:
                 while self._sections:
-                    if not self._sections_done.wait(_remaining(deadline)) and self._sections:
+                    if not self._sections_done.wait(wait_arg(deadline)) and self._sections:
                         self._timeouts += 1
                         raise self.timeout_error(
                             f"{self.name}: {self._sections} {self.section_noun}(s) still running "
@@ -354,19 +353,6 @@ class Gate:
             f"<Gate {self.name!r} {state}: {s.sections_running} {noun}, "
             f"{s.sections_waiting + s.exclusive_waiting} waiting>"
         )
-
-    def _limit(self, timeout: float | None) -> float:
-        limit = self.default_timeout if timeout is None else timeout
-        if not limit >= 0:
-            raise ValueError(f"timeout must be >= 0 seconds (or math.inf), got {timeout!r}")
-        return limit
-
-
-def _remaining(deadline: float) -> float | None:
-    """Seconds left until ``deadline``; ``None`` (wait for ever) for an infinite one."""
-    if math.isinf(deadline):
-        return None
-    return max(0.0, deadline - time.monotonic())
 
 
 class _SectionContext:

@@ -20,19 +20,12 @@ covers lazy engine initialization and the barrier wait as well as the transfer::
         @weight_sync_handler
         def receive_weights_p2r(self, command): ...
 
-What the decorators read from the worker (all optional):
-
-* ``rollout``: the :class:`~rollout_sync.RolloutBase` to pause, read when the bracket is entered.
-* ``payload_egress_components()``: every component that ships payloads over the device. The
-  default is ``data_packer``, ``validation_packer``, ``rollout`` and the worker itself (a backend
-  or worker that mixes in a transport); components without hooks are skipped. Override it to
-  name others.
-* ``weight_sync_mode``: a :class:`SyncMode`; async modes skip the pause and keep the hold.
-* ``weight_sync_timeout``: seconds for the pause, each egress hold and the fence.
-* ``timeline``: a :class:`~rollout_sync.Timeline` to record the sync span into.
-* ``weight_sync_fence(timeout)``: the device fence; default :func:`device_fence`.
-* ``on_weight_sync_report(report)``: called with the :class:`SyncReport` of each sync, also a
-  failed one. The last report is always left on ``last_weight_sync_report``.
+What the decorators read from the worker is a contract, :class:`WeightSyncWorker`: a ``rollout``
+to pause (required, ``None`` allowed before lazy initialization) and optional hooks
+(``payload_egress_components()``, ``weight_sync_mode``, ``weight_sync_timeout``, ``timeline``,
+``weight_sync_fence``, ``on_weight_sync_report``). A worker that breaks it is refused at its
+first sync with :class:`~rollout_sync.errors.WorkerContractError`, never guarded by accident
+of a typo.
 
 Nested decorated calls on one worker and thread (an R2R handler that calls the P2R one) take
 only what the outer bracket does not already hold, and produce no report of their own.
@@ -45,22 +38,27 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, runtime_checkable
 
-import torch
-
-from .backend import RolloutBase
-from .egress import EgressHoldReport, payload_egress_held
-from .errors import FenceTimeout
+from ._deadline import deadline_after, limit_of, wait_device_idle
+from .egress import (
+    EgressHoldReport,
+    SupportsFlushPendingSends,
+    SupportsHoldSends,
+    payload_egress_held,
+)
+from .errors import FenceTimeout, WorkerContractError
 from .trace import SpanKind, Timeline
 
 __all__ = [
+    "SupportsPause",
     "SyncMode",
     "SyncReport",
     "WeightSyncBracket",
+    "WeightSyncWorker",
     "device_fence",
     "holds_payload_egress",
     "pauses_generation",
@@ -126,19 +124,14 @@ def device_fence(timeout: float | None = None) -> None:
     A no-op without CUDA in use (CPU collectives are synchronous). Polls an event instead of
     calling ``synchronize()`` so the wait is bounded by ``timeout`` seconds.
     """
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-        return
-    limit = DEFAULT_SYNC_TIMEOUT_S if timeout is None else timeout
-    event = torch.cuda.Event()
-    event.record()
-    deadline = time.monotonic() + limit
-    while not event.query():
-        if time.monotonic() > deadline:
-            raise FenceTimeout(
-                f"device work of the weight sync did not complete within {limit:.1f} s "
-                "(a collective is likely stuck waiting for a peer)"
-            )
-        time.sleep(50e-6)
+    limit = limit_of(timeout, DEFAULT_SYNC_TIMEOUT_S)
+    wait_device_idle(
+        deadline_after(limit),
+        lambda: FenceTimeout(
+            f"device work of the weight sync did not complete within {limit:.1f} s "
+            "(a collective is likely stuck waiting for a peer)"
+        ),
+    )
 
 
 class WeightSyncBracket:
@@ -150,7 +143,7 @@ class WeightSyncBracket:
 
     def __init__(
         self,
-        rollout: RolloutBase | None,
+        rollout: SupportsPause | None,
         egress_components: Sequence[object],
         *,
         name: str,
@@ -245,7 +238,7 @@ class WeightSyncBracket:
 
 
 def weight_sync_bracket(
-    rollout: RolloutBase | None,
+    rollout: SupportsPause | None,
     egress_components: Sequence[object] = (),
     *,
     name: str = "weight sync",
@@ -289,6 +282,152 @@ def weight_sync_bracket(
     )
 
 
+# -- the worker contract -----------------------------------------------------------------------
+
+
+@runtime_checkable
+class SupportsPause(Protocol):
+    """What the guard pauses: anything with :meth:`~rollout_sync.RolloutBase.paused`."""
+
+    def paused(self, timeout: float | None = None) -> AbstractContextManager[object]:
+        """Park generation for the ``with`` body; see :meth:`RolloutBase.paused`."""
+        ...
+
+
+@runtime_checkable
+class WeightSyncWorker(Protocol):
+    """The contract between the guard decorators and the worker whose methods they decorate.
+
+    **Required** by :func:`weight_sync_handler` and :func:`pauses_generation` (not by
+    :func:`holds_payload_egress`, which pauses nothing):
+
+    * ``rollout``: what the bracket pauses, read when the bracket is entered. Anything with a
+      ``paused(timeout)`` context manager (a :class:`~rollout_sync.RolloutBase`), or ``None``
+      while the engine does not exist yet (lazy initialization inside the first sync; nothing
+      generates then, so there is nothing to pause).
+
+    **Optional**, read when present and checked like ``rollout``:
+
+    * ``payload_egress_components()``: every component that ships payloads over the device.
+      Default: ``data_packer``, ``validation_packer`` and ``rollout`` where present, every
+      other attribute of the worker that has ``hold_sends`` or ``flush_pending_sends``, and
+      the worker itself (a worker that mixes in a transport). Components without hooks are
+      skipped by :func:`~rollout_sync.payload_egress_held`.
+    * ``weight_sync_mode``: a :class:`SyncMode` (default ``SYNC``); async modes skip the pause
+      and keep the hold.
+    * ``weight_sync_timeout``: seconds (a positive number; ``None``: each part's default) for
+      the pause, each egress hold and the fence.
+    * ``timeline``: a :class:`~rollout_sync.Timeline` (or ``None``) to record the sync span.
+    * ``weight_sync_fence(timeout)``: the device fence (``None``: none); default
+      :func:`device_fence`.
+    * ``on_weight_sync_report(report)``: called with the :class:`SyncReport` of each sync,
+      also a failed one. The last report is always left on ``last_weight_sync_report``.
+
+    A worker that breaks the contract (no ``rollout`` attribute at all, a ``rollout`` without
+    ``paused``, a ``weight_sync_mode`` that is not a :class:`SyncMode`, a timeout that is not a
+    positive number, a hook that is not callable) gets :class:`~rollout_sync.errors.
+    WorkerContractError` at its first sync, naming the attribute, before anything is paused,
+    held or written. A typo must never turn the guard into a silent no-op.
+    """
+
+    rollout: SupportsPause | None
+
+
+@dataclass(frozen=True)
+class _WorkerSettings:
+    """What the guard read from a worker for one sync, checked."""
+
+    rollout: SupportsPause | None
+    mode: SyncMode
+    timeout: float | None
+    timeline: Timeline | None
+    fence: Callable[[float | None], None] | None
+
+
+_MISSING = object()
+
+
+def _refuse(worker: object, attribute: str, method: str, rule: str) -> WorkerContractError:
+    return WorkerContractError(
+        f"{type(worker).__name__}.{method} is guarded by rollout_sync, which reads "
+        f"`{attribute}` from the worker: {rule}. See rollout_sync.guard.WeightSyncWorker for the "
+        "contract.",
+        attribute=attribute,
+    )
+
+
+def _read_worker(worker: object, method: str, *, needs_rollout: bool) -> _WorkerSettings:
+    """Read and check what the bracket needs from ``worker`` (see :class:`WeightSyncWorker`).
+
+    Raises:
+        WorkerContractError: an attribute is missing (``rollout`` only) or of the wrong kind.
+    """
+    rollout = getattr(worker, "rollout", _MISSING)
+    if rollout is _MISSING:
+        if needs_rollout:
+            raise _refuse(
+                worker,
+                "rollout",
+                method,
+                "it has no such attribute, so there is nothing to pause. Set self.rollout to the "
+                "engine that generates (None until a lazy initialization builds it)",
+            )
+        rollout = None
+    elif rollout is not None and not isinstance(rollout, SupportsPause):
+        raise _refuse(
+            worker,
+            "rollout",
+            method,
+            f"it is a {type(rollout).__name__}, which has no paused() to park generation with "
+            "(subclass rollout_sync.RolloutBase)",
+        )
+    mode = getattr(worker, "weight_sync_mode", SyncMode.SYNC)
+    if not isinstance(mode, SyncMode):
+        raise _refuse(
+            worker,
+            "weight_sync_mode",
+            method,
+            f"it is {mode!r}, not a rollout_sync.SyncMode (e.g. SyncMode.SYNC)",
+        )
+    timeout = getattr(worker, "weight_sync_timeout", None)
+    if timeout is not None and not (
+        isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
+    ):
+        raise _refuse(
+            worker,
+            "weight_sync_timeout",
+            method,
+            f"it is {timeout!r}, not a positive number of seconds (or None for the defaults)",
+        )
+    timeline = getattr(worker, "timeline", None)
+    if timeline is not None and not isinstance(timeline, Timeline):
+        raise _refuse(
+            worker, "timeline", method, f"it is a {type(timeline).__name__}, not a Timeline"
+        )
+    fence = getattr(worker, "weight_sync_fence", device_fence)
+    for attribute, hook in (
+        ("weight_sync_fence", fence),
+        ("on_weight_sync_report", getattr(worker, "on_weight_sync_report", None)),
+        ("payload_egress_components", getattr(worker, "payload_egress_components", None)),
+    ):
+        if hook is not None and not callable(hook):
+            raise _refuse(worker, attribute, method, f"it is a {type(hook).__name__}, not callable")
+    return _WorkerSettings(rollout, mode, timeout, timeline, fence)
+
+
+def _egress_components_of(worker: object) -> tuple[object, ...]:
+    custom = getattr(worker, "payload_egress_components", None)
+    if custom is not None:
+        return tuple(custom())
+    named = [getattr(worker, n, None) for n in ("data_packer", "validation_packer", "rollout")]
+    found = [
+        value
+        for value in getattr(worker, "__dict__", {}).values()
+        if isinstance(value, (SupportsHoldSends, SupportsFlushPendingSends))
+    ]
+    return (*named, *found, worker)
+
+
 # -- the decorators ----------------------------------------------------------------------------
 
 _active = threading.local()
@@ -302,26 +441,16 @@ def _active_on_thread() -> set[tuple[int, str]]:
     return found
 
 
-def _egress_components_of(worker: object) -> Sequence[object]:
-    custom = getattr(worker, "payload_egress_components", None)
-    if callable(custom):
-        return tuple(custom())
-    return (
-        getattr(worker, "data_packer", None),
-        getattr(worker, "validation_packer", None),
-        getattr(worker, "rollout", None),
-        worker,
-    )
-
-
 def _guarded(
     method: Callable[Concatenate[W, P], R], *, pause: bool | None, hold: bool
 ) -> Callable[Concatenate[W, P], R]:
+    needs_rollout = pause is not False
+
     @functools.wraps(method)
     def wrapper(self: W, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        settings = _read_worker(self, method.__name__, needs_rollout=needs_rollout)
         active = _active_on_thread()
-        mode = SyncMode(getattr(self, "weight_sync_mode", SyncMode.SYNC))
-        want_pause = mode.pauses_generation if pause is None else pause
+        want_pause = settings.mode.pauses_generation if pause is None else pause
         pause_key, hold_key = (id(self), "pause"), (id(self), "hold")
         do_pause = want_pause and pause_key not in active
         do_hold = hold and hold_key not in active
@@ -330,15 +459,15 @@ def _guarded(
         taken = {k for k, on in ((pause_key, do_pause), (hold_key, do_hold)) if on}
         active |= taken
         bracket = weight_sync_bracket(
-            getattr(self, "rollout", None),
+            settings.rollout,
             _egress_components_of(self) if do_hold else (),
             name=method.__name__,
-            mode=mode,
+            mode=settings.mode,
             pause=do_pause,
             hold=do_hold,
-            timeout=getattr(self, "weight_sync_timeout", None),
-            fence=getattr(self, "weight_sync_fence", device_fence),
-            timeline=getattr(self, "timeline", None),
+            timeout=settings.timeout,
+            fence=settings.fence,
+            timeline=settings.timeline,
         )
         try:
             with bracket:
@@ -354,7 +483,7 @@ def _guarded(
 def _deliver_report(worker: Any, report: SyncReport) -> None:
     worker.last_weight_sync_report = report
     sink = getattr(worker, "on_weight_sync_report", None)
-    if callable(sink):
+    if sink is not None:
         sink(report)
 
 

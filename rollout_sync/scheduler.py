@@ -12,8 +12,8 @@ that safe with the one primitive of this package, a :class:`~rollout_sync.Gate`:
   out until the ``with`` body exits.
 * **Admission happens inside that section.** Deciding to admit and admitting are one act done
   while the gate is open, so no task can start between "the scheduler is quiet" and the sync (the
-  check-then-act race). ``unsafe_admission_race=True`` rebuilds the classic bug (check a flag,
-  then admit outside the gate) so tests can show the race is real.
+  check-then-act race). :class:`rollout_sync.testing.CheckThenActScheduler` rebuilds the classic
+  bug (check a flag, then admit outside the gate) so tests can show the race is real.
 * **In-flight sequences survive a pause.** Nothing is aborted and nothing has to finish first;
   after the sync the engine continues each sequence under the new weights (what happens to its
   cached state is the engine's documented policy). ``paused(wait_for_active_tasks=True)`` is the
@@ -23,9 +23,10 @@ that safe with the one primitive of this package, a :class:`~rollout_sync.Gate`:
   :class:`GenerationResult`: finished, failed (with its error) or cancelled by :meth:`stop`.
   Each result carries the weight versions it was generated under.
 
-The scheduler drives any :class:`DecodeEngine`; :class:`~rollout_sync.TorchLMBackend` is the
-embedded one. It can run on its own thread (:meth:`RolloutTaskScheduler.start`) or be stepped by
-hand (:meth:`RolloutTaskScheduler.step`), which is how tests build exact interleavings.
+The scheduler drives any :class:`DecodeEngine`;
+:class:`~rollout_sync.backends.torch_lm.TorchLMBackend` is the embedded one. It can run on its own
+thread (:meth:`RolloutTaskScheduler.start`) or be stepped by hand
+(:meth:`RolloutTaskScheduler.step`), which is how tests build exact interleavings.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from typing import Protocol
 
 import torch
 
-from .errors import PauseTimeout, RolloutSyncError, WouldBlock
+from ._deadline import deadline_after, limit_of, remaining, wait_arg
+from .errors import PauseTimeout, SchedulerTimeout, WouldBlock
 from .gate import Gate
 from .trace import SpanKind, Timeline
 
@@ -69,10 +71,6 @@ decode step, retirement): what a step-boundary pause may have to wait for."""
 
 LogitsProcessor = Callable[[Sequence[int], torch.Tensor], torch.Tensor]
 """``(tokens so far, prompt included; next-token logits) -> logits``; may raise to fail a task."""
-
-
-class SchedulerTimeout(RolloutSyncError, TimeoutError):
-    """A scheduler wait (for a result, for idleness, for the thread to stop) ran past its limit."""
 
 
 class FinishReason(str, enum.Enum):
@@ -333,8 +331,6 @@ class RolloutTaskScheduler:
         timeline: records a ``pause`` span per pause (the engine records the forwards).
         guard_steps: run steps inside the gate. ``False`` removes the guard (``paused()`` then
             parks nothing): only for measuring the guard's cost and showing the hazard.
-        unsafe_admission_race: admit by checking "not paused" outside the gate, the
-            check-then-act bug; only for tests that prove the race.
         admission_hook: called with a request id after the scheduler decided to admit it and
             before the task starts (a test's event-controlled window). Runs on the stepping
             thread, with no scheduler lock held.
@@ -350,7 +346,6 @@ class RolloutTaskScheduler:
         timeline: Timeline | None = None,
         name: str = "generation",
         guard_steps: bool = True,
-        unsafe_admission_race: bool = False,
         admission_hook: Callable[[int], None] | None = None,
     ) -> None:
         if max_concurrent < 1:
@@ -368,7 +363,6 @@ class RolloutTaskScheduler:
             else Gate.for_generation("decode step", timeout=pause_timeout, name=name)
         )
         self.guard_steps = guard_steps
-        self.unsafe_admission_race = unsafe_admission_race
         self.admission_hook = admission_hook
 
         self._lock = threading.Lock()
@@ -427,7 +421,7 @@ class RolloutTaskScheduler:
             SchedulerTimeout: the work or the thread did not finish within ``timeout``.
             RuntimeError: the scheduler thread had died of an error (chained).
         """
-        deadline = time.monotonic() + timeout
+        deadline = deadline_after(timeout)
         if finish_active and self.running:
             self.wait_idle(timeout)
         with self._changed:
@@ -435,7 +429,7 @@ class RolloutTaskScheduler:
             self._changed.notify_all()
         thread = self._thread
         if thread is not None:
-            thread.join(max(0.0, deadline - time.monotonic()))
+            thread.join(wait_arg(deadline))
             if thread.is_alive():
                 raise SchedulerTimeout(
                     f"{self.name} scheduler thread did not stop within {timeout:.1f} s: it is "
@@ -506,11 +500,11 @@ class RolloutTaskScheduler:
             SchedulerTimeout: no result within ``timeout`` seconds (``None``: the pause
                 timeout; ``math.inf``: for ever).
         """
-        limit = self.pause_timeout if timeout is None else timeout
-        deadline = time.monotonic() + limit
+        limit = limit_of(timeout, self.pause_timeout)
+        deadline = deadline_after(limit)
         with self._changed:
             while not self._results:
-                if not self._changed.wait(_remaining(deadline)) and not self._results:
+                if not self._changed.wait(wait_arg(deadline)) and not self._results:
                     raise SchedulerTimeout(
                         f"no generation result within {limit:.1f} s "
                         f"({len(self._active)} active, {len(self._queue)} queued)"
@@ -539,8 +533,8 @@ class RolloutTaskScheduler:
             RuntimeError: work is outstanding but nothing will run it (the thread is not
                 running: call :meth:`start`, or drive it with :meth:`step`).
         """
-        limit = self.pause_timeout if timeout is None else timeout
-        deadline = time.monotonic() + limit
+        limit = limit_of(timeout, self.pause_timeout)
+        deadline = deadline_after(limit)
         with self._changed:
             while self._queue or self._active or self._admitting:
                 if not self.running:
@@ -549,7 +543,7 @@ class RolloutTaskScheduler:
                         f"the {self.name!r} scheduler has work but its thread is not running; "
                         "call start() or drive it with step()"
                     )
-                if not self._changed.wait(_remaining(deadline)) and (
+                if not self._changed.wait(wait_arg(deadline)) and (
                     self._queue or self._active or self._admitting
                 ):
                     raise SchedulerTimeout(
@@ -590,14 +584,14 @@ class RolloutTaskScheduler:
                 f"paused() called on {self.name}'s own stepping thread (from a hook or a "
                 "callback): it would wait for the step it is in. Pause from another thread."
             )
-        limit = self.pause_timeout if timeout is None else timeout
+        limit = limit_of(timeout, self.pause_timeout)
         start = time.monotonic()
         deadline = start + limit
         drain = wait_for_active_tasks
         if drain:
             self._drain(limit, deadline)
         try:
-            self.gate.acquire_exclusive(_remaining_or_zero(deadline))
+            self.gate.acquire_exclusive(remaining(deadline))
             park_s = time.monotonic() - start
             try:
                 with self._changed:
@@ -641,7 +635,7 @@ class RolloutTaskScheduler:
             self._drainers += 1
             try:
                 while self._active or self._admitting:
-                    if not self._changed.wait(_remaining(deadline)) and (
+                    if not self._changed.wait(wait_arg(deadline)) and (
                         self._active or self._admitting
                     ):
                         active = len(self._active) + self._admitting
@@ -730,14 +724,12 @@ class RolloutTaskScheduler:
         guarded = self.guard_steps
         try:
             self._stepping_thread = threading.get_ident()
-            if self.unsafe_admission_race:
-                admitted = self._admit_check_then_act()
+            admitted = self._admit_before_section()
             if guarded:
                 self.gate.enter_section(timeout)
             section_ns = time.monotonic_ns()
             try:
-                if not self.unsafe_admission_race:
-                    admitted = self._admit()
+                admitted += self._admit_in_section()
                 with self._lock:
                     batch = [s for s in self._active if not s.finished]
                 if batch:
@@ -770,8 +762,18 @@ class RolloutTaskScheduler:
             duration_s=time.perf_counter() - started,
         )
 
+    def _admit_before_section(self) -> int:
+        """Admission outside the step's gate section: none. Deciding there is the
+        check-then-act race; :class:`rollout_sync.testing.CheckThenActScheduler` does it on
+        purpose, to prove the race."""
+        return 0
+
+    def _admit_in_section(self) -> int:
+        """Admission inside the step's gate section, so never inside a pause."""
+        return self._admit()
+
     def _admit(self) -> int:
-        """Admit queued requests; called inside the step's gate section, so never in a pause."""
+        """Admit queued requests now (room permitting, not while draining or stopping)."""
         with self._lock:
             room = self.max_concurrent - len(self._active) - self._admitting
             taken: list[tuple[int, GenerationRequest]] = []
@@ -784,17 +786,6 @@ class RolloutTaskScheduler:
             return 0
         self._activate(taken)
         return len(taken)
-
-    def _admit_check_then_act(self) -> int:
-        """The check-then-act bug, kept on purpose to prove the race (see the class docstring).
-
-        It checks "no pause is held" outside the gate and admits after the check; a pause that
-        lands in between finds no decode step running, parks at once, and the task starts inside
-        it.
-        """
-        if self.gate.held:
-            return 0
-        return self._admit()
 
     def _activate(self, taken: list[tuple[int, GenerationRequest]]) -> None:
         """Start the admitted requests: the hook's window, then the version stamp."""
@@ -884,16 +875,3 @@ class RolloutTaskScheduler:
             f"<RolloutTaskScheduler {self.name!r} {state}: {s.active} active, {s.queued} queued, "
             f"{s.results_waiting} results waiting{parked}{draining}>"
         )
-
-
-def _remaining(deadline: float) -> float | None:
-    """Seconds left until ``deadline``; ``None`` (wait for ever) for an infinite one."""
-    if math.isinf(deadline):
-        return None
-    return max(0.0, deadline - time.monotonic())
-
-
-def _remaining_or_zero(deadline: float) -> float:
-    if math.isinf(deadline):
-        return math.inf
-    return max(0.0, deadline - time.monotonic())

@@ -4,8 +4,8 @@ A trainer calls its callbacks at three points: :meth:`TrainerCallback.run_begin`
 step :meth:`TrainerCallback.step_end`, and :meth:`TrainerCallback.train_end`. ``step_end`` may
 return scalar metrics; :func:`merge_step_metrics` (or :class:`TrainerCallbacks`, which calls a
 list of callbacks) merges them into the step's training metrics, and a key that two sources
-both use is an error (:class:`~rollout_sync.MetricKeyCollisionError`), never a silent override
-of a training metric.
+both use is an error (:class:`~rollout_sync.errors.MetricKeyCollisionError`), never a silent
+override of a training metric.
 
 :class:`WeightBroadcastCallback` is the streaming callback: on every successful step it
 announces ``(step, version)`` on a :class:`CommandChannel` the rollout side listens to, then
@@ -16,10 +16,10 @@ with a :class:`~rollout_sync.WeightSyncTimer`, and reports ``weight_sync_time_ms
 The two seams are Protocols so that other transports plug in:
 
 * :class:`WeightPusher`: ``push_weights(weights, *, version, timeout)``. The default,
-  :class:`BroadcastWeightPusher`, broadcasts each tensor of the state dict from the trainer's
-  rank over a ``torch.distributed`` group; :class:`TransferWeightPusher` is the P2R send of a
-  bucketed, manifest-validated :class:`~rollout_sync.WeightTransfer`, with the trainer's payload
-  receives held for it (a plain function of the same arguments is accepted too).
+  :class:`TransferWeightPusher`, is the P2R send of a bucketed, manifest-validated
+  :class:`~rollout_sync.WeightTransfer` (with the trainer's payload receives held for it when
+  given a receiver); :class:`BroadcastWeightPusher` is the plain per-tensor broadcast, kept by
+  name for receivers that speak it (a plain function of the same arguments is accepted too).
 * :class:`CommandChannel`: ``announce(command, timeout)`` on the trainer, ``receive(timeout)``
   on the rollout side. :class:`BroadcastCommandChannel` broadcasts a fixed six-integer header
   over the same group; :class:`QueueCommandChannel` is its in-process twin.
@@ -35,16 +35,17 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
-from .errors import MetricKeyCollisionError, WeightBroadcastError
+from ._deadline import wait_collective
+from .distributed import group_ranks
+from .errors import CollectiveError, MetricKeyCollisionError, WeightBroadcastError
 from .metrics import TimedSample, WeightSyncTimer
-from .receiver import PayloadReceiver
-from .transfer import TransferStats, WeightTransfer
+from .payload.receiver import PayloadReceiver
+from .transfer import TransferConfig, TransferStats, WeightTransfer
 from .weights import WeightMismatchError
 
 __all__ = [
@@ -365,13 +366,15 @@ class WeightPusher(Protocol):
 
 
 class BroadcastWeightPusher:
-    """The default pusher: every tensor broadcast from ``src`` over a process group.
+    """The per-tensor pusher: every tensor broadcast from ``src`` over a process group.
 
     One ``torch.distributed.broadcast`` per tensor, in the mapping's order, all launched and
     then waited for: on gloo within one ``timeout`` in total; on NCCL by ordering the current
-    stream after them (no host wait; the group's own timeout bounds them). Plain and unbucketed;
-    a transfer that packs tensors into buckets and validates a manifest first implements
-    :class:`WeightPusher` in its place. :meth:`receive_weights` is the receiving half.
+    stream after them (no host wait; the group's own timeout bounds them). Plain: no buckets,
+    no manifest checked before the first byte lands, no checksums, so a receiver writing in
+    place must validate (:meth:`receive_weights` checks counts and bytes only). One collective
+    per tensor costs: docs/distributed.md has it measured against the bucketed
+    :class:`TransferWeightPusher`, the default. :meth:`receive_weights` is the receiving half.
 
     Args:
         group: the process group (None: the default group).
@@ -455,7 +458,7 @@ class TransferWeightPusher:
             unguarded demo, or a trainer that takes no payloads over the device).
 
     Attributes:
-        last_stats: the :class:`~rollout_sync.TransferStats` of the last push.
+        last_stats: the :class:`~rollout_sync.transfer.TransferStats` of the last push.
         last_barrier_s: seconds the last push waited at the barrier (the replica parking).
         last_hold_s: seconds the last push waited for payload receives in flight.
     """
@@ -520,6 +523,18 @@ class TransferWeightPusher:
         return f"<TransferWeightPusher {self.transfer!r}, {held}>"
 
 
+def _default_pusher(timeout: float) -> TransferWeightPusher:
+    """The validated, bucketed transfer over the default group from this rank."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "WeightBroadcastCallback with no pusher sends the weights with a WeightTransfer over "
+            "torch.distributed's default group from this rank, and this process has joined no "
+            "group: call rollout_sync.distributed.init_process_group first, or pass pusher="
+        )
+    transfer = WeightTransfer(None, dist.get_rank(), config=TransferConfig(timeout_s=timeout))
+    return TransferWeightPusher(transfer)
+
+
 class _FunctionPusher:
     """Adapts ``push(weights, version=..., timeout=...)`` to :class:`WeightPusher`."""
 
@@ -560,17 +575,14 @@ def _broadcast_all(
     """
     start = time.monotonic()
     try:
-        host_wait = str(dist.get_backend(group)) != "nccl"
         works = [dist.broadcast(t, src, group=group, async_op=True) for t in tensors]
-        for work in works:
-            if work is None:
-                continue
-            if host_wait:
-                left = max(timeout - (time.monotonic() - start), 1e-3)
-                work.wait(timedelta(seconds=left))
-            else:
-                work.wait()
-    except Exception as exc:
+        if str(dist.get_backend(group)) == "nccl":
+            for work in works:
+                if work is not None:
+                    work.wait()
+        else:
+            wait_collective(works, operation=operation, timeout_s=timeout, ranks=group_ranks(group))
+    except (CollectiveError, RuntimeError) as exc:
         elapsed = time.monotonic() - start
         raise WeightBroadcastError(
             f"{operation} from rank {src} failed after {elapsed:.1f} s (limit {timeout:.1f} s): "
@@ -619,7 +631,12 @@ class WeightBroadcastCallback(TrainerCallback):
     Args:
         weights: called inside the timed bracket; returns the full named weights to push.
         pusher: a :class:`WeightPusher`, or a function ``push(weights, *, version, timeout)``.
-            Default: :class:`BroadcastWeightPusher` on the default group from rank 0.
+            Default: a :class:`TransferWeightPusher` sending a :class:`~rollout_sync.
+            WeightTransfer` over torch.distributed's default group from this rank (each
+            collective bounded by ``timeout``); every other rank of the group receives with
+            ``WeightTransfer(None, src=this rank).receive(...)`` (a
+            :class:`~rollout_sync.RolloutWorker` whose ``p2r`` is that transfer does it).
+            Needs the default group to exist when the callback is built.
         channel: where pushes are announced (None: not announced).
         timer: the :class:`~rollout_sync.WeightSyncTimer`; ``"auto"`` picks its clock from the
             pusher's ``backend`` (CUDA events for NCCL, perf_counter otherwise); None disables
@@ -645,7 +662,7 @@ class WeightBroadcastCallback(TrainerCallback):
         report_every_step: bool = False,
     ) -> None:
         if pusher is None:
-            pusher = BroadcastWeightPusher()
+            pusher = _default_pusher(timeout)
         self.weights = weights
         self.pusher: WeightPusher = (
             pusher if isinstance(pusher, WeightPusher) else _FunctionPusher(pusher)

@@ -12,7 +12,7 @@ One transfer, in order:
    and whether buckets carry checksums. A source that cannot even build one broadcasts an
    abort instead, so its peers fail fast rather than time out.
 2. **Vote.** Every receiver checks the manifest against its targets with
-   :func:`~rollout_sync.check_weights_match` *before touching any of them*, then every rank
+   :func:`~rollout_sync.weights.check_weights_match` *before touching any of them*, then every rank
    contributes an ok flag to an all-gather. If any rank said no, every rank raises (the
    rejecting one its :class:`~rollout_sync.WeightMismatchError`, the others
    :class:`ManifestRejected` naming it) and nothing is written anywhere. The group stays usable.
@@ -42,15 +42,24 @@ import functools
 import hashlib
 import json
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from .distributed import CollectiveError, CollectiveTimeout, group_ranks, wait_work
-from .errors import RolloutSyncError
+from .distributed import group_ranks, wait_work
+from .errors import (
+    ChecksumMismatchError,
+    CollectiveError,
+    CollectiveTimeout,
+    ManifestError,
+    ManifestRejected,
+    RolloutSyncError,
+    WeightTransferError,
+    WeightTransferTimeout,
+)
 from .trace import SpanKind, Timeline
 from .weights import WeightSpec, check_weights_match
 
@@ -84,91 +93,6 @@ CHECKSUM_BYTES = 16
 _MANIFEST_FORMAT = 1
 _CHECKSUM_COLS = 1024
 _CHECKSUM_PRIME = 2_147_483_629
-
-
-# -- errors ------------------------------------------------------------------------------------
-
-
-class WeightTransferError(RolloutSyncError):
-    """A weight transfer failed.
-
-    Attributes:
-        operation: what was being done ("receive bucket 3/12 of version 7 from rank 0").
-        version: the weight version being transferred, if the manifest got that far.
-        tensors_written: target tensors this rank had (partly) written when it failed. Zero
-            means the targets are exactly as before.
-        complete: this rank received and wrote every tensor intact; the transfer failed
-            elsewhere in the group (another rank's checksum). Its targets hold ``version``
-            whole.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        operation: str,
-        version: int | None = None,
-        tensors_written: int = 0,
-        complete: bool = False,
-    ) -> None:
-        super().__init__(message)
-        self.operation = operation
-        self.version = version
-        self.tensors_written = tensors_written
-        self.complete = complete
-
-    @property
-    def targets_torn(self) -> bool:
-        """Whether this rank's targets now mix two versions (written, but not completely)."""
-        return self.tensors_written > 0 and not self.complete
-
-
-class WeightTransferTimeout(WeightTransferError, TimeoutError):
-    """A collective of the transfer did not complete within the limit."""
-
-
-class ManifestRejected(WeightTransferError):
-    """Another rank rejected the manifest (or the source aborted); nothing was written.
-
-    Attributes:
-        rejected_by: global ranks that said no.
-    """
-
-    def __init__(
-        self, message: str, *, operation: str, version: int | None, rejected_by: Sequence[int]
-    ) -> None:
-        super().__init__(message, operation=operation, version=version)
-        self.rejected_by = tuple(rejected_by)
-
-
-class ChecksumMismatchError(WeightTransferError):
-    """A bucket's bytes differ from what its source (or the original sender) checksummed.
-
-    Attributes:
-        buckets: indices of the buckets that failed, on this rank.
-        failed_ranks: global ranks that reported a failure in the commit vote.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        operation: str,
-        version: int | None,
-        tensors_written: int,
-        buckets: Sequence[int],
-        failed_ranks: Sequence[int],
-        complete: bool = False,
-    ) -> None:
-        super().__init__(
-            message,
-            operation=operation,
-            version=version,
-            tensors_written=tensors_written,
-            complete=complete,
-        )
-        self.buckets = tuple(buckets)
-        self.failed_ranks = tuple(failed_ranks)
 
 
 # -- configuration and results -----------------------------------------------------------------
@@ -265,10 +189,6 @@ class ManifestEntry:
         return WeightSpec(self.name, self.shape, self.dtype)
 
 
-class ManifestError(RolloutSyncError, ValueError):
-    """A manifest could not be built or decoded."""
-
-
 def _dtype_from_name(name: str) -> torch.dtype:
     found = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(found, torch.dtype):
@@ -356,7 +276,7 @@ class WeightManifest:
 
     @functools.cached_property
     def specs(self) -> tuple[WeightSpec, ...]:
-        """What each entry would write, for :func:`~rollout_sync.check_weights_match`."""
+        """What each entry would write, for :func:`~rollout_sync.weights.check_weights_match`."""
         return tuple(e.spec for e in self.entries)
 
     @functools.cached_property

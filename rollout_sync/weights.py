@@ -12,28 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import RolloutSyncError
+from .errors import WeightMismatchError
 
 __all__ = ["WeightMismatchError", "WeightSpec", "check_weights_match", "specs_of"]
-
-
-class WeightMismatchError(RolloutSyncError, ValueError):
-    """Incoming weights do not fit the served ones; nothing was written.
-
-    Attributes:
-        problems: one line per mismatch (unknown name, missing name, shape, dtype).
-    """
-
-    def __init__(self, problems: list[str], *, context: str = "incoming weights") -> None:
-        shown = "\n  ".join(problems[:20])
-        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        super().__init__(
-            f"{context} do not match the served weights ({len(problems)} problem(s)); "
-            f"no served tensor was written:\n  {shown}{more}\n"
-            "Check that trainer and rollout build the same model architecture and that the "
-            "trainer sends served (not training-only, e.g. optimizer or LoRA) parameter names."
-        )
-        self.problems = problems
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ fence) covers lazy engine initialization and the barrier wait as well as the tra
 In :attr:`SyncMode.SYNC` a receive writes the served tensors in place; a failure after the first
 write marks them torn (:meth:`~rollout_sync.RolloutBase.mark_weights_torn`), and the engine
 refuses to generate until a later complete sync commits a version. In the async modes the
-handlers queue the transfer on a :class:`~rollout_sync.WeightSyncThread`, which writes a
+handlers queue the transfer on a :class:`~rollout_sync.buffer.WeightSyncThread`, which writes a
 :class:`~rollout_sync.WeightBuffer` the backend installs at its safe points; generation never
 pauses, and a failed transfer leaves the served weights whole.
 
@@ -44,10 +44,11 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from ._deadline import deadline_after, expired, wait_arg
 from .backend import RolloutBase
 from .buffer import SupportsWeightBuffer, WeightBuffer, WeightSyncThread
 from .distributed import DEFAULT_GROUP_TIMEOUT_S, new_group, wait_work
-from .errors import RolloutSyncError
+from .errors import CommandTimeout, InstallTimeout, RolloutSyncError, WeightBroadcastError
 from .guard import (
     SyncMode,
     SyncReport,
@@ -58,6 +59,7 @@ from .guard import (
     weight_sync_handler,
 )
 from .trace import Timeline
+from .trainer import CommandKind, WeightSyncCommand
 from .transfer import (
     BUFFER_WRITE,
     OriginChecksums,
@@ -72,10 +74,12 @@ __all__ = [
     "BackgroundEngine",
     "Command",
     "CommandResult",
+    "CommandSink",
     "CommandSource",
     "RolloutWorker",
     "Stop",
     "SyncGroups",
+    "WorkerCommandChannel",
     "WorkerStatistics",
     "build_sync_groups",
 ]
@@ -251,6 +255,98 @@ def build_sync_groups(
     return SyncGroups(trainer, reps, p2r, r2r, p2r_cpu)
 
 
+# -- from the trainer's announcements to commands ---------------------------------------------
+
+
+@runtime_checkable
+class CommandSink(Protocol):
+    """Where a controller puts a worker's commands: ``queue.Queue`` and ``multiprocessing``
+    queues qualify (the other end of a :class:`CommandSource`)."""
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None: ...
+
+
+class WorkerCommandChannel:
+    """The trainer's :class:`~rollout_sync.trainer.CommandChannel` that turns each announcement
+    into :class:`RolloutWorker` commands, so trainer and workers need no bridge of your own.
+
+    Give it to :class:`~rollout_sync.WeightBroadcastCallback` as ``channel``. Per announcement:
+
+    * ``WEIGHTS`` of step ``s``: ``P2R(step=s)`` to the P2R target (the replica that receives
+      from the trainer), then, with more than one replica, ``R2R(step=s)`` to every replica (the
+      target sends what it received, the others receive);
+    * ``STOP``: ``Stop()`` to every replica.
+
+    Commands go on each replica's command queue, the one its worker reads
+    (``RolloutWorker(commands=...)``: a ``multiprocessing`` queue across processes, or in one
+    process the worker's own ``worker.commands``). Every put of one announcement shares its
+    ``timeout``.
+
+    Args:
+        queues: replica rank -> that replica's command queue.
+        replicas: the replica ranks, the P2R target first (as in :class:`SyncGroups`); default:
+            the keys of ``queues`` in order.
+    """
+
+    def __init__(
+        self, queues: Mapping[int, CommandSink], replicas: Sequence[int] | None = None
+    ) -> None:
+        self.replicas = tuple(queues) if replicas is None else tuple(replicas)
+        if not self.replicas:
+            raise ValueError("WorkerCommandChannel needs at least one replica")
+        missing = [r for r in self.replicas if r not in queues]
+        if missing:
+            raise ValueError(f"no command queue for replica rank(s) {missing}")
+        self.queues = dict(queues)
+
+    @classmethod
+    def for_groups(
+        cls, groups: SyncGroups, queues: Mapping[int, CommandSink]
+    ) -> WorkerCommandChannel:
+        """The channel for the replicas of ``groups``, the P2R target first."""
+        return cls(queues, groups.replicas)
+
+    @property
+    def p2r_target(self) -> int:
+        return self.replicas[0]
+
+    def commands_for(self, announcement: WeightSyncCommand) -> list[tuple[int, object]]:
+        """The ``(replica rank, command)`` pairs one announcement becomes, in order."""
+        if announcement.kind is CommandKind.STOP:
+            return [(rank, Stop()) for rank in self.replicas]
+        out: list[tuple[int, object]] = [(self.p2r_target, P2R(step=announcement.step))]
+        if len(self.replicas) > 1:
+            out.extend((rank, R2R(step=announcement.step)) for rank in self.replicas)
+        return out
+
+    def announce(self, command: WeightSyncCommand, timeout: float) -> None:
+        """Put the commands ``command`` becomes on the replicas' queues.
+
+        Raises:
+            WeightBroadcastError: a queue stayed full past ``timeout`` seconds (is that
+                replica's worker running?).
+        """
+        deadline = deadline_after(timeout)
+        for rank, worker_command in self.commands_for(command):
+            try:
+                self.queues[rank].put(worker_command, timeout=wait_arg(deadline))
+            except queue.Full:
+                raise WeightBroadcastError(
+                    f"the command queue of replica rank {rank} stayed full for {timeout:.1f} s "
+                    f"announcing {command.kind.name} of step {command.step} (is its worker "
+                    "taking commands?)"
+                ) from None
+
+    def receive(self, timeout: float) -> WeightSyncCommand:
+        raise TypeError(
+            "a WorkerCommandChannel only announces: the replicas take their commands from their "
+            "queues (RolloutWorker(commands=...)), not from this channel"
+        )
+
+    def __repr__(self) -> str:
+        return f"<WorkerCommandChannel replicas={list(self.replicas)}>"
+
+
 # -- the worker --------------------------------------------------------------------------------
 
 
@@ -409,7 +505,7 @@ class RolloutWorker:
         blocking one through ``step_generation`` (skipped while the weights are torn).
 
         Raises:
-            TimeoutError: no command arrived for ``idle_timeout_s`` seconds (is the controller
+            CommandTimeout: no command arrived for ``idle_timeout_s`` seconds (is the controller
                 alive?).
             RolloutSyncError: a command failed and ``stop_on_error`` is set.
         """
@@ -430,7 +526,7 @@ class RolloutWorker:
                     self.step_generation()
                     self._generation_steps += 1
                 elif time.monotonic() - last_command > idle_timeout_s:
-                    raise TimeoutError(
+                    raise CommandTimeout(
                         f"RolloutWorker.run: no command arrived for {idle_timeout_s:.1f} s "
                         "(is the controller alive? send Stop to end the loop)"
                     ) from None
@@ -450,17 +546,17 @@ class RolloutWorker:
         Returns the served version (at once in sync mode, or when nothing was received).
 
         Raises:
-            TimeoutError: the backend reached no safe point within ``timeout`` seconds (is it
+            InstallTimeout: the backend reached no safe point within ``timeout`` seconds (is it
                 generating?).
         """
         buffer = self.weight_buffer
-        deadline = time.monotonic() + timeout
+        deadline = deadline_after(timeout)
         while buffer is not None:
             wanted = buffer.published_version
             if wanted is None or self.rollout.weight_version >= wanted:
                 break
-            if time.monotonic() > deadline:
-                raise TimeoutError(
+            if expired(deadline):
+                raise InstallTimeout(
                     f"version {wanted} was not installed within {timeout:.1f} s (serving "
                     f"v{self.rollout.weight_version}); the backend reached no safe point"
                 )

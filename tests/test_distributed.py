@@ -10,14 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rollout_sync.distributed import (
-    CollectiveTimeout,
-    GroupProcessError,
-    find_free_port,
-    init_process_group,
-    run_processes,
-    wait_work,
-)
+from rollout_sync.distributed import init_process_group, wait_work
+from rollout_sync.errors import CollectiveError, CollectiveTimeout, GroupProcessError
+from rollout_sync.testing import find_free_port, run_processes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -88,6 +83,35 @@ def test_wait_work_times_out_with_the_operation_and_group_named() -> None:
     assert operation == "broadcast of the test tensor" and group == "(0, 1)"
     assert float(seconds) < 2.0
     assert "did not complete within 0.5 s on the group of ranks [0, 1]" in text
+
+
+def _dead_peer_child(rank: int, port: int) -> str:
+    init_process_group(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}", timeout_s=20)
+    dist.barrier()
+    if rank == 0:
+        os._exit(9)  # dies with its connections open: the peer sees them close
+    work = dist.broadcast(torch.zeros(1), 0, async_op=True)
+    started = time.monotonic()
+    try:
+        wait_work(work, operation="broadcast from the dead rank", timeout_s=15)
+    except CollectiveTimeout as exc:
+        return f"timeout after {time.monotonic() - started:.1f} s: {exc}"
+    except CollectiveError as exc:
+        return f"error|{exc.group}|{time.monotonic() - started:.1f}|{exc}"
+    return "completed"
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_peer_is_a_collective_error_at_once_not_a_timeout() -> None:
+    """Told apart by when the wait failed (torch raises RuntimeError for both on gloo)."""
+    values = run_processes(
+        _dead_peer_child, 2, (find_free_port(),), timeout_s=60, expected_exits={0: 9}
+    )
+    kind, group, seconds, text = values[1].split("|", 3)
+    assert kind == "error", values[1]
+    assert group == "(0, 1)" and float(seconds) < 5.0
+    assert "broadcast from the dead rank failed after" in text
+    assert "peer most likely died" in text and "limit of 15.0 s" in text
 
 
 def test_find_free_port_is_bindable() -> None:

@@ -12,7 +12,8 @@ from conftest import wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout_sync import Gate, GateTimeout, PauseTimeout, WouldBlock
+from rollout_sync import Gate, PauseTimeout
+from rollout_sync.errors import GateTimeout, WouldBlock
 
 pytestmark = pytest.mark.timeout(30)
 

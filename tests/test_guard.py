@@ -15,13 +15,15 @@ from rollout_sync import (
     SyncMode,
     SyncReport,
     ThreadedRolloutBackend,
+    WeightSyncWorker,
+    WorkerContractError,
     holds_payload_egress,
     pauses_generation,
     payload_egress_held,
     weight_sync_bracket,
     weight_sync_handler,
 )
-from rollout_sync.demo import InProcessDemoConfig, run_in_process_demo
+from rollout_sync.demos.in_process import InProcessDemoConfig, run_in_process_demo
 from rollout_sync.testing import (
     EventLog,
     RecordingPacker,
@@ -298,3 +300,122 @@ def test_holding_egress_before_pausing_deadlocks_and_our_order_does_not() -> Non
     finally:
         backend.stop()
         packer.stop()
+
+
+# -- the worker contract -----------------------------------------------------------------------
+
+
+class EngineNamedEngine:
+    """The bug the contract exists for: the engine is ``self.engine``, not ``self.rollout``."""
+
+    def __init__(self) -> None:
+        self.log = EventLog()
+        self.engine = RecordingRollout(self.log)
+
+    @weight_sync_handler
+    def receive_p2r(self) -> None:
+        self.log.add("body")
+
+
+def test_a_worker_without_rollout_is_refused_at_its_first_sync_naming_the_attribute() -> None:
+    worker = EngineNamedEngine()
+    with pytest.raises(WorkerContractError, match=r"reads `rollout`.*no such attribute") as info:
+        worker.receive_p2r()
+    assert info.value.attribute == "rollout"
+    assert isinstance(info.value, TypeError)
+    assert worker.log.events == [], "nothing may run (body, pause) for a worker the guard refuses"
+
+
+def test_pauses_generation_refuses_it_too_but_a_hold_alone_needs_no_rollout() -> None:
+    class HoldOnly:
+        def __init__(self) -> None:
+            self.log = EventLog()
+            self.data_packer = RecordingPacker(log=self.log)
+
+        @pauses_generation
+        def paused_body(self) -> None:
+            self.log.add("body")
+
+        @holds_payload_egress
+        def held_body(self) -> None:
+            self.log.add("body")
+
+    worker = HoldOnly()
+    with pytest.raises(WorkerContractError, match="rollout"):
+        worker.paused_body()
+    worker.held_body()
+    assert worker.log.events == ["hold_sends:enter", "body", "hold_sends:exit"]
+
+
+def test_rollout_none_is_allowed_for_lazy_initialization() -> None:
+    class Lazy:
+        def __init__(self) -> None:
+            self.rollout: RecordingRollout | None = None
+            self.log = EventLog()
+
+        @weight_sync_handler
+        def receive_p2r(self) -> None:
+            self.rollout = RecordingRollout(self.log)  # built inside the first sync
+            self.log.add("built")
+
+    worker = Lazy()
+    worker.receive_p2r()
+    assert worker.log.events == ["built"]
+    worker.receive_p2r()
+    assert worker.log.events == ["built", "pause:enter", "built", "pause:exit"]
+
+
+@pytest.mark.parametrize(
+    ("attribute", "value", "message"),
+    [
+        ("rollout", object(), "no paused()"),
+        ("weight_sync_mode", "sync", "not a rollout_sync.SyncMode"),
+        ("weight_sync_timeout", 0, "not a positive number"),
+        ("weight_sync_timeout", -1.0, "not a positive number"),
+        ("weight_sync_timeout", float("nan"), "not a positive number"),
+        ("weight_sync_timeout", "5", "not a positive number"),
+        ("weight_sync_timeout", True, "not a positive number"),
+        ("timeline", [], "not a Timeline"),
+        ("weight_sync_fence", 1.0, "not callable"),
+        ("on_weight_sync_report", [], "not callable"),
+        ("payload_egress_components", (), "not callable"),
+    ],
+)
+def test_a_broken_contract_is_refused_before_anything_runs(
+    attribute: str, value: object, message: str
+) -> None:
+    worker = Worker()
+    setattr(worker, attribute, value)
+    with pytest.raises(WorkerContractError, match=message) as info:
+        worker.receive_p2r()
+    assert info.value.attribute == attribute
+    assert worker.log.events == []
+
+
+def test_a_packer_under_any_attribute_name_is_held() -> None:
+    """A packer kept as ``self.sender`` (not ``data_packer``) is still found and held."""
+
+    class Misnamed:
+        def __init__(self) -> None:
+            self.log = EventLog()
+            self.rollout = RecordingRollout(self.log)
+            self.sender = RecordingPacker(log=self.log)
+
+        @weight_sync_handler
+        def receive_p2r(self) -> None:
+            self.log.add("body")
+
+    worker = Misnamed()
+    worker.receive_p2r()
+    assert worker.log.events == [
+        "pause:enter",
+        "hold_sends:enter",
+        "body",
+        "hold_sends:exit",
+        "pause:exit",
+    ]
+
+
+def test_the_worker_protocol_describes_a_conforming_worker() -> None:
+    assert isinstance(Worker(), WeightSyncWorker)
+    assert not isinstance(EngineNamedEngine(), WeightSyncWorker)

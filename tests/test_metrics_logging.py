@@ -12,14 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from rollout_sync import (
-    MetricsLogger,
-    QueueCommandChannel,
-    SyncMode,
-    SyncReport,
-    WeightBroadcastCallback,
-    log_metrics,
-)
+from rollout_sync import SyncMode, SyncReport, WeightBroadcastCallback
+from rollout_sync.metrics_logging import MetricsLogger, log_metrics
+from rollout_sync.trainer import QueueCommandChannel
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 

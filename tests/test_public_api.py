@@ -1,103 +1,242 @@
-"""The public surface: one flat namespace, and ``__all__`` says exactly what is in it."""
+"""The public surface: a small root namespace by role, modules for the rest, errors in one place.
+
+``__all__`` says exactly what the root exports; every name a role needs is there; the root stays
+within 50 names; names it exported before resolve for one release with a DeprecationWarning that
+names their module; every exception class lives in ``rollout_sync.errors``; the library raises
+its own timeouts, never a bare ``TimeoutError``; ``demos`` is imported by nothing else.
+"""
 
 from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import pkgutil
+import re
+import warnings
+from pathlib import Path
 
 import pytest
 
 import rollout_sync
+import rollout_sync.errors
 
-# The names each part of the package promises; a rename shows up here first.
+PACKAGE = Path(rollout_sync.__file__).parent
+
+# The names each role imports from the root; a rename shows up here first (docs/api.md).
 PROMISED = {
-    "core": [
-        "Gate",
+    "backend authors": [
         "RolloutBase",
         "ThreadedRolloutBackend",
-        "SupportsHoldSends",
-        "SupportsFlushPendingSends",
-        "payload_egress_held",
+        "KVCachePolicy",
+        "RolloutTaskScheduler",
+        "DecodeEngine",
+        "GenerationRequest",
+        "GenerationResult",
+        "SamplingParams",
+        "WeightBuffer",
+        "SupportsWeightBuffer",
+        "install_inference_sync",
+        "Gate",
+    ],
+    "frameworks decorating handlers": [
         "weight_sync_handler",
         "pauses_generation",
         "holds_payload_egress",
         "weight_sync_bracket",
+        "WeightSyncWorker",
         "SyncMode",
         "SyncReport",
-        "Timeline",
-        "find_overlaps",
-        "PauseTimeout",
-        "EgressHoldTimeout",
-    ],
-    "stream generation": [
-        "RolloutTaskScheduler",
-        "TorchLMBackend",
-        "TorchLMStreamBackend",
-        "TinyLMConfig",
-        "KVCachePolicy",
-        "GenerationRequest",
-        "GenerationResult",
-        "SamplingParams",
-        "FinishReason",
-        "ParkReport",
-        "SchedulerStatistics",
-        "SchedulerTimeout",
-        "DecodeEngine",
-        "tiny_lm_weights",
-    ],
-    "distributed weight sync": [
-        "WeightTransfer",
-        "TransferConfig",
-        "WeightManifest",
-        "WeightTransferError",
-        "ManifestRejected",
-        "ChecksumMismatchError",
         "RolloutWorker",
         "P2R",
         "R2R",
         "Stop",
+        "WorkerCommandChannel",
         "build_sync_groups",
-        "WeightBuffer",
-        "WeightSyncThread",
-        "install_inference_sync",
-        "run_processes",
-        "init_process_group",
-        "find_free_port",
-        "wait_work",
+        "SyncGroups",
+        "WeightTransfer",
+        "TransferConfig",
     ],
-    "payload transport": [
+    "payload packers": [
+        "payload_egress_held",
+        "SupportsHoldSends",
+        "SupportsFlushPendingSends",
         "NCCLRolloutMixin",
         "PayloadSender",
         "PayloadReceiver",
-        "PayloadGroups",
         "new_payload_groups",
-        "PayloadBackpressureTimeout",
-        "IngressHoldTimeout",
     ],
-    "trainer": [
+    "the trainer side": [
         "TrainerCallback",
         "TrainerCallbacks",
         "WeightBroadcastCallback",
-        "WeightSyncTimer",
-        "WeightPusher",
         "TransferWeightPusher",
+        "WeightSyncTimer",
         "merge_step_metrics",
-        "MetricKeyCollisionError",
-        "MetricsLogger",
-        "log_metrics",
+    ],
+    "errors and tracing": [
+        "RolloutSyncError",
+        "PauseTimeout",
+        "EgressHoldTimeout",
+        "TornWeightsError",
+        "WeightTransferError",
+        "WeightMismatchError",
+        "WorkerContractError",
+        "Timeline",
+        "SpanKind",
     ],
 }
+
+
+def _library_modules() -> list[str]:
+    return [
+        info.name
+        for info in pkgutil.walk_packages([str(PACKAGE)], prefix="rollout_sync.")
+        if not info.name.startswith("rollout_sync.demos")
+    ]
 
 
 def test_all_matches_the_names_the_package_exports() -> None:
     exported = {
         name
         for name, value in vars(rollout_sync).items()
-        if not name.startswith("_") and not isinstance(value, type(rollout_sync))
+        if not name.startswith("_") and not inspect.ismodule(value)
     }
     assert sorted(rollout_sync.__all__) == sorted(exported)
     assert len(set(rollout_sync.__all__)) == len(rollout_sync.__all__)
 
 
-@pytest.mark.parametrize("area", sorted(PROMISED))
-def test_promised_names_are_public(area: str) -> None:
-    missing = [n for n in PROMISED[area] if n not in rollout_sync.__all__]
+def test_the_root_keeps_at_most_fifty_names_and_each_belongs_to_a_role() -> None:
+    assert len(rollout_sync.__all__) <= 50
+    promised = [name for names in PROMISED.values() for name in names]
+    assert sorted(promised) == sorted(rollout_sync.__all__)
+
+
+@pytest.mark.parametrize("role", sorted(PROMISED))
+def test_promised_names_are_public(role: str) -> None:
+    missing = [n for n in PROMISED[role] if n not in rollout_sync.__all__]
     assert not missing
-    assert all(getattr(rollout_sync, n) is not None for n in PROMISED[area])
+    assert all(getattr(rollout_sync, n) is not None for n in PROMISED[role])
+
+
+@pytest.mark.parametrize("name", sorted(rollout_sync._MOVED))
+def test_a_name_the_root_no_longer_exports_still_resolves_with_a_deprecation_warning(
+    name: str,
+) -> None:
+    module = importlib.import_module(f"rollout_sync.{rollout_sync._MOVED[name]}")
+    with pytest.warns(DeprecationWarning, match=rf"rollout_sync\.{rollout_sync._MOVED[name]}"):
+        value = getattr(rollout_sync, name)
+    assert value is getattr(module, name)
+
+
+def test_from_import_of_an_old_root_name_works_and_warns() -> None:
+    with pytest.warns(DeprecationWarning, match="rollout_sync.backends.torch_lm"):
+        from rollout_sync import TinyCausalLM
+    from rollout_sync.backends.torch_lm import TinyCausalLM as moved
+
+    assert TinyCausalLM is moved
+
+
+def test_an_unknown_root_name_is_an_attribute_error_without_a_warning() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
+            _ = rollout_sync.NoSuchName
+
+
+def test_every_exception_class_lives_in_errors() -> None:
+    strays = []
+    for module_name in _library_modules():
+        module = importlib.import_module(module_name)
+        for name, value in vars(module).items():
+            if (
+                inspect.isclass(value)
+                and issubclass(value, BaseException)
+                and value.__module__ == module_name
+                and module_name != "rollout_sync.errors"
+            ):
+                strays.append(f"{module_name}.{name}")
+    assert not strays, f"exception classes outside rollout_sync/errors.py: {strays}"
+
+
+def test_every_error_is_a_rollout_sync_error_and_every_timeout_a_timeout_error() -> None:
+    for name in rollout_sync.errors.__all__:
+        cls = getattr(rollout_sync.errors, name)
+        assert issubclass(cls, rollout_sync.errors.RolloutSyncError), name
+        if name.endswith("Timeout"):
+            assert issubclass(cls, TimeoutError), name
+
+
+def _raised_names(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Raise) and node.exc is not None:
+            target = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            if isinstance(target, ast.Name):
+                found.append(target.id)
+    return found
+
+
+def test_the_library_never_raises_a_bare_timeout_error() -> None:
+    offenders = [
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        if "TimeoutError" in _raised_names(path)
+    ]
+    assert not offenders, f"raise TimeoutError(...) in {offenders}: raise an errors.py subclass"
+
+
+def test_nothing_outside_demos_imports_demos() -> None:
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if "demos" in path.relative_to(PACKAGE).parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                module = "." * node.level + (node.module or "")
+                if "demos" in module.split("."):
+                    offenders.append(str(path.relative_to(PACKAGE)))
+    assert not offenders
+
+
+def test_backends_holds_engines_only() -> None:
+    modules = sorted(p.stem for p in (PACKAGE / "backends").glob("*.py"))
+    assert modules == ["__init__", "torch_lm", "vllm", "vllm_worker"]
+
+
+def _api_doc() -> tuple[set[str], dict[str, list[str]]]:
+    """docs/api.md: the names its root tables list, and the names its module table lists."""
+    text = (PACKAGE.parent / "docs" / "api.md").read_text()
+    root_part, module_part = text.split("## Everything else, by module")
+    module_part = module_part.split("## Names the root exported")[0]
+    root: set[str] = set()
+    for line in root_part.splitlines():
+        if line.startswith("| `"):
+            root.update(re.findall(r"`(\w+)`", line.split("|")[1]))
+    modules: dict[str, list[str]] = {}
+    for line in module_part.splitlines():
+        if line.startswith("| `rollout_sync"):
+            cells = line.split("|")
+            module = cells[1].strip().strip("`")
+            modules[module] = re.findall(r"`(\w+)`", cells[2])
+    return root, modules
+
+
+def test_the_api_page_lists_exactly_the_root_names() -> None:
+    root, _ = _api_doc()
+    assert root == set(rollout_sync.__all__)
+
+
+def test_every_name_the_api_page_places_in_a_module_is_there() -> None:
+    _, modules = _api_doc()
+    missing = []
+    for module_name, names in modules.items():
+        module = importlib.import_module(module_name)
+        missing += [f"{module_name}.{n}" for n in names if not hasattr(module, n)]
+    assert not missing
+    # Every error the package defines is on the page.
+    assert set(rollout_sync.errors.__all__) <= {
+        *modules["rollout_sync.errors"],
+        *(n for n in rollout_sync.__all__ if n in rollout_sync.errors.__all__),
+    }

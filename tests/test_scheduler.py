@@ -21,21 +21,19 @@ from torch_lm_helpers import (  # noqa: F401 - one_torch_thread is an autouse fi
 )
 
 from rollout_sync import (
-    FinishReason,
     GenerationRequest,
     GenerationResult,
     KVCachePolicy,
     PauseTimeout,
     RolloutTaskScheduler,
     SamplingParams,
-    SchedulerStatistics,
-    SchedulerTimeout,
-    SequenceState,
     SpanKind,
     Timeline,
-    TorchLMStreamBackend,
-    WouldBlock,
 )
+from rollout_sync.backends.torch_lm import TorchLMStreamBackend
+from rollout_sync.errors import SchedulerTimeout, WouldBlock
+from rollout_sync.scheduler import FinishReason, SchedulerStatistics, SequenceState
+from rollout_sync.testing import CheckThenActScheduler
 
 
 def _by_id(results: Sequence[GenerationResult]) -> dict[int, GenerationResult]:
@@ -343,9 +341,8 @@ def test_no_task_starts_inside_a_pause(unsafe: bool) -> None:
         in_window.set()
         assert proceed.wait(10)
 
-    scheduler = RolloutTaskScheduler(
-        backend, gate=backend.generation_gate, unsafe_admission_race=unsafe, admission_hook=hook
-    )
+    scheduler_class = CheckThenActScheduler if unsafe else RolloutTaskScheduler
+    scheduler = scheduler_class(backend, gate=backend.generation_gate, admission_hook=hook)
     entered = threading.Event()
 
     def pause_body() -> tuple[int, int, int]:

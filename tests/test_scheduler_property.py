@@ -29,7 +29,8 @@ from torch_lm_helpers import (  # noqa: F401 - one_torch_thread is an autouse fi
     weights_of,
 )
 
-from rollout_sync import GenerationResult, SpanKind, Timeline, TorchLMStreamBackend
+from rollout_sync import GenerationResult, SpanKind, Timeline
+from rollout_sync.backends.torch_lm import TorchLMStreamBackend
 
 CONFIG = tiny_config(vocab_size=32, d_model=16, n_layers=2, n_heads=2, d_ff=32, max_seq_len=32)
 

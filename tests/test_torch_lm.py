@@ -18,18 +18,16 @@ from torch_lm_helpers import (  # noqa: F401 - one_torch_thread is an autouse fi
 )
 
 from rollout_sync import (
-    FinishReason,
     GenerationRequest,
     PauseTimeout,
     SamplingParams,
     SpanKind,
     Timeline,
-    TinyLMConfig,
-    TorchLMBackend,
     TornWeightsError,
     WeightMismatchError,
-    tiny_lm_weights,
 )
+from rollout_sync.backends.torch_lm import TinyLMConfig, TorchLMBackend, tiny_lm_weights
+from rollout_sync.scheduler import FinishReason
 
 
 def test_weights_are_deterministic_per_seed_and_differ_everywhere_between_seeds() -> None:

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from rollout_sync import Span, SpanKind, Timeline, find_overlaps
-from rollout_sync.demo import InProcessDemoConfig, run_in_process_demo
+from rollout_sync import SpanKind, Timeline
+from rollout_sync.demos.in_process import InProcessDemoConfig, run_in_process_demo
+from rollout_sync.trace import Span, find_overlaps
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,17 +14,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rollout_sync import (
-    BroadcastCommandChannel,
-    BroadcastWeightPusher,
-    CommandKind,
-    TimerClock,
-    TrainerCallbacks,
-    WeightBroadcastCallback,
-    WeightBroadcastError,
-    weight_sync_bracket,
-)
+from rollout_sync import TrainerCallbacks, WeightBroadcastCallback, weight_sync_bracket
+from rollout_sync.errors import WeightBroadcastError
+from rollout_sync.metrics import TimerClock
 from rollout_sync.testing import EventLog, RecordingRollout
+from rollout_sync.trainer import BroadcastCommandChannel, BroadcastWeightPusher, CommandKind
 
 TIMEOUT_S = 20.0
 SILENT_TIMEOUT_S = 0.5

@@ -11,23 +11,24 @@ import torch
 
 import rollout_sync.trainer as trainer_module
 from rollout_sync import (
-    BroadcastWeightPusher,
-    CommandKind,
-    MetricKeyCollisionError,
-    QueueCommandChannel,
-    TimerClock,
     TrainerCallback,
     TrainerCallbacks,
-    TransferStats,
     TransferWeightPusher,
     WeightBroadcastCallback,
-    WeightBroadcastError,
     WeightMismatchError,
-    WeightSyncCommand,
     WeightSyncTimer,
     merge_step_metrics,
 )
+from rollout_sync.errors import MetricKeyCollisionError, WeightBroadcastError
+from rollout_sync.metrics import TimerClock
 from rollout_sync.testing import EventLog, FakeCudaStream
+from rollout_sync.trainer import (
+    BroadcastWeightPusher,
+    CommandKind,
+    QueueCommandChannel,
+    WeightSyncCommand,
+)
+from rollout_sync.transfer import TransferStats
 
 
 class _Constant(TrainerCallback):
@@ -311,7 +312,7 @@ def test_a_receiver_checks_the_announcement_before_taking_part() -> None:
 
 @pytest.mark.timeout(60)
 def test_the_demo_reports_trainer_and_rollout_side_sync_metrics() -> None:
-    from rollout_sync.demo import InProcessDemoConfig, run_in_process_demo
+    from rollout_sync.demos.in_process import InProcessDemoConfig, run_in_process_demo
 
     report = run_in_process_demo(InProcessDemoConfig(syncs=20, interval_s=0.0))
     assert report["syncs"] == 20 and report["torn_reads"] == 0

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
+from rollout_sync.errors import ManifestError
 from rollout_sync.transfer import (
     ALIGN_BYTES,
-    ManifestError,
     OriginChecksums,
     WeightManifest,
     bucket_checksum,

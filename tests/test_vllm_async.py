@@ -29,15 +29,11 @@ from rollout_sync import (
     SpanKind,
     TornWeightsError,
     WeightMismatchError,
-    find_overlaps,
     weight_sync_bracket,
 )
-from rollout_sync.backends.vllm import (
-    KVCachePolicy,
-    VLLMAsyncBackend,
-    WeightsNotLandedError,
-    greedy_params,
-)
+from rollout_sync.backends.vllm import KVCachePolicy, VLLMAsyncBackend, greedy_params
+from rollout_sync.errors import WeightsNotLandedError
+from rollout_sync.trace import find_overlaps
 
 pytestmark = pytest.mark.vllm
 
@@ -382,7 +378,7 @@ def test_pause_is_reentrant_and_a_second_thread_times_out(world: World) -> None:
 
 @pytest.mark.timeout(180)
 def test_the_vllm_demo_reports_no_hazards_when_guarded(world: World) -> None:
-    from rollout_sync.backends.vllm_demo import VLLMDemoConfig, run_vllm_demo
+    from rollout_sync.demos.vllm import VLLMDemoConfig, run_vllm_demo
 
     report = run_vllm_demo(
         VLLMDemoConfig(syncs=8, interval_s=0.01, max_tokens=24), backend=world.backend

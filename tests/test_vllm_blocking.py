@@ -20,8 +20,9 @@ from vllm_helpers import (  # first: it sets the environment vLLM reads at impor
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
-from rollout_sync import RolloutBase, SpanKind, find_overlaps
+from rollout_sync import RolloutBase, SpanKind
 from rollout_sync.backends.vllm import KVCachePolicy, VLLMBlockingBackend, greedy_params
+from rollout_sync.trace import find_overlaps
 
 pytestmark = pytest.mark.vllm
 

@@ -16,25 +16,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rollout_sync import Timeline, cli
-from rollout_sync.backends.tiny_llama import find_sync_split
+from rollout_sync import Timeline
 from rollout_sync.backends.vllm import (
     VLLMAsyncBackend,
     VLLMBlockingBackend,
     VLLMEngineConfig,
     VLLMRequest,
-    VLLMUnavailableError,
-    WeightsNotLandedError,
     _VersionHistory,
     require_vllm,
 )
-from rollout_sync.backends.vllm_worker import (
-    Probe,
-    ProbePlan,
-    WriteRefused,
-    copy_in_place,
-    verify_written,
-)
+from rollout_sync.backends.vllm_worker import Probe, ProbePlan, copy_in_place, verify_written
+from rollout_sync.demos import cli
+from rollout_sync.errors import VLLMUnavailableError, WeightsNotLandedError, WriteRefused
+from rollout_sync.testing.tiny_llama import find_sync_split
 
 
 @pytest.fixture

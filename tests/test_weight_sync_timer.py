@@ -6,7 +6,9 @@ import time
 
 import pytest
 
-from rollout_sync import HarvestTimeout, TimedSample, TimerClock, WeightSyncTimer
+from rollout_sync import WeightSyncTimer
+from rollout_sync.errors import HarvestTimeout
+from rollout_sync.metrics import TimedSample, TimerClock
 from rollout_sync.testing import FakeCudaStream
 
 

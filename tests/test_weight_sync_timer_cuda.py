@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout_sync import TimerClock, WeightSyncTimer
+from rollout_sync import WeightSyncTimer
+from rollout_sync.metrics import TimerClock
 from rollout_sync.testing import count_host_syncs
 
 pytestmark = [

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import wait_until
 
-from rollout_sync.errors import TornWeightsError
+from rollout_sync.errors import ChecksumMismatchError, TornWeightsError, WeightTransferError
 from rollout_sync.guard import SyncMode
 from rollout_sync.testing import (
     AsyncTornReadBackend,
@@ -25,11 +25,7 @@ from rollout_sync.testing import (
     VersionStampedModel,
 )
 from rollout_sync.trace import SpanKind, Timeline
-from rollout_sync.transfer import (
-    ChecksumMismatchError,
-    TransferStats,
-    WeightTransferError,
-)
+from rollout_sync.transfer import TransferStats
 from rollout_sync.weights import check_weights_match, specs_of
 from rollout_sync.worker import P2R, R2R, RolloutWorker, Stop
 

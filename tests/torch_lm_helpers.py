@@ -11,14 +11,14 @@ import pytest
 import torch
 from conftest import wait_until as wait_until
 
-from rollout_sync import (
-    Timeline,
+from rollout_sync import Timeline
+from rollout_sync.backends.torch_lm import (
     TinyCausalLM,
     TinyLMConfig,
     TorchLMBackend,
     tiny_lm_weights,
 )
-from rollout_sync.demo import InProcessWorker
+from rollout_sync.testing import InProcessWorker
 
 
 def tiny_config(**overrides: Any) -> TinyLMConfig:

@@ -22,19 +22,21 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from rollout_sync import Span, SpanKind, SyncReport, Timeline, weight_sync_handler
-from rollout_sync.backends.tiny_llama import (
-    build_tiny_llama,
-    find_sync_split,
-    greedy_reference,
-    random_llama_weights,
-)
+from rollout_sync import SpanKind, SyncReport, Timeline, weight_sync_handler
 from rollout_sync.backends.vllm import (
     VLLMAsyncBackend,
     VLLMBlockingBackend,
     VLLMEngineConfig,
     greedy_params,
 )
+from rollout_sync.testing import STALLING_WORKER_EXTENSION
+from rollout_sync.testing.tiny_llama import (
+    build_tiny_llama,
+    find_sync_split,
+    greedy_reference,
+    random_llama_weights,
+)
+from rollout_sync.trace import Span
 
 Weights = Mapping[str, torch.Tensor]
 B = TypeVar("B", VLLMAsyncBackend, VLLMBlockingBackend)
@@ -146,7 +148,13 @@ def running_world(
     initial = build_tiny_llama(model_dir, seed=model_seed)
     timeline = Timeline()
     backend = backend_class(
-        VLLMEngineConfig(model_dir, dtype="float32", kv_cache_memory_bytes=64 << 20),
+        VLLMEngineConfig(
+            model_dir,
+            dtype="float32",
+            kv_cache_memory_bytes=64 << 20,
+            # The production extension plus a stall RPC, for the pause-timeout test.
+            engine_kwargs={"worker_extension_cls": STALLING_WORKER_EXTENSION},
+        ),
         timeline=timeline,
         **backend_kwargs,
     )

@@ -1,9 +1,10 @@
-"""Rollout engines behind :class:`~rollout_sync.RolloutBase`.
+"""Rollout engines behind :class:`~rollout_sync.RolloutBase`: engines only.
 
-Each backend lives in its own module; the public names are re-exported by ``rollout_sync``.
+Each backend lives in its own module; import its names from there.
 
 * :mod:`rollout_sync.backends.torch_lm` - the embedded default: a tiny causal LM in plain torch,
-  for tests and the demo.
+  blocking (:class:`~rollout_sync.backends.torch_lm.TorchLMBackend`) and streaming on the
+  scheduler (:class:`~rollout_sync.backends.torch_lm.TorchLMStreamBackend`).
 * :mod:`rollout_sync.backends.vllm` - vLLM (``pip install 'rollout-sync[vllm]'``), with its
   engine-side worker extension in :mod:`rollout_sync.backends.vllm_worker`. It imports vLLM
   lazily, so ``import rollout_sync`` works without it.

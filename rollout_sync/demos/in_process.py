@@ -18,14 +18,12 @@ from typing import Any
 
 import torch
 
-from .backend import RolloutBase
-from .guard import SyncReport, weight_sync_bracket, weight_sync_handler
-from .metrics import percentile, summarize
-from .testing import RecordingPacker, TornReadBackend, VersionStampedModel
-from .trace import SpanKind, Timeline
-from .trainer import QueueCommandChannel, TrainerCallbacks, WeightBroadcastCallback
+from ..metrics import percentile, summarize
+from ..testing import InProcessWorker, RecordingPacker, TornReadBackend, VersionStampedModel
+from ..trace import SpanKind, Timeline
+from ..trainer import QueueCommandChannel, TrainerCallbacks, WeightBroadcastCallback
 
-__all__ = ["InProcessDemoConfig", "InProcessWorker", "run_in_process_demo"]
+__all__ = ["InProcessDemoConfig", "run_in_process_demo"]
 
 
 @dataclass(frozen=True)
@@ -39,56 +37,6 @@ class InProcessDemoConfig:
     send_s: float = 200e-6
     """How long one fake payload send takes."""
     timeout_s: float = 30.0
-
-
-class InProcessWorker:
-    """A rollout worker reduced to one P2R handler, for the in-process demos and tests.
-
-    The guard finds ``rollout`` and ``data_packer``. :meth:`receive_weights` is the guarded
-    handler; :meth:`receive_weights_unguarded` does the same write without pause or hold, and
-    is reported alike, so a run can compare the two. Subclasses change how a version is
-    written by overriding :meth:`write_weights`.
-    """
-
-    def __init__(
-        self,
-        rollout: RolloutBase,
-        packer: object | None,
-        timeline: Timeline | None,
-        timeout_s: float,
-    ) -> None:
-        self.rollout = rollout
-        self.data_packer = packer
-        self.timeline = timeline
-        self.weight_sync_timeout = timeout_s
-        self.reports: list[SyncReport] = []
-
-    def on_weight_sync_report(self, report: SyncReport) -> None:
-        self.reports.append(report)
-
-    def write_weights(self, version: int, weights: Mapping[str, torch.Tensor] | None) -> None:
-        """Write ``weights`` (all of them, validated first) and commit ``version``."""
-        if weights is None:
-            raise ValueError(f"{type(self).__name__} needs the weights of version {version}")
-        self.rollout.ensure_initialized()
-        self.rollout.load_weights(weights)
-        self.rollout.commit_weight_version(version)
-
-    @weight_sync_handler
-    def receive_weights(
-        self, version: int, weights: Mapping[str, torch.Tensor] | None = None
-    ) -> None:
-        self.write_weights(version, weights)
-
-    def receive_weights_unguarded(
-        self, version: int, weights: Mapping[str, torch.Tensor] | None = None
-    ) -> None:
-        with weight_sync_bracket(
-            None, name="receive_weights", pause=False, hold=False, timeline=self.timeline
-        ) as bracket:
-            self.write_weights(version, weights)
-        assert bracket.report is not None
-        self.on_weight_sync_report(bracket.report)
 
 
 class _DemoWorker(InProcessWorker):

@@ -26,13 +26,17 @@ from typing import Any
 
 import torch
 
-from ..demo import InProcessWorker
-from ..errors import TornWeightsError
+from ..backends.vllm import (
+    VLLMAsyncBackend,
+    VLLMEngineConfig,
+    VLLMGeneration,
+    greedy_params,
+    require_vllm,
+)
+from ..errors import ShutdownTimeout, TornWeightsError
 from ..metrics import summarize
-from ..testing import RecordingPacker
+from ..testing import InProcessWorker, RecordingPacker, build_tiny_llama, random_llama_weights
 from ..trace import Span, SpanKind, Timeline
-from .tiny_llama import build_tiny_llama, random_llama_weights
-from .vllm import VLLMAsyncBackend, VLLMEngineConfig, VLLMGeneration, greedy_params, require_vllm
 
 __all__ = ["VLLMDemoConfig", "run_vllm_demo"]
 
@@ -89,7 +93,7 @@ class _Feeder:
         self._stop.set()
         self._thread.join(timeout)
         if self._thread.is_alive():
-            raise TimeoutError(f"the demo's request feeder did not stop within {timeout:.1f} s")
+            raise ShutdownTimeout(f"the demo's request feeder did not stop within {timeout:.1f} s")
         if self.error is not None:
             raise RuntimeError("the demo's request feeder failed") from self.error
 
@@ -183,7 +187,7 @@ def _run(config: VLLMDemoConfig, backend: VLLMAsyncBackend, timeline: Timeline) 
     finally:
         try:
             feeder.stop(config.timeout_s * 2)
-            _drain(packer, config.timeout_s)
+            packer.wait_sent(timeout=config.timeout_s)
         finally:
             packer.stop()
     wall_s = time.perf_counter() - started
@@ -220,16 +224,3 @@ def _run(config: VLLMDemoConfig, backend: VLLMAsyncBackend, timeline: Timeline) 
         "engine_start_s": first[0].total_s if first else float("nan"),
         "wall_s": wall_s,
     }
-
-
-def _drain(packer: RecordingPacker, timeout: float) -> None:
-    """Wait until the packer has sent what it buffered (its stop() would drop it)."""
-    deadline = time.monotonic() + timeout
-    while packer.buffered:
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"the packer did not send its buffered payloads within "
-                f"{timeout:.1f} s ({packer.buffered} left)"
-            )
-        time.sleep(0.001)  # the packer offers no event for an empty buffer
-    packer.flush_pending_sends(timeout)

@@ -1,6 +1,6 @@
 """The payload transport's wire and what both ends share: frames, buffers, bounded waits.
 
-Two process groups carry a transport (see :class:`~rollout_sync.PayloadGroups`):
+Two process groups carry a transport (see :class:`~rollout_sync.payload.PayloadGroups`):
 
 * the **control** group (always gloo, CPU) carries fixed-size int64 *frames*: credit requests,
   offers and their answers, resume notices, goodbyes. Nothing on it touches the device, so it
@@ -16,17 +16,15 @@ in place as their dtype).
 :class:`TransportEnd` is the machinery the sender and the receiver share: one lock, a failure
 that sticks, waits bounded by a deadline, and the hold over the end's payload transfers.
 
-Private: the public names are in :mod:`rollout_sync.transport` and :mod:`rollout_sync.receiver`.
+Private: the public names are in :mod:`rollout_sync.payload.sender` and
+:mod:`rollout_sync.payload.receiver`.
 """
 
 from __future__ import annotations
 
-import datetime
 import enum
 import json
-import math
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -34,8 +32,16 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from .errors import GateTimeout, PayloadTransportError
-from .gate import Gate
+from .._deadline import (
+    deadline_after,
+    expired,
+    limit_of,
+    wait_arg,
+    wait_collective,
+    wait_device_idle,
+)
+from ..errors import CollectiveError, CollectiveTimeout, GateTimeout, PayloadTransportError
+from ..gate import Gate
 
 FRAME_WORDS = 64
 """Every control frame is this many int64 words (512 bytes)."""
@@ -112,17 +118,29 @@ def send_frame(frame: torch.Tensor, peer: int, group: dist.ProcessGroup, timeout
     """Send a control frame to ``peer`` on the control ``group``, waiting at most ``timeout`` s.
 
     Raises:
-        PayloadTransportError: it was not delivered in time (the peer is not serving its
-            transport).
+        PayloadTransportError: it was not delivered: the peer's connection closed (it died), or
+            it did not take the frame within ``timeout`` (it is not serving its transport). The
+            message names the peer rank and which of the two happened.
     """
-    work = dist.isend(frame, peer, group=group)
-    if work is None:  # pragma: no cover - isend returns work for a member rank
-        raise PayloadTransportError("this rank is not in the payload control group")
+    operation = f"control frame to rank {peer}"
     try:
-        work.wait(timedelta_s(timeout))
-    except RuntimeError as exc:
+        work = dist.isend(frame, peer, group=group)
+        if work is None:  # pragma: no cover - isend returns work for a member rank
+            raise PayloadTransportError("this rank is not in the payload control group")
+        wait_collective([work], operation=operation, timeout_s=timeout, ranks=(peer,))
+    except CollectiveTimeout as exc:
         raise PayloadTransportError(
-            f"control frame to rank {peer} not delivered within {timeout:.1f} s: {exc}"
+            f"{operation} not delivered within {timeout:.1f} s: rank {peer} is not taking "
+            "control frames (stopped serving its transport, or hung)"
+        ) from exc
+    except CollectiveError as exc:
+        raise PayloadTransportError(
+            f"{operation} not delivered: the connection to rank {peer} closed (the peer most "
+            f"likely died; check its log): {exc}"
+        ) from exc
+    except RuntimeError as exc:  # isend itself refused: the pair is already closed
+        raise PayloadTransportError(
+            f"{operation} not sent: the connection to rank {peer} is closed ({exc})"
         ) from exc
 
 
@@ -265,35 +283,41 @@ def device_for_group(group: dist.ProcessGroup, device: torch.device | str | None
     return torch.device("cpu")
 
 
-def timedelta_s(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=max(seconds, 1e-3))
-
-
-def wait_works(works: Sequence[dist.Work], device: torch.device, timeout: float, what: str) -> None:
+def wait_works(
+    works: Sequence[dist.Work], device: torch.device, timeout: float, what: str, peer: int
+) -> None:
     """Wait until ``works`` have *completed* (not merely been enqueued), within ``timeout`` s.
 
     On gloo ``wait`` returns on completion. On NCCL it only makes the current stream wait, so
     an event recorded after it is polled: the transfer is complete when the event is.
 
     Raises:
-        PayloadTransportError: the work failed or did not complete in time. The data group is
-            unusable afterwards (a timed-out gloo pair is closed; an NCCL op is stuck).
+        PayloadTransportError: the work failed (the peer's connection closed) or did not
+            complete in time; the message names ``peer`` and which. The data group is unusable
+            afterwards (a timed-out gloo pair is closed; an NCCL op is stuck).
     """
-    deadline = time.monotonic() + timeout
+    deadline = deadline_after(timeout)
     try:
-        for work in works:
-            work.wait(timedelta_s(deadline - time.monotonic()))
+        wait_collective(works, operation=what, timeout_s=timeout, ranks=(peer,))
         if device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-            while not event.query():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"device work still running after {timeout:.1f} s")
-                time.sleep(20e-6)
-    except (RuntimeError, TimeoutError) as exc:
+            wait_device_idle(
+                deadline,
+                lambda: CollectiveTimeout(
+                    f"{what}: device work still running after {timeout:.1f} s",
+                    operation=what,
+                    group=(peer,),
+                    timeout=timeout,
+                ),
+            )
+    except CollectiveTimeout as exc:
         raise PayloadTransportError(
-            f"{what} did not complete within {timeout:.1f} s: {exc}. The peer process likely "
-            "died or stopped serving its transport; the data group is unusable now."
+            f"{what} did not complete within {timeout:.1f} s: rank {peer} stopped serving its "
+            "transport or hung; the data group is unusable now."
+        ) from exc
+    except CollectiveError as exc:
+        raise PayloadTransportError(
+            f"{what} failed: the connection to rank {peer} closed (the peer most likely died; "
+            "check its log); the data group is unusable now."
         ) from exc
 
 
@@ -305,19 +329,6 @@ def use_device(device: torch.device) -> None:
 
 
 # -- what both ends share ----------------------------------------------------------------------
-
-
-def remaining_s(deadline: float) -> float | None:
-    """Seconds left until ``deadline`` (may be <= 0); None for an infinite deadline."""
-    if math.isinf(deadline):
-        return None
-    return deadline - time.monotonic()
-
-
-def join_s(deadline: float) -> float | None:
-    """A ``Thread.join`` timeout that ends at ``deadline`` (None: wait for ever)."""
-    left = remaining_s(deadline)
-    return None if left is None else max(0.0, left)
 
 
 class _FailureRecord(Protocol):
@@ -393,10 +404,8 @@ class TransportEnd:
         Raises:
             ValueError: a negative or NaN timeout.
         """
-        limit = self.default_timeout if timeout is None else timeout
-        if not limit >= 0:
-            raise ValueError(f"timeout must be >= 0 seconds (or math.inf), got {timeout!r}")
-        return limit, time.monotonic() + limit
+        limit = limit_of(timeout, self.default_timeout)
+        return limit, deadline_after(limit)
 
     def _wait_until(
         self,
@@ -414,10 +423,9 @@ class TransportEnd:
         """
         while not ready():
             self._raise_if_failed(operation)
-            remaining = remaining_s(deadline)
-            if remaining is not None and remaining <= 0:
+            if expired(deadline):
                 raise timed_out()
-            condition.wait(remaining)
+            condition.wait(wait_arg(deadline))
 
     # -- failure -------------------------------------------------------------------------------
 

@@ -10,8 +10,8 @@ from collections import defaultdict
 
 import pytest
 
-from rollout_sync.cli import main
-from rollout_sync.demo_distributed import DistributedDemoConfig, run_distributed_demo
+from rollout_sync.demos.cli import main
+from rollout_sync.demos.distributed import DistributedDemoConfig, run_distributed_demo
 from rollout_sync.guard import SyncMode
 from rollout_sync.trace import Span, SpanKind, Timeline
 

@@ -1,4 +1,4 @@
-"""Small real fakes for testing weight-sync code: yours and ours.
+"""Small real fakes: a torn-read detector, recording packers and rollouts, a fake CUDA device.
 
 * :class:`VersionStampedModel` - weights whose every tensor carries the version that wrote it;
   a forward reads all of them, slowly enough that a concurrent write is caught, and counts
@@ -33,12 +33,13 @@ from typing import Any, Protocol
 
 import torch
 
-from .backend import RolloutBase, ThreadedRolloutBackend
-from .buffer import WeightBuffer, install_inference_sync
-from .errors import PayloadBackpressureTimeout
-from .gate import Gate
-from .guard import SyncMode
-from .trace import SpanKind, Timeline
+from .._deadline import deadline_after, expired
+from ..backend import RolloutBase, ThreadedRolloutBackend
+from ..buffer import WeightBuffer, install_inference_sync
+from ..errors import PayloadBackpressureTimeout, PayloadTimeout, ShutdownTimeout
+from ..gate import Gate
+from ..guard import SyncMode
+from ..trace import SpanKind, Timeline
 
 __all__ = [
     "AsyncTornReadBackend",
@@ -294,6 +295,7 @@ class RecordingPacker:
         self.default_timeout = default_timeout
         self._buffer: queue.Queue[Any] = queue.Queue(maxsize=capacity)
         self._sent: list[Any] = []
+        self._submitted = 0
         self._sent_lock = threading.Lock()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -307,6 +309,8 @@ class RecordingPacker:
         limit = self.default_timeout if timeout is None else timeout
         try:
             self._buffer.put(payload, timeout=limit)
+            with self._sent_lock:
+                self._submitted += 1
         except queue.Full:
             raise PayloadBackpressureTimeout(
                 f"payload send buffer stayed full ({self.capacity} payloads) for {limit:.1f} s; "
@@ -348,13 +352,43 @@ class RecordingPacker:
         self._thread.start()
         return self
 
+    def wait_sent(self, count: int | None = None, timeout: float | None = None) -> None:
+        """Wait until ``count`` payloads have been sent in all (``None``: every payload
+        submitted so far), bounded by ``timeout``.
+
+        Raises:
+            PayloadTimeout: fewer were sent within ``timeout`` seconds (held, or not started?).
+            RuntimeError: the sender thread had failed (its error is chained).
+        """
+        limit = self.default_timeout if timeout is None else timeout
+        deadline = deadline_after(limit)
+        if count is None:
+            with self._sent_lock:
+                count = self._submitted
+        while len(self.sent) < count:
+            if self._error is not None:
+                raise RuntimeError("packer sender failed") from self._error
+            if expired(deadline):
+                raise PayloadTimeout(
+                    f"the packer sent {len(self.sent)} of {count} payloads in {limit:.1f} s "
+                    "(are its sends held, or was it never started?)",
+                    operation="wait for payloads to be sent",
+                    timeout=limit,
+                )
+            time.sleep(0.001)  # the sender thread offers no event per send; poll the count
+
     def stop(self, timeout: float = 30.0) -> None:
-        """Send what is buffered, then stop the sender thread (bounded by ``timeout``)."""
+        """Send what is buffered, then stop the sender thread (bounded by ``timeout``).
+
+        Raises:
+            ShutdownTimeout: the sender did not stop within ``timeout`` seconds.
+            RuntimeError: the sender thread had failed (its error is chained).
+        """
         self._stopping.set()
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
-                raise TimeoutError(f"packer sender did not stop within {timeout:.1f} s")
+                raise ShutdownTimeout(f"packer sender did not stop within {timeout:.1f} s")
         if self._error is not None:
             raise RuntimeError("packer sender failed") from self._error
 

@@ -9,11 +9,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .demo import InProcessDemoConfig, run_in_process_demo
-from .demo_distributed import DEMO_BACKENDS, DistributedDemoConfig, run_distributed_demo
-from .guard import SyncMode
-from .stream_demo import StreamDemoConfig, run_stream_demo
-from .trace import Timeline
+from ..guard import SyncMode
+from ..trace import Timeline
+from .distributed import DEMO_BACKENDS, DistributedDemoConfig, run_distributed_demo
+from .in_process import InProcessDemoConfig, run_in_process_demo
+from .stream import StreamDemoConfig, run_stream_demo
 
 __all__ = ["main"]
 
@@ -152,10 +152,10 @@ def _verdict(report: dict[str, Any]) -> str:
 def _run_vllm_demo(args: argparse.Namespace, timeline: Timeline) -> dict[str, Any] | None:
     """The demo on vLLM (one engine, in this process), or ``None`` (with the install hint on
     stderr) when vLLM is missing."""
-    from .backends.vllm import VLLMUnavailableError
+    from ..errors import VLLMUnavailableError
 
     try:
-        from .backends.vllm_demo import VLLMDemoConfig, run_vllm_demo
+        from .vllm import VLLMDemoConfig, run_vllm_demo
 
         return run_vllm_demo(VLLMDemoConfig(syncs=args.syncs, guarded=not args.unguarded), timeline)
     except VLLMUnavailableError as exc:

@@ -1,7 +1,7 @@
 """The demo on the real tiny LM: stream generation racing weight syncs (``--backend torch_lm``).
 
-:class:`~rollout_sync.TorchLMStreamBackend` decodes mixed-length generations on its scheduler
-thread; the main loop keeps its queue fed, runs a weight sync through a
+:class:`~rollout_sync.backends.torch_lm.TorchLMStreamBackend` decodes mixed-length generations
+on its scheduler thread; the main loop keeps its queue fed, runs a weight sync through a
 ``weight_sync_handler`` (new weights written in place into the served parameters), and hands
 finished results to a :class:`~rollout_sync.testing.RecordingPacker` whose sender ships them.
 Guarded, no forward reads torn weights, no forward overlaps a weight write and no payload send
@@ -9,7 +9,7 @@ overlaps a sync, while sequences in flight survive every sync. ``guarded=False``
 the bracket and shows the hazards. ``stream=False`` runs the blocking backend instead: generate
 and sync alternate on one thread, idle by construction.
 
-The multi-process demo (:mod:`rollout_sync.demo_distributed`, the default of ``rollout-sync
+The multi-process demo (:mod:`rollout_sync.demos.distributed`, the default of ``rollout-sync
 demo``) runs the same LM streaming on every replica, with real payloads and transfers.
 """
 
@@ -22,18 +22,17 @@ from typing import Any
 
 import torch
 
-from .backends.torch_lm import (
+from ..backends.torch_lm import (
     KVCachePolicy,
     TinyLMConfig,
     TorchLMBackend,
     TorchLMStreamBackend,
     tiny_lm_weights,
 )
-from .demo import InProcessWorker
-from .metrics import summarize
-from .scheduler import FinishReason, GenerationRequest, GenerationResult
-from .testing import RecordingPacker
-from .trace import SpanKind, Timeline
+from ..metrics import summarize
+from ..scheduler import FinishReason, GenerationRequest, GenerationResult
+from ..testing import InProcessWorker, RecordingPacker
+from ..trace import SpanKind, Timeline
 
 __all__ = ["StreamDemoConfig", "build_stream_backend", "run_stream_demo"]
 
@@ -79,18 +78,6 @@ def _request(rng: random.Random, config: StreamDemoConfig) -> GenerationRequest:
     return GenerationRequest(
         prompt, max_new_tokens=rng.randint(config.min_new_tokens, config.max_new_tokens)
     )
-
-
-def _wait_until_sent(packer: RecordingPacker, count: int, timeout: float) -> None:
-    """Let the packer's sender ship what was submitted before it is stopped (it has no flush
-    of its buffer, only of the send in flight)."""
-    deadline = time.monotonic() + timeout
-    while len(packer.sent) < count:
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"the packer sent {len(packer.sent)} of {count} payloads in {timeout:.1f} s"
-            )
-        time.sleep(0.001)
 
 
 def run_stream_demo(config: StreamDemoConfig, timeline: Timeline | None = None) -> dict[str, Any]:
@@ -157,7 +144,7 @@ def _run_stream_demo(config: StreamDemoConfig, timeline: Timeline) -> dict[str, 
                     backend.generate([_request(rng, config) for _ in range(config.max_concurrent)])
                 )
                 sync(version, weight_sets[version % 2])
-        _wait_until_sent(packer, len(results), config.timeout_s)
+        packer.wait_sent(len(results), config.timeout_s)
     finally:
         if isinstance(backend, TorchLMStreamBackend) and backend.scheduler.running:
             backend.stop(config.timeout_s)

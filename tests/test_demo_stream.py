@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rollout_sync.cli import main
+from rollout_sync.demos.cli import main
 
 
 @pytest.mark.timeout(120)

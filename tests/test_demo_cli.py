@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rollout_sync import cli
-from rollout_sync.cli import main
+from rollout_sync.demos import cli
+from rollout_sync.demos.cli import main
 
 pytestmark = pytest.mark.timeout(120)
 

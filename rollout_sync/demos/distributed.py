@@ -5,8 +5,9 @@ paths the guard protects:
 
 * **Generation.** Each replica is a :class:`~rollout_sync.RolloutWorker` whose engine generates
   on its own thread throughout the run. The default engine (``torch_lm``) is the tiny torch LM
-  under the stream scheduler (:class:`~rollout_sync.TorchLMStreamBackend`), kept fed with
-  prompts of mixed length; its parameters are the served tensors that P2R and R2R write in
+  under the stream scheduler
+  (:class:`~rollout_sync.backends.torch_lm.TorchLMStreamBackend`), kept fed with prompts of
+  mixed length; its parameters are the served tensors that P2R and R2R write in
   place. A forward is torn when the LM's seqlock saw a write, or when its span overlaps a
   weight write in the timeline.
 * **Payloads.** Every finished generation (token ids, logprobs, the weight version of each
@@ -18,7 +19,8 @@ paths the guard protects:
 * **Weights.** The trainer runs a training loop over the same TinyLM architecture: each step
   it takes the payloads that arrive (its stand-in for training on them), moves its weights (a
   perturbation, so every version differs), and a :class:`~rollout_sync.WeightBroadcastCallback`
-  announces the step on the replicas' command queues (P2R for the first replica, R2R for all)
+  announces the step on the replicas' command queues through a
+  :class:`~rollout_sync.worker.WorkerCommandChannel` (P2R for the first replica, R2R for all)
   and pushes the weights through a :class:`~rollout_sync.TransferWeightPusher`: the P2R
   barrier (the replica reaches it paused, with its sends held), then the trainer's
   ``hold_receives``, then the bucketed, validated :class:`~rollout_sync.WeightTransfer` send.
@@ -37,7 +39,6 @@ version (it also runs the async modes).
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing
 import os
 import random
@@ -50,32 +51,42 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .backend import RolloutBase
-from .backends.torch_lm import TinyCausalLM, TinyLMConfig, TorchLMStreamBackend
-from .distributed import find_free_port, init_process_group, run_processes
-from .errors import PayloadTimeout
-from .guard import SyncMode
-from .metrics import percentile
-from .receiver import PayloadReceiver, ReceivedPayload
-from .scheduler import (
+from ..backend import RolloutBase
+from ..backends.torch_lm import TinyCausalLM, TinyLMConfig, TorchLMStreamBackend
+from ..distributed import init_process_group
+from ..errors import PayloadTimeout, ShutdownTimeout
+from ..guard import SyncMode
+from ..metrics import percentile
+from ..payload import (
+    PayloadGroups,
+    PayloadReceiver,
+    PayloadSender,
+    ReceivedPayload,
+    new_payload_groups,
+)
+from ..scheduler import (
     FinishReason,
     GenerationRequest,
     GenerationResult,
     SamplingParams,
     SchedulerTimeout,
 )
-from .testing import AsyncTornReadBackend, TornReadBackend, VersionStampedModel
-from .trace import Span, SpanKind, Timeline
-from .trainer import (
-    CommandKind,
+from ..testing import (
+    AsyncTornReadBackend,
+    TornReadBackend,
+    VersionStampedModel,
+    find_free_port,
+    run_processes,
+    weights_digest,
+)
+from ..trace import Span, SpanKind, Timeline
+from ..trainer import (
     TrainerCallbacks,
     TransferWeightPusher,
     WeightBroadcastCallback,
-    WeightSyncCommand,
 )
-from .transfer import TransferConfig, TransferStats
-from .transport import PayloadGroups, PayloadSender, new_payload_groups
-from .worker import P2R, R2R, RolloutWorker, Stop, SyncGroups, build_sync_groups
+from ..transfer import TransferConfig, TransferStats
+from ..worker import P2R, R2R, RolloutWorker, SyncGroups, WorkerCommandChannel, build_sync_groups
 
 __all__ = [
     "DEMO_BACKENDS",
@@ -84,7 +95,6 @@ __all__ = [
     "DistributedDemoConfig",
     "register_demo_backend",
     "run_distributed_demo",
-    "weights_digest",
 ]
 
 
@@ -215,7 +225,7 @@ class _StreamingLM(TorchLMStreamBackend):
         """Stop feeding, stop the scheduler (unfinished requests are cancelled), ship the rest.
 
         Raises:
-            TimeoutError: the feeder did not stop within ``timeout`` (stuck registering?).
+            ShutdownTimeout: the feeder did not stop within ``timeout`` (stuck registering?).
             RuntimeError: the feeder had failed (its error is chained).
         """
         deadline = time.monotonic() + timeout
@@ -224,7 +234,7 @@ class _StreamingLM(TorchLMStreamBackend):
             if self._feeder is not None:
                 self._feeder.join(timeout)
                 if self._feeder.is_alive():
-                    raise TimeoutError(
+                    raise ShutdownTimeout(
                         f"the demo's feeder thread did not stop within "
                         f"{timeout:.1f} s (blocked registering a payload?)"
                     )
@@ -384,18 +394,6 @@ register_demo_backend("torch_lm", _torch_lm_engine, _torch_lm_trainer)
 register_demo_backend("torn_read", _torn_read_engine, _torn_read_trainer, modes=SyncMode)
 
 
-# -- weights -----------------------------------------------------------------------------------
-
-
-def weights_digest(weights: Mapping[str, torch.Tensor]) -> str:
-    """A digest of names, dtypes, shapes and exact bytes: equal iff bit-identical."""
-    digest = hashlib.blake2b(digest_size=16)
-    for name, tensor in weights.items():
-        digest.update(f"{name}:{tensor.dtype}:{list(tensor.shape)}|".encode())
-        digest.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
 # -- the processes -----------------------------------------------------------------------------
 
 
@@ -416,35 +414,6 @@ def _demo_process(
     if rank == 0:
         return _trainer(config, groups, payloads, queues, timeline)
     return _replica(rank, config, groups, payloads, queues[rank], timeline)
-
-
-class _ReplicaCommands:
-    """The trainer's command channel: each announcement becomes the replicas' commands.
-
-    WEIGHTS: a P2R for the first replica and, with several, an R2R for every replica. STOP: a
-    Stop for every replica. Commands go on each replica's multiprocessing queue, which its
-    :class:`~rollout_sync.RolloutWorker` reads.
-    """
-
-    def __init__(self, queues: Mapping[int, Any], replicas: Sequence[int]) -> None:
-        self.queues = queues
-        self.replicas = tuple(replicas)
-
-    def announce(self, command: WeightSyncCommand, timeout: float) -> None:
-        if command.kind is CommandKind.WEIGHTS:
-            self.queues[self.replicas[0]].put(P2R(step=command.step), timeout=timeout)
-            if len(self.replicas) > 1:
-                for rank in self.replicas:
-                    self.queues[rank].put(R2R(step=command.step), timeout=timeout)
-        else:
-            for rank in self.replicas:
-                self.queues[rank].put(Stop(), timeout=timeout)
-
-    def receive(self, timeout: float) -> WeightSyncCommand:
-        raise TypeError(
-            "the replicas take their commands from their queues "
-            "(RolloutWorker(commands=...)), not from this channel"
-        )
 
 
 class _Rollouts:
@@ -513,7 +482,7 @@ def _trainer(
     broadcast = WeightBroadcastCallback(
         lambda: weights,
         pusher=pusher,
-        channel=_ReplicaCommands(queues, groups.replicas),
+        channel=WorkerCommandChannel.for_groups(groups, queues),
         timeout=config.timeout_s,
         sync_on_run_begin=False,
         report_every_step=True,

@@ -14,13 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout_sync import (
-    NCCLRolloutMixin,
-    SupportsHoldSends,
-    SyncReport,
-    weight_sync_handler,
-)
-from rollout_sync._payload_wire import (
+from rollout_sync import NCCLRolloutMixin, SupportsHoldSends, SyncReport, weight_sync_handler
+from rollout_sync.errors import PayloadTransportError
+from rollout_sync.payload._wire import (
     COALESCE_BYTES,
     MAX_BATCH,
     FrameKind,
@@ -30,10 +26,9 @@ from rollout_sync._payload_wire import (
     read_frame,
     unpack_payload,
 )
-from rollout_sync.errors import PayloadTransportError
-from rollout_sync.receiver import ReceivedPayload, _ReceiverState
+from rollout_sync.payload.receiver import ReceivedPayload, _ReceiverState
+from rollout_sync.payload.sender import _Expire, _Offer, _SendPoolState
 from rollout_sync.testing import EventLog, RecordingRollout
-from rollout_sync.transport import _Expire, _Offer, _SendPoolState
 
 S = 1_000_000_000  # one second in ns
 CPU = torch.device("cpu")

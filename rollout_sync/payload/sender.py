@@ -13,9 +13,9 @@ weight-sync collective runs, for the whole sync. This module makes that enforcea
   (:class:`~rollout_sync.SupportsHoldSends`), so :func:`~rollout_sync.payload_egress_held` and
   the guard decorators hold it for a sync.
 * :class:`NCCLRolloutMixin`, the same hooks on a rollout backend or worker that owns a sender,
-  where the guard looks for them (``worker.rollout`` and the worker itself).
-* :class:`~rollout_sync.PayloadReceiver` (in :mod:`rollout_sync.receiver`), the trainer side,
-  with the mirror hold ``hold_receives``.
+  where the guard looks for them (``worker.rollout``, the worker itself, its attributes).
+* :class:`~rollout_sync.PayloadReceiver` (in :mod:`rollout_sync.payload.receiver`), the
+  trainer side, with the mirror hold ``hold_receives``.
 
 **A transfer happens only when both ends agree, over a control group that never touches the
 device.** The receiver grants credit (``REQUEST``); the pool picks the next payloads, enters a
@@ -41,20 +41,27 @@ registration order); one reader thread takes the receiver's control frames.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ._payload_wire import (
+from .._deadline import deadline_after, expired, group_timedelta, remaining, wait_arg
+from ..errors import (
+    EgressHoldTimeout,
+    PayloadBackpressureTimeout,
+    PayloadTimeout,
+    PayloadTransportError,
+    WouldBlock,
+)
+from ..trace import SpanKind, Timeline
+from ._wire import (
     FRAME_WORDS,
     MAX_BATCH,
     FrameKind,
@@ -62,23 +69,13 @@ from ._payload_wire import (
     coalesce,
     default_data_backend,
     device_for_group,
-    join_s,
     make_frame,
     pack_payload,
     read_frame,
-    remaining_s,
     send_frame,
     use_device,
     wait_works,
 )
-from .errors import (
-    EgressHoldTimeout,
-    PayloadBackpressureTimeout,
-    PayloadTimeout,
-    PayloadTransportError,
-    WouldBlock,
-)
-from .trace import SpanKind, Timeline
 
 __all__ = [
     "NCCLRolloutMixin",
@@ -130,8 +127,8 @@ def new_payload_groups(
     """
     backend = data_backend or default_data_backend()
     members = None if ranks is None else list(ranks)
-    data = dist.new_group(members, backend=backend, timeout=timedelta(seconds=timeout))
-    control = dist.new_group(members, backend="gloo", timeout=timedelta(seconds=timeout))
+    data = dist.new_group(members, backend=backend, timeout=group_timedelta(timeout))
+    control = dist.new_group(members, backend="gloo", timeout=group_timedelta(timeout))
     if data is None or control is None:  # pragma: no cover - new_group returns a group here
         raise RuntimeError("torch.distributed.new_group returned no group")
     return PayloadGroups(data=data, control=control)
@@ -554,15 +551,14 @@ class PayloadSender(TransportEnd):
                 if not waited:
                     self._state.backpressure_waits += 1
                     waited = True
-                remaining = remaining_s(deadline)
-                if remaining is not None and remaining <= 0:
+                if expired(deadline):
                     self._state.backpressure_timeouts += 1
                     raise PayloadBackpressureTimeout(
                         self._backpressure_message(limit),
                         operation="register a payload",
                         timeout=limit,
                     )
-                self._space.wait(remaining)
+                self._space.wait(wait_arg(deadline))
         return self._pack_and_commit(tensors, meta)
 
     def register_payload_nowait(
@@ -745,12 +741,12 @@ class PayloadSender(TransportEnd):
             self._state.closing = True
             self._space.notify_all()
         if self._state.error is None:
-            self.wait_all_sent(_remaining_or_inf(deadline))
+            self.wait_all_sent(remaining(deadline))
             with self._lock:
                 total = self._state.registered
             self._send_frame(
                 make_frame(FrameKind.BYE, total),
-                min(self.default_timeout, _remaining_or_inf(deadline)),
+                min(self.default_timeout, remaining(deadline)),
                 bye=True,
             )
             with self._lock:
@@ -770,9 +766,9 @@ class PayloadSender(TransportEnd):
         with self._lock:
             self._state.stopped = True
             self._work.notify_all()
-        self._launcher.join(join_s(deadline))
+        self._launcher.join(wait_arg(deadline))
         if self._state.bye_acked:
-            self._reader.join(join_s(deadline))
+            self._reader.join(wait_arg(deadline))
         self._raise_if_failed("close the payload sender")
 
     # -- introspection -------------------------------------------------------------------------
@@ -885,6 +881,7 @@ class PayloadSender(TransportEnd):
                 self.device,
                 self.default_timeout,
                 f"sending {offer.count} payloads to rank {self.receiver_rank}",
+                self.receiver_rank,
             )
             if self.timeline is not None:
                 self.timeline.add_span(
@@ -904,7 +901,7 @@ class PayloadSender(TransportEnd):
                 self._space.notify_all()
 
     def _await_reply(self, offer: _Offer) -> FrameKind:
-        deadline = time.monotonic() + self.default_timeout
+        deadline = deadline_after(self.default_timeout)
         with self._lock:
             self._wait_until(
                 self._progress,
@@ -995,11 +992,6 @@ class PayloadSender(TransportEnd):
             f"{limit:.1f} s: {self._stall_reason()}. Nothing was evicted and this payload was not "
             "registered; retry, raise capacity or the timeout, or consume faster."
         )
-
-
-def _remaining_or_inf(deadline: float) -> float:
-    left = remaining_s(deadline)
-    return math.inf if left is None else max(0.0, left)
 
 
 # -- the mixin ---------------------------------------------------------------------------------

@@ -1,0 +1,78 @@
+"""The conformance kit: real small fakes, tiny models and a process harness, for tests.
+
+Like ``trio.testing``, everything here is for checking weight-sync code, never for running it
+in production; the production classes carry no test switches, and what exists only to prove a
+race lives here as a subclass.
+
+* Fakes (:mod:`.fakes`): :class:`VersionStampedModel` (a torn-read detector),
+  :class:`TornReadBackend` / :class:`AsyncTornReadBackend`, :class:`RecordingRollout`,
+  :class:`RecordingPacker` / :class:`FlushOnlyPacker` / :class:`PlainPacker`, :class:`EventLog`,
+  :class:`FakeCudaStream` / :class:`FakeCudaEvent`, :func:`count_host_syncs`.
+* Races rebuilt on purpose: :class:`CheckThenActScheduler` (:mod:`.scheduler`),
+  :class:`StallingWorkerExtension` (:mod:`.vllm_worker`, a vLLM engine that can be held between
+  steps).
+* Harness (:mod:`.harness`, :mod:`.processes`): :class:`InProcessWorker`,
+  :func:`weights_digest`, :func:`run_processes`, :func:`find_free_port`, :class:`ChildFailure`.
+* Models (:mod:`.tiny_llama`): :func:`build_tiny_llama`, :func:`random_llama_weights`,
+  :class:`greedy_reference`, :func:`find_sync_split` (``transformers`` imported lazily).
+"""
+
+from ..errors import GroupProcessError as GroupProcessError
+from .fakes import AsyncTornReadBackend as AsyncTornReadBackend
+from .fakes import EventLog as EventLog
+from .fakes import FakeCudaEvent as FakeCudaEvent
+from .fakes import FakeCudaStream as FakeCudaStream
+from .fakes import FlushOnlyPacker as FlushOnlyPacker
+from .fakes import ForwardResult as ForwardResult
+from .fakes import HostSyncCount as HostSyncCount
+from .fakes import InstallRecord as InstallRecord
+from .fakes import PlainPacker as PlainPacker
+from .fakes import RecordingPacker as RecordingPacker
+from .fakes import RecordingRollout as RecordingRollout
+from .fakes import TornReadBackend as TornReadBackend
+from .fakes import VersionStampedModel as VersionStampedModel
+from .fakes import count_host_syncs as count_host_syncs
+from .harness import InProcessWorker as InProcessWorker
+from .harness import weights_digest as weights_digest
+from .processes import ChildFailure as ChildFailure
+from .processes import find_free_port as find_free_port
+from .processes import run_processes as run_processes
+from .scheduler import CheckThenActScheduler as CheckThenActScheduler
+from .tiny_llama import TINY_LLAMA as TINY_LLAMA
+from .tiny_llama import build_tiny_llama as build_tiny_llama
+from .tiny_llama import find_sync_split as find_sync_split
+from .tiny_llama import greedy_reference as greedy_reference
+from .tiny_llama import random_llama_weights as random_llama_weights
+from .vllm_worker import STALLING_WORKER_EXTENSION as STALLING_WORKER_EXTENSION
+from .vllm_worker import StallingWorkerExtension as StallingWorkerExtension
+
+__all__ = [
+    "STALLING_WORKER_EXTENSION",
+    "TINY_LLAMA",
+    "AsyncTornReadBackend",
+    "CheckThenActScheduler",
+    "ChildFailure",
+    "EventLog",
+    "FakeCudaEvent",
+    "FakeCudaStream",
+    "FlushOnlyPacker",
+    "ForwardResult",
+    "GroupProcessError",
+    "HostSyncCount",
+    "InProcessWorker",
+    "InstallRecord",
+    "PlainPacker",
+    "RecordingPacker",
+    "RecordingRollout",
+    "StallingWorkerExtension",
+    "TornReadBackend",
+    "VersionStampedModel",
+    "build_tiny_llama",
+    "count_host_syncs",
+    "find_free_port",
+    "find_sync_split",
+    "greedy_reference",
+    "random_llama_weights",
+    "run_processes",
+    "weights_digest",
+]

@@ -1,0 +1,238 @@
+"""The process harness: spawn a group of processes, bounded, with every child's traceback.
+
+For tests, benchmarks and demos that start their own processes on one machine. A job placed by
+a launcher (torchrun, Ray) starts its processes there instead and joins with
+:func:`rollout_sync.distributed.init_process_group`.
+
+* :func:`find_free_port` - a TCP port nobody listens on now (for loopback rendezvous).
+* :func:`run_processes` - spawn ``nprocs`` children running ``target(rank, *args)``, collect
+  their return values, and raise :class:`~rollout_sync.errors.GroupProcessError` with every
+  child's traceback when one fails, dies or overstays. A child killed by a signal reports the
+  negative signal number as its exit code (``-9`` for SIGKILL), as :mod:`multiprocessing` does.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.context
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import GroupProcessError
+
+__all__ = ["ChildFailure", "GroupProcessError", "find_free_port", "run_processes"]
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on at the time of the call.
+
+    Another process may take it before it is used; rendezvous on loopback within a test is the
+    intended use, where that race is rare enough.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+# -- spawning a group of processes -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChildFailure:
+    """How one child process failed."""
+
+    rank: int
+    exitcode: int | None
+    """``None``: still running when it was killed for overstaying."""
+    error: str
+    """The child's formatted traceback, or what the parent observed."""
+
+
+def _child_main(
+    target: Callable[..., Any],
+    rank: int,
+    args: tuple[Any, ...],
+    results: multiprocessing.Queue[tuple[str, int, Any]],
+    intra_op_threads: int | None,
+) -> None:
+    """Run ``target(rank, *args)`` and report its value or its traceback to the parent."""
+    try:
+        if intra_op_threads is not None:
+            torch.set_num_threads(intra_op_threads)
+        value = target(rank, *args)
+    except BaseException:  # noqa: BLE001 - every failure is reported, then the child exits
+        results.put(("error", rank, traceback.format_exc()))
+        _destroy_group_quietly()
+        raise SystemExit(1) from None
+    try:
+        # Pickled here, by value: the queue's own pickler would share tensors through file
+        # descriptors that vanish when this process exits.
+        results.put(("ok", rank, pickle.dumps(value)))
+    except Exception:  # noqa: BLE001 - an unpicklable result is itself a reportable failure
+        results.put(("error", rank, traceback.format_exc()))
+    _destroy_group_quietly()
+
+
+def _destroy_group_quietly() -> None:
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001, S110 - a broken group cannot be torn down cleanly
+            pass
+
+
+def run_processes(
+    target: Callable[..., Any],
+    nprocs: int,
+    args: tuple[Any, ...] = (),
+    *,
+    timeout_s: float,
+    start_method: str = "spawn",
+    expected_exits: Mapping[int, int] | None = None,
+    grace_s: float = 10.0,
+    what: str = "run_processes",
+    env: Mapping[str, str] | None = None,
+    intra_op_threads: int | None = None,
+) -> dict[int, Any]:
+    """Run ``target(rank, *args)`` in ``nprocs`` fresh processes; return their values by rank.
+
+    ``target`` must be importable by name (a module-level function), as the children are
+    spawned, not forked. A child's return value must be picklable.
+
+    Args:
+        timeout_s: the limit for the whole group. A child still running then is killed.
+        expected_exits: ``rank -> exit code`` for children that are meant to die without
+            reporting (a peer killed mid-transfer in a test); they are not failures.
+        grace_s: after the first failure, how long the others get to finish (they usually
+            fail fast too, and their tracebacks help) before they are killed.
+        env: environment variables set for the children (inherited by spawn).
+        intra_op_threads: ``torch.set_num_threads`` in each child. Pass 1 when the group
+            oversubscribes the machine's cores: torch's intra-op pool spin-waits, and a copy
+            big enough to be split across it can then take tens of times longer.
+
+    Raises:
+        GroupProcessError: a child raised, died with an unexpected exit code, or overstayed.
+        Every child is joined or killed before this returns or raises.
+    """
+    # Typed loosely: the stubs' BaseContext lacks Process, which every concrete context has.
+    ctx: Any = multiprocessing.get_context(start_method)
+    results_queue: multiprocessing.Queue[tuple[str, int, Any]] = ctx.Queue()
+    expected = dict(expected_exits or {})
+    saved_env = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        procs = {
+            rank: ctx.Process(
+                target=_child_main,
+                args=(target, rank, args, results_queue, intra_op_threads),
+                name=f"{what}-rank{rank}",
+                daemon=True,
+            )
+            for rank in range(nprocs)
+        }
+        for proc in procs.values():
+            proc.start()
+    finally:
+        for key, old in saved_env.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+    values: dict[int, Any] = {}
+    failures: list[ChildFailure] = []
+    reported: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    first_failure_at: float | None = None
+    try:
+        while True:
+            _drain_reports(results_queue, values, failures, reported)
+            pending = [r for r, p in procs.items() if r not in reported and r not in expected]
+            for rank in pending:
+                proc = procs[rank]
+                if not proc.is_alive() and proc.exitcode is not None:
+                    # A report may still be in the queue's pipe: give it one last look.
+                    _drain_reports(results_queue, values, failures, reported, wait_s=0.2)
+                    if rank not in reported:
+                        reported.add(rank)
+                        failures.append(
+                            ChildFailure(
+                                rank,
+                                proc.exitcode,
+                                f"exited with code {proc.exitcode} without reporting a result "
+                                "(killed, crashed in native code, or called os._exit)",
+                            )
+                        )
+            if failures and first_failure_at is None:
+                first_failure_at = time.monotonic()
+            pending = [r for r, p in procs.items() if r not in reported and r not in expected]
+            unexpected_alive = [r for r in expected if procs[r].is_alive()]
+            if not pending and not unexpected_alive:
+                break
+            now = time.monotonic()
+            give_up = now > deadline or (
+                first_failure_at is not None and now > first_failure_at + grace_s
+            )
+            if give_up:
+                for rank in pending + unexpected_alive:
+                    why = (
+                        f"killed after the group's limit of {timeout_s:.1f} s"
+                        if now > deadline
+                        else f"killed {grace_s:.1f} s after another rank failed"
+                    )
+                    failures.append(ChildFailure(rank, None, f"still running: {why}"))
+                break
+            if not pending:
+                # Only children expected to die are left; wait for them without a report.
+                time.sleep(0.01)  # polling exit codes; nothing to read from the queue
+                continue
+            _drain_reports(results_queue, values, failures, reported, wait_s=0.05)
+    finally:
+        for proc in procs.values():
+            proc.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5.0)
+        results_queue.close()
+        results_queue.join_thread()
+
+    for rank, code in expected.items():
+        got = procs[rank].exitcode
+        if got != code and not any(f.rank == rank for f in failures):
+            failures.append(ChildFailure(rank, got, f"was expected to exit with code {code}"))
+    if failures:
+        raise GroupProcessError(failures, values, what)
+    return values
+
+
+def _drain_reports(
+    results_queue: multiprocessing.Queue[tuple[str, int, Any]],
+    values: dict[int, Any],
+    failures: list[ChildFailure],
+    reported: set[int],
+    wait_s: float = 0.0,
+) -> None:
+    """Move every report waiting in the queue into ``values`` / ``failures``."""
+    block = wait_s > 0
+    while True:
+        try:
+            status, rank, payload = results_queue.get(block=block, timeout=wait_s or None)
+        except queue.Empty:
+            return
+        block = False
+        reported.add(rank)
+        if status == "ok":
+            values[rank] = pickle.loads(payload)
+        else:
+            failures.append(ChildFailure(rank, None, str(payload)))
