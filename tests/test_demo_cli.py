@@ -55,7 +55,7 @@ def test_a_lost_payload_fails_the_run_guarded_or_not(
         "payloads_invalid": 0,
     }
     report: dict[str, object] = {}
-    monkeypatch.setattr(cli, "run_distributed_demo", lambda config, timeline: report)
+    monkeypatch.setattr(cli, "run_distributed_demo", lambda config, timeline, **launch: report)
     report.update(clean)
     assert main(["demo"]) == 0 and "OK:" in capsys.readouterr().out
     for flags in ([], ["--unguarded"]):
@@ -65,3 +65,18 @@ def test_a_lost_payload_fails_the_run_guarded_or_not(
             "FAIL: 2 payload(s) lost between the replicas and the trainer."
             in capsys.readouterr().out
         )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--launcher", "ray", "--in-process"], "does not run with --in-process"),
+        (["--launcher", "torchrun", "--backend", "vllm"], "--backend vllm"),
+        (["--ray-address", "auto"], "--ray-address needs --launcher ray"),
+    ],
+)
+def test_launcher_options_that_cannot_go_together_are_refused(
+    argv: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit, match=message):
+        main(["demo", *argv])

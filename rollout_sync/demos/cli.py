@@ -5,13 +5,25 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import signal
+import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
 from ..guard import SyncMode
 from ..trace import Timeline
-from .distributed import DEMO_BACKENDS, DistributedDemoConfig, run_distributed_demo
+from .distributed import (
+    DEMO_BACKENDS,
+    LAUNCHED_AT_ENV,
+    LAUNCHERS,
+    DistributedDemoConfig,
+    demo_limit_s,
+    run_demo_under_torchrun,
+    run_distributed_demo,
+)
 from .in_process import InProcessDemoConfig, run_in_process_demo
 from .stream import StreamDemoConfig, run_stream_demo
 
@@ -89,6 +101,22 @@ def _build_parser() -> argparse.ArgumentParser:
         help="run without the guard: expect torn reads and egress overlaps",
     )
     demo.add_argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default="local",
+        help="who places the trainer and replica processes: local (spawned here; the "
+        "default), ray (Ray actors, one placement-group bundle each; a local Ray cluster for "
+        "the run unless --ray-address), torchrun (the same job under torchrun: env:// "
+        "rendezvous, role by rank; without torchrun around it, this starts torchrun "
+        "--standalone --nproc-per-node REPLICAS+1)",
+    )
+    demo.add_argument(
+        "--ray-address",
+        metavar="ADDRESS",
+        help="with --launcher ray: join this existing Ray cluster (e.g. auto, or "
+        "ray://head:10001) instead of starting a local one",
+    )
+    demo.add_argument(
         "--trace", metavar="PATH", help="write the timeline as Chrome/Perfetto trace JSON"
     )
     demo.add_argument(
@@ -163,9 +191,52 @@ def _run_vllm_demo(args: argparse.Namespace, timeline: Timeline) -> dict[str, An
         return None
 
 
-def _run_demo(args: argparse.Namespace) -> int:
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _start_torchrun(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Run this very command under ``torchrun --standalone``, one process per rank; every rank
+    re-enters :func:`main` and finds torchrun's environment. Bounded like a local run."""
+    nproc = args.replicas + 1
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "rollout_sync.demos.cli",
+        *argv,
+    ]
+    limit = demo_limit_s(DistributedDemoConfig(steps=args.steps)) + 60.0
+    env = {**os.environ, LAUNCHED_AT_ENV: repr(time.time())}
+    child = subprocess.Popen(command, start_new_session=True, env=env)
+    try:
+        return child.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        print(f"rollout-sync demo: torchrun overstayed {limit:.0f} s; killed", file=sys.stderr)
+        return 1
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait(timeout=30)
+
+
+def _run_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
     timeline = Timeline()
     mode = SyncMode(args.mode)
+    if args.launcher != "local" and (args.in_process or args.backend == "vllm"):
+        raise SystemExit(
+            f"--launcher {args.launcher} places the multi-process demo's processes; it does not "
+            "run with --in-process or --backend vllm"
+        )
+    if args.ray_address is not None and args.launcher != "ray":
+        raise SystemExit("--ray-address needs --launcher ray")
+    if args.launcher == "torchrun" and not _under_torchrun():
+        if args.replicas < 1 or args.steps < 1:
+            raise SystemExit("--replicas and --steps must be at least 1")
+        return _start_torchrun(args, argv)
     if args.backend is None:
         args.backend = "torch_lm" if mode is SyncMode.SYNC and not args.in_process else "torn_read"
     if args.stream and not (args.in_process and args.backend == "torch_lm"):
@@ -200,19 +271,25 @@ def _run_demo(args: argparse.Namespace) -> int:
             )
         defaults = DistributedDemoConfig()
         numel = max(1, int(args.model_mb * (1 << 20) / 4 / defaults.num_tensors))
-        report = run_distributed_demo(
-            DistributedDemoConfig(
-                replicas=args.replicas,
-                steps=args.steps,
-                backend=args.backend,
-                mode=mode,
-                guarded=not args.unguarded,
-                numel=numel,
-                bucket_bytes=max(64, int(args.bucket_mb * (1 << 20))),
-                checksums=args.checksums,
-            ),
-            timeline,
+        config = DistributedDemoConfig(
+            replicas=args.replicas,
+            steps=args.steps,
+            backend=args.backend,
+            mode=mode,
+            guarded=not args.unguarded,
+            numel=numel,
+            bucket_bytes=max(64, int(args.bucket_mb * (1 << 20))),
+            checksums=args.checksums,
         )
+        if args.launcher == "torchrun":
+            under_torchrun = run_demo_under_torchrun(config, timeline)
+            if under_torchrun is None:
+                return 0  # a replica's rank: the trainer's rank reports
+            report = under_torchrun
+        else:
+            report = run_distributed_demo(
+                config, timeline, launcher=args.launcher, ray_address=args.ray_address
+            )
     print(_format_report(report))
     if args.trace:
         path = timeline.write_chrome_trace(args.trace)
@@ -225,9 +302,10 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _build_parser().parse_args(argv)
     if args.command == "demo":
-        return _run_demo(args)
+        return _run_demo(args, argv)
     raise AssertionError(f"unhandled command {args.command!r}")
 
 

@@ -39,7 +39,6 @@ version (it also runs the async modes).
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import random
 import threading
@@ -53,9 +52,15 @@ import torch.distributed as dist
 
 from ..backend import RolloutBase
 from ..backends.torch_lm import TinyCausalLM, TinyLMConfig, TorchLMStreamBackend
-from ..distributed import init_process_group
 from ..errors import PayloadTimeout, ShutdownTimeout
 from ..guard import SyncMode
+from ..integrations.launch import (
+    JobContext,
+    JobLayout,
+    StoreCommandQueue,
+    results_on_trainer,
+    torchrun_context,
+)
 from ..metrics import percentile
 from ..payload import (
     PayloadGroups,
@@ -90,10 +95,16 @@ from ..worker import P2R, R2R, RolloutWorker, SyncGroups, WorkerCommandChannel, 
 
 __all__ = [
     "DEMO_BACKENDS",
+    "LAUNCHED_AT_ENV",
+    "LAUNCHERS",
     "DemoBackend",
     "DemoEngine",
     "DistributedDemoConfig",
+    "check_demo_config",
+    "demo_limit_s",
+    "demo_process",
     "register_demo_backend",
+    "run_demo_under_torchrun",
     "run_distributed_demo",
 ]
 
@@ -397,23 +408,33 @@ register_demo_backend("torn_read", _torn_read_engine, _torn_read_trainer, modes=
 # -- the processes -----------------------------------------------------------------------------
 
 
-def _demo_process(
-    rank: int, config: DistributedDemoConfig, port: int, queues: dict[int, Any]
-) -> dict[str, Any]:
-    init_process_group(
-        rank=rank,
-        world_size=config.replicas + 1,
-        init_method=f"tcp://127.0.0.1:{port}",
-        timeout_s=config.timeout_s,
-    )
-    groups = build_sync_groups(0, range(1, config.replicas + 1), timeout_s=config.timeout_s)
+def demo_process(context: JobContext, config: DistributedDemoConfig) -> dict[str, Any]:
+    """One process of the demo, whatever placed it: the trainer or a replica, by rank.
+
+    The launchers (local processes, torchrun, Ray) differ only in the :class:`JobContext`
+    they give: every process joins the rendezvous in it, builds the same groups, and takes or
+    puts its commands on the job's store.
+    """
+    context.join(timeout_s=config.timeout_s)
+    layout = context.layout
+    groups = build_sync_groups(layout.trainer, layout.replicas, timeout_s=config.timeout_s)
     # The control group's timeout is the longest a reader waits for the next frame, so it
-    # must outlast any hold (transport.py); credit expiry keeps an idle pair talking anyway.
+    # must outlast any hold (payload/sender.py); credit expiry keeps an idle pair talking.
     payloads = new_payload_groups(timeout=config.timeout_s * 4)
     timeline = Timeline()
-    if rank == 0:
+    queues = context.command_queues()
+    if context.is_trainer:
         return _trainer(config, groups, payloads, queues, timeline)
-    return _replica(rank, config, groups, payloads, queues[rank], timeline)
+    commands = queues[context.rank]
+    try:
+        return _replica(context.rank, config, groups, payloads, commands, timeline)
+    finally:
+        commands.close()
+
+
+def _local_process(rank: int, config: DistributedDemoConfig, rendezvous: str) -> dict[str, Any]:
+    layout = JobLayout(config.replicas + 1)
+    return demo_process(JobContext(rank, layout, rendezvous, launcher="local"), config)
 
 
 class _Rollouts:
@@ -462,7 +483,7 @@ def _trainer(
     config: DistributedDemoConfig,
     groups: SyncGroups,
     payloads: PayloadGroups,
-    queues: Mapping[int, Any],
+    queues: Mapping[int, StoreCommandQueue],
     timeline: Timeline,
 ) -> dict[str, Any]:
     weights, advance = DEMO_BACKENDS[config.backend].trainer_model(config)
@@ -531,7 +552,7 @@ def _replica(
     config: DistributedDemoConfig,
     groups: SyncGroups,
     payloads: PayloadGroups,
-    commands: Any,
+    commands: StoreCommandQueue,
     timeline: Timeline,
 ) -> dict[str, Any]:
     sender = PayloadSender(
@@ -614,16 +635,22 @@ def _received_weights(worker: RolloutWorker) -> Mapping[str, torch.Tensor]:
 # -- the controller ----------------------------------------------------------------------------
 
 
-def run_distributed_demo(
-    config: DistributedDemoConfig, timeline: Timeline | None = None
-) -> dict[str, Any]:
-    """Run the demo (spawning ``replicas + 1`` processes) and return its report.
+LAUNCHED_AT_ENV = "ROLLOUT_SYNC_DEMO_LAUNCHED_AT"
+"""Set by ``rollout-sync demo --launcher torchrun`` when it starts torchrun itself: the wall
+clock time it did, so the report's ``wall_s`` includes torchrun's start as the other launchers'
+include theirs."""
+
+LAUNCHERS = ("local", "ray", "torchrun")
+"""Who can place the demo's processes: ``local`` (spawned here), ``ray`` (actors on a Ray
+cluster), ``torchrun`` (under torchrun; see :func:`run_demo_under_torchrun`)."""
+
+
+def check_demo_config(config: DistributedDemoConfig) -> None:
+    """Refuse, before anything starts, a config the demo cannot run.
 
     Raises:
-        GroupProcessError: a process failed or overstayed (its traceback is in the message).
         KeyError: ``config.backend`` is not a registered demo backend.
-        ValueError: a config the demo cannot run (no replica or step, or a sync mode the
-            backend does not support).
+        ValueError: no replica or step, or a sync mode the backend does not support.
     """
     if config.replicas < 1 or config.steps < 1:
         raise ValueError("the demo needs at least one replica and one step")
@@ -635,31 +662,101 @@ def run_distributed_demo(
             f"demo backend {config.backend!r} runs the sync modes "
             f"{sorted(m.value for m in modes)}, not {config.mode.value!r}"
         )
+
+
+def demo_limit_s(config: DistributedDemoConfig) -> float:
+    """The limit of a whole run: spawning (a few seconds each on a busy machine) and steps."""
+    return 60.0 + config.steps * (config.step_interval_s + 2.0)
+
+
+def run_distributed_demo(
+    config: DistributedDemoConfig,
+    timeline: Timeline | None = None,
+    *,
+    launcher: str = "local",
+    ray_address: str | None = None,
+) -> dict[str, Any]:
+    """Run the demo on ``replicas + 1`` processes and return its report.
+
+    Args:
+        launcher: ``"local"`` spawns the processes here; ``"ray"`` runs them as Ray actors
+            (:class:`~rollout_sync.integrations.ray.RayJob`: a local cluster for the run, or
+            the one at ``ray_address``). Under torchrun, every rank calls
+            :func:`run_demo_under_torchrun` instead.
+
+    Raises:
+        GroupProcessError: a process failed or overstayed (its traceback is in the message).
+        KeyError / ValueError: see :func:`check_demo_config`; ``ValueError`` for an unknown
+            launcher too.
+    """
+    check_demo_config(config)
+    if launcher not in ("local", "ray"):
+        raise ValueError(
+            f"run_distributed_demo launches 'local' or 'ray', not {launcher!r} (under torchrun "
+            "every rank calls run_demo_under_torchrun)"
+        )
     timeline = timeline if timeline is not None else Timeline()
-    ctx = multiprocessing.get_context("spawn")
-    queues = {rank: ctx.Queue() for rank in range(1, config.replicas + 1)}
+    world = config.replicas + 1
     started = time.perf_counter()
-    # The limit covers spawning (a few seconds each on a busy machine) and every step.
-    limit = 60.0 + config.steps * (config.step_interval_s + 2.0)
-    try:
+    if launcher == "local":
         values = run_processes(
-            _demo_process,
-            config.replicas + 1,
-            (config, find_free_port(), queues),
-            timeout_s=limit,
+            _local_process,
+            world,
+            (config, f"tcp://127.0.0.1:{find_free_port()}"),
+            timeout_s=demo_limit_s(config),
             what="rollout-sync demo",
             intra_op_threads=1,
         )
+    else:
+        from ..integrations.ray import RayJob
+
+        with RayJob(world, address=ray_address, timeout_s=demo_limit_s(config)) as job:
+            values = job.run(demo_process, config)
+    return _report_of(config, values, timeline, time.perf_counter() - started, launcher)
+
+
+def run_demo_under_torchrun(
+    config: DistributedDemoConfig, timeline: Timeline | None = None
+) -> dict[str, Any] | None:
+    """This rank's part of the demo under torchrun: the report on the trainer, ``None`` on
+    the replicas (each rank's results are gathered on the trainer over the default group)."""
+    check_demo_config(config)
+    started = time.perf_counter()
+    launched_at = os.environ.get(LAUNCHED_AT_ENV)
+    if launched_at is not None:  # rollout-sync started torchrun: count torchrun's start too
+        started -= time.time() - float(launched_at)
+    context = torchrun_context()
+    if context.layout.world_size != config.replicas + 1:
+        raise ValueError(
+            f"torchrun started {context.layout.world_size} processes for a demo of "
+            f"{config.replicas} replicas: pass --nproc-per-node {config.replicas + 1} (in all, "
+            "across nodes)"
+        )
+    value = demo_process(context, config)
+    try:
+        values = results_on_trainer(context, value)
     finally:
-        for q in queues.values():
-            q.close()
-            q.join_thread()
-    wall_s = time.perf_counter() - started
+        dist.destroy_process_group()
+    if values is None:
+        return None
+    timeline = timeline if timeline is not None else Timeline()
+    return _report_of(config, values, timeline, time.perf_counter() - started, "torchrun")
+
+
+def _report_of(
+    config: DistributedDemoConfig,
+    values: Mapping[int, dict[str, Any]],
+    timeline: Timeline,
+    wall_s: float,
+    launcher: str,
+) -> dict[str, Any]:
     for value in values.values():
         timeline.extend(Timeline.from_records(value["spans"]).spans())
-    return _report(
-        config, values[0], [values[r] for r in range(1, config.replicas + 1)], timeline, wall_s
+    layout = JobLayout(config.replicas + 1)
+    report = _report(
+        config, values[layout.trainer], [values[r] for r in layout.replicas], timeline, wall_s
     )
+    return {"launcher": launcher, **report}
 
 
 def _span_key(span: Span) -> tuple[int, int, int, int]:

@@ -17,6 +17,7 @@ race lives here as a subclass.
   :class:`greedy_reference`, :func:`find_sync_split` (``transformers`` imported lazily).
 """
 
+from ..errors import ChildFailure as ChildFailure
 from ..errors import GroupProcessError as GroupProcessError
 from .fakes import AsyncTornReadBackend as AsyncTornReadBackend
 from .fakes import EventLog as EventLog
@@ -34,7 +35,6 @@ from .fakes import VersionStampedModel as VersionStampedModel
 from .fakes import count_host_syncs as count_host_syncs
 from .harness import InProcessWorker as InProcessWorker
 from .harness import weights_digest as weights_digest
-from .processes import ChildFailure as ChildFailure
 from .processes import find_free_port as find_free_port
 from .processes import run_processes as run_processes
 from .scheduler import CheckThenActScheduler as CheckThenActScheduler

@@ -22,13 +22,12 @@ import socket
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..errors import GroupProcessError
+from ..errors import ChildFailure, GroupProcessError
 
 __all__ = ["ChildFailure", "GroupProcessError", "find_free_port", "run_processes"]
 
@@ -46,17 +45,6 @@ def find_free_port(host: str = "127.0.0.1") -> int:
 
 
 # -- spawning a group of processes -------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ChildFailure:
-    """How one child process failed."""
-
-    rank: int
-    exitcode: int | None
-    """``None``: still running when it was killed for overstaying."""
-    error: str
-    """The child's formatted traceback, or what the parent observed."""
 
 
 def _child_main(
