@@ -11,6 +11,8 @@ loopback and on several machines.
   seconds, turning a timeout into :class:`~rollout_sync.errors.CollectiveTimeout` and a dead
   peer into :class:`~rollout_sync.errors.CollectiveError`, both naming the operation.
 * :func:`group_ranks` - the global ranks of a group, for messages.
+* :func:`find_free_port` - a TCP port nothing listens on now, for a rendezvous a process hosts
+  (a launcher's trainer, a loopback test).
 
 Spawning processes of one's own (tests, demos, benchmarks) is
 :func:`rollout_sync.testing.run_processes`.
@@ -18,6 +20,7 @@ Spawning processes of one's own (tests, demos, benchmarks) is
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +32,7 @@ from .errors import CollectiveError, CollectiveTimeout
 __all__ = [
     "CollectiveError",
     "CollectiveTimeout",
+    "find_free_port",
     "group_ranks",
     "init_process_group",
     "new_group",
@@ -36,6 +40,18 @@ __all__ = [
 ]
 
 DEFAULT_GROUP_TIMEOUT_S = 60.0
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that nothing listens on at the time of the call.
+
+    Another process may take it before it is used; a rendezvous hosted right after the call (a
+    launcher's trainer, a loopback test) is the intended use, where that race is rare enough.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def init_process_group(

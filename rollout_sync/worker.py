@@ -278,9 +278,10 @@ class WorkerCommandChannel:
     * ``STOP``: ``Stop()`` to every replica.
 
     Commands go on each replica's command queue, the one its worker reads
-    (``RolloutWorker(commands=...)``: a ``multiprocessing`` queue across processes, or in one
-    process the worker's own ``worker.commands``). Every put of one announcement shares its
-    ``timeout``.
+    (``RolloutWorker(commands=...)``): in one process the worker's own ``worker.commands``,
+    across processes a ``multiprocessing`` queue, across hosts a
+    :class:`~rollout_sync.integrations.launch.StoreCommandQueue` on the job's rendezvous store.
+    Every put of one announcement shares its ``timeout``.
 
     Args:
         queues: replica rank -> that replica's command queue.

@@ -15,7 +15,7 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str =
     while not predicate():
         if time.monotonic() > deadline:
             raise AssertionError(f"not reached within {timeout} s: {what or predicate}")
-        time.sleep(0.001)
+        time.sleep(0.001)  # a bounded poll of state that offers no event to wait on
 
 
 class ThreadRunner:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -61,7 +63,7 @@ def test_an_expected_exit_is_not_a_failure() -> None:
     assert set(values) == {0}
 
 
-def _collective_child(rank: int, port: int) -> str:
+def _collective_child(rank: int, port: int, timed_out: Any) -> str:
     init_process_group(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}", timeout_s=20)
     t = torch.zeros(1)
     if rank == 1:
@@ -71,14 +73,18 @@ def _collective_child(rank: int, port: int) -> str:
             wait_work(work, operation="broadcast of the test tensor", timeout_s=0.5)
         except CollectiveTimeout as exc:
             return f"{exc.operation}|{exc.group}|{time.monotonic() - started:.1f}|{exc}"
+        finally:
+            timed_out.set()
         return "completed"
-    time.sleep(2.0)  # stays alive past rank 1's limit, so the wait times out (not a dead peer)
+    # Alive (not a dead peer) until rank 1's wait has run out, so that wait is a timeout.
+    assert timed_out.wait(30), "rank 1 never finished its wait"
     return "idle"
 
 
 @pytest.mark.timeout(60)
 def test_wait_work_times_out_with_the_operation_and_group_named() -> None:
-    values = run_processes(_collective_child, 2, (find_free_port(),), timeout_s=60)
+    timed_out = multiprocessing.get_context("spawn").Event()
+    values = run_processes(_collective_child, 2, (find_free_port(), timed_out), timeout_s=60)
     operation, group, seconds, text = values[1].split("|", 3)
     assert operation == "broadcast of the test tensor" and group == "(0, 1)"
     assert float(seconds) < 2.0

@@ -357,7 +357,7 @@ def _syncs_rank(rank: int, world_size: int, guarded: bool) -> dict[str, Any]:
             with hold, timeline.span(SpanKind.WEIGHT_COLLECTIVE, f"weights v{version}"):
                 # Widen the window on purpose: the rollouts already wait in the collective,
                 # and unguarded their payloads keep arriving meanwhile.
-                time.sleep(0.05)
+                time.sleep(0.05)  # widens the race window on purpose (see above)
                 dist.broadcast(weights.fill_(version), src=TRAINER, group=weight_group)
         consumer.join(60)
         if errors:
@@ -569,7 +569,7 @@ def _deadline_rank(rank: int, world_size: int) -> dict[str, Any]:
     with sender.hold_sends(timeout=10):
         before = sender.statistics()
         # Hold longer than the request's whole deadline, on purpose: that is the test.
-        time.sleep(HOLD_S)
+        time.sleep(HOLD_S)  # on purpose: outlast the request's deadline while held
         seq = sender.register_payload(
             make_payload(rank, 0)[0], {"pending_request": before.oldest_request_id}
         )

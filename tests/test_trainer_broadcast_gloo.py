@@ -52,7 +52,7 @@ def _trainer(
 
     def gather() -> dict[str, torch.Tensor]:
         # Stands in for a ZeRO gather; sleeps on purpose so the timed bracket has a known floor.
-        time.sleep(GATHER_FLOOR_S)
+        time.sleep(GATHER_FLOOR_S)  # on purpose: a known floor for the timed bracket
         weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
         pushed[broadcast.version + 1] = _plain(weights)
         return weights

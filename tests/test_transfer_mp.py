@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import wait_until
 
 from rollout_sync.distributed import init_process_group
 from rollout_sync.errors import (
@@ -434,10 +435,8 @@ def _killed_child(rank: int, port: int) -> dict[str, Any]:
             recovered_at = time.monotonic_ns()
             out["recovered"] = (recovered.ok, backend.weight_version, backend.weights_torn)
             # Generation resumes after the complete sync (bounded wait for a forward).
-            deadline = time.monotonic() + 10
             seen = model.forwards
-            while model.forwards == seen and time.monotonic() < deadline:
-                time.sleep(0.01)  # polling a counter the serving thread bumps
+            wait_until(lambda: model.forwards > seen, 10, "generation to resume")
             out["resumed"] = model.forwards > seen
             # While torn, no forward started.
             out["forwards_while_torn"] = sum(

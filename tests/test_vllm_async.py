@@ -8,12 +8,12 @@ compared with a plain transformers forward of the same weights.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import wait_until
 from vllm_helpers import (  # first: it sets the environment vLLM reads at import
     NO_FORWARD_DURING,
     World,
@@ -150,11 +150,10 @@ def test_a_request_that_ends_before_a_sync_is_not_straddled(world: World) -> Non
 
 
 def _wait_for_forwards(backend: VLLMAsyncBackend, more_than: int, timeout: float) -> int:
-    deadline = time.monotonic() + timeout
-    while (count := backend.engine_forward_count()) <= more_than:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the engine ran no forward within {timeout} s")
-    return count
+    wait_until(
+        lambda: backend.engine_forward_count() > more_than, timeout, "the engine to run a forward"
+    )
+    return backend.engine_forward_count()
 
 
 def _two_part_sync(world: World, *, guarded: bool) -> None:
@@ -309,10 +308,8 @@ def test_pause_timeout_raises_clearly_and_leaves_the_engine_running(
     )
     thread.start()
     try:
-        deadline = time.monotonic() + 30
-        while not started.exists():  # the engine process touches it: nothing to wait on here
-            assert time.monotonic() < deadline, "the engine never started the stall"
-            time.sleep(0.005)
+        # The engine process touches the file: there is no event to wait on across it.
+        wait_until(started.exists, 30, "the engine to start the stall")
         with pytest.raises(PauseTimeout, match=r"did not park within 0\.3 s"), backend.paused(0.3):
             pytest.fail("the body must not run without a parked engine")
     finally:

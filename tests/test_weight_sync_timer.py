@@ -176,7 +176,7 @@ def test_perf_counter_clock_is_ready_at_once() -> None:
     timer = WeightSyncTimer(TimerClock.PERF_COUNTER)
     with timer.measure(3, nbytes=64) as m:
         # The body being measured: a known lower bound for the sample.
-        time.sleep(0.02)
+        time.sleep(0.02)  # on purpose: the measured body, a known lower bound
         m.nbytes = 128
     (sample,) = timer.harvest()
     assert sample.tag == 3 and sample.nbytes == 128

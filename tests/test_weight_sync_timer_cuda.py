@@ -31,7 +31,7 @@ def test_a_real_copy_is_harvested_only_once_complete_and_matches_a_reference() -
     with count_host_syncs() as syncs:
         with timer.measure(1, nbytes=src.numel() * src.element_size()):
             ref_start.record()
-            torch.cuda._sleep(BUSY_CYCLES)
+            torch.cuda._sleep(BUSY_CYCLES)  # device work on purpose: events stay pending
             dst.copy_(src)
             ref_end.record()
         deferred = timer.harvest()
@@ -61,7 +61,7 @@ def test_a_lagging_harvest_loses_no_sample_on_a_real_device() -> None:
     with count_host_syncs() as syncs:
         for step in range(12):
             with timer.measure(step):
-                torch.cuda._sleep(BUSY_CYCLES // 10)
+                torch.cuda._sleep(BUSY_CYCLES // 10)  # device work on purpose
                 for w, b in zip(weights, buffers, strict=True):
                     b.copy_(w)
             harvested += timer.harvest()

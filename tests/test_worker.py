@@ -270,9 +270,7 @@ def test_the_loop_does_not_generate_on_torn_weights() -> None:
     worker.step_generation = step_generation
 
     def recover() -> None:
-        deadline = time.monotonic() + 10
-        while not rollout.weights_torn and time.monotonic() < deadline:
-            time.sleep(0.001)  # polling the state the loop thread sets
+        wait_until(lambda: rollout.weights_torn, 10, "the loop thread to mark the weights torn")
         transfer.fail_after = None
         worker.submit(P2R())
 

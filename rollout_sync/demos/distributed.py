@@ -19,8 +19,8 @@ paths the guard protects:
 * **Weights.** The trainer runs a training loop over the same TinyLM architecture: each step
   it takes the payloads that arrive (its stand-in for training on them), moves its weights (a
   perturbation, so every version differs), and a :class:`~rollout_sync.WeightBroadcastCallback`
-  announces the step on the replicas' command queues through a
-  :class:`~rollout_sync.worker.WorkerCommandChannel` (P2R for the first replica, R2R for all)
+  announces the step through a :class:`~rollout_sync.worker.WorkerCommandChannel` (P2R for the
+  first replica, R2R for all) on the replicas' command queues on the rendezvous store
   and pushes the weights through a :class:`~rollout_sync.TransferWeightPusher`: the P2R
   barrier (the replica reaches it paused, with its sends held), then the trainer's
   ``hold_receives``, then the bucketed, validated :class:`~rollout_sync.WeightTransfer` send.

@@ -43,6 +43,7 @@ from ..worker import P2R, R2R, Stop
 __all__ = [
     "JobContext",
     "JobLayout",
+    "QueueStore",
     "Role",
     "StoreCommandQueue",
     "results_on_trainer",
@@ -138,9 +139,10 @@ class JobContext:
         return {rank: StoreCommandQueue(store, rank) for rank in ranks}
 
 
-def torchrun_context(layout_trainer: int = 0) -> JobContext:
+def torchrun_context(trainer: int = 0) -> JobContext:
     """This process's :class:`JobContext` under torchrun (or any launcher that sets ``RANK``
-    and ``WORLD_SIZE``, with ``MASTER_ADDR`` / ``MASTER_PORT`` for the ``env://`` rendezvous).
+    and ``WORLD_SIZE``, with ``MASTER_ADDR`` / ``MASTER_PORT`` for the ``env://`` rendezvous);
+    ``trainer`` is the trainer's rank.
 
     Raises:
         RuntimeError: the environment has no ``RANK`` / ``WORLD_SIZE`` (not under torchrun).
@@ -153,7 +155,7 @@ def torchrun_context(layout_trainer: int = 0) -> JobContext:
             "(torchrun --standalone --nproc-per-node N ...) or set RANK, WORLD_SIZE, "
             "MASTER_ADDR and MASTER_PORT"
         ) from None
-    return JobContext(rank, JobLayout(world_size, layout_trainer), "env://", launcher="torchrun")
+    return JobContext(rank, JobLayout(world_size, trainer), "env://", launcher="torchrun")
 
 
 # -- commands across hosts ---------------------------------------------------------------------

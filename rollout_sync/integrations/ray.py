@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -31,6 +30,7 @@ from types import TracebackType
 from typing import Any
 
 from .._deadline import deadline_after, remaining
+from ..distributed import find_free_port
 from ..errors import ChildFailure, GroupProcessError, RayUnavailableError
 from .launch import JobContext, JobLayout
 
@@ -54,10 +54,7 @@ class _RankProcess:
         """``tcp://host:port`` with a port free on this node (the trainer hosts the store)."""
         if host is None:
             host = _ray().util.get_node_ip_address()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
-        return f"tcp://{host}:{port}"
+        return f"tcp://{host}:{find_free_port(host)}"
 
     def run(
         self,
@@ -176,29 +173,17 @@ class RayJob:
         self._release()
 
     def _place(self) -> None:
-        ray = _ray()
+        _ray()  # a clear RayUnavailableError before the imports below
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._placement = placement_group(
             [dict(self.bundle) for _ in range(self.layout.world_size)], strategy=self.strategy
         )
-        try:
-            ray.get(self._placement.ready(), timeout=self.timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise GroupProcessError(
-                [
-                    ChildFailure(
-                        rank,
-                        None,
-                        f"no placement within {self.timeout_s:.1f} s for bundles {self.bundle} "
-                        "(does the cluster have the resources?)",
-                    )
-                    for rank in range(self.layout.world_size)
-                ],
-                {},
-                "RayJob",
-            ) from None
+        self._get(
+            self._placement.ready(),
+            f"no placement for bundles {self.bundle} (does the cluster have the resources?)",
+        )
         options: dict[str, Any] = {
             "num_cpus": self.bundle.get("CPU", 0),
             "num_gpus": self.bundle.get("GPU", 0),
@@ -211,7 +196,6 @@ class RayJob:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self._placement, placement_group_bundle_index=rank
                 ),
-                name=None,
                 **options,
             )
             .remote()
@@ -232,8 +216,9 @@ class RayJob:
         ray = _ray()
         deadline = deadline_after(self.timeout_s)
         trainer = self._actors[self.layout.trainer]
-        rendezvous = ray.get(
-            trainer.rendezvous_address.remote(self.rendezvous_host), timeout=self.timeout_s
+        rendezvous = self._get(
+            trainer.rendezvous_address.remote(self.rendezvous_host),
+            "the trainer's actor published no rendezvous address",
         )
         pending = {
             actor.run.remote(
@@ -275,6 +260,16 @@ class RayJob:
         if failures:
             raise GroupProcessError(failures, values, "RayJob")
         return values
+
+    def _get(self, ref: Any, what: str) -> Any:
+        """``ray.get(ref)`` within ``timeout_s``; running out fails every rank, saying ``what``."""
+        ray = _ray()
+        try:
+            return ray.get(ref, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            why = f"{what} within {self.timeout_s:.1f} s"
+            failures = [ChildFailure(r, None, why) for r in range(self.layout.world_size)]
+            raise GroupProcessError(failures, {}, "RayJob") from None
 
     def _release(self) -> None:
         """Kill the actors, remove the placement group, stop a cluster this job started."""

@@ -122,26 +122,12 @@ def send_frame(frame: torch.Tensor, peer: int, group: dist.ProcessGroup, timeout
             it did not take the frame within ``timeout`` (it is not serving its transport). The
             message names the peer rank and which of the two happened.
     """
-    operation = f"control frame to rank {peer}"
-    try:
+    what = f"control frame to rank {peer}"
+    with _peer_failures(what, peer, timeout):
         work = dist.isend(frame, peer, group=group)
         if work is None:  # pragma: no cover - isend returns work for a member rank
             raise PayloadTransportError("this rank is not in the payload control group")
-        wait_collective([work], operation=operation, timeout_s=timeout, ranks=(peer,))
-    except CollectiveTimeout as exc:
-        raise PayloadTransportError(
-            f"{operation} not delivered within {timeout:.1f} s: rank {peer} is not taking "
-            "control frames (stopped serving its transport, or hung)"
-        ) from exc
-    except CollectiveError as exc:
-        raise PayloadTransportError(
-            f"{operation} not delivered: the connection to rank {peer} closed (the peer most "
-            f"likely died; check its log): {exc}"
-        ) from exc
-    except RuntimeError as exc:  # isend itself refused: the pair is already closed
-        raise PayloadTransportError(
-            f"{operation} not sent: the connection to rank {peer} is closed ({exc})"
-        ) from exc
+        wait_collective([work], operation=what, timeout_s=timeout, ranks=(peer,))
 
 
 COALESCE_BYTES = 1 << 20
@@ -297,7 +283,7 @@ def wait_works(
             afterwards (a timed-out gloo pair is closed; an NCCL op is stuck).
     """
     deadline = deadline_after(timeout)
-    try:
+    with _peer_failures(what, peer, timeout):
         wait_collective(works, operation=what, timeout_s=timeout, ranks=(peer,))
         if device.type == "cuda":
             wait_device_idle(
@@ -309,15 +295,23 @@ def wait_works(
                     timeout=timeout,
                 ),
             )
+
+
+@contextmanager
+def _peer_failures(what: str, peer: int, timeout: float) -> Iterator[None]:
+    """Turn a failed wait on ``peer`` into :class:`PayloadTransportError`, naming the peer and
+    the cause: its connection closed (it died) or it took nothing within ``timeout``."""
+    try:
+        yield
     except CollectiveTimeout as exc:
         raise PayloadTransportError(
             f"{what} did not complete within {timeout:.1f} s: rank {peer} stopped serving its "
-            "transport or hung; the data group is unusable now."
+            "transport or hung; the transport is unusable now"
         ) from exc
-    except CollectiveError as exc:
+    except (CollectiveError, RuntimeError) as exc:  # RuntimeError: the send itself refused
         raise PayloadTransportError(
             f"{what} failed: the connection to rank {peer} closed (the peer most likely died; "
-            "check its log); the data group is unusable now."
+            f"check its log); the transport is unusable now: {exc}"
         ) from exc
 
 

@@ -4,7 +4,8 @@ For tests, benchmarks and demos that start their own processes on one machine. A
 a launcher (torchrun, Ray) starts its processes there instead and joins with
 :func:`rollout_sync.distributed.init_process_group`.
 
-* :func:`find_free_port` - a TCP port nobody listens on now (for loopback rendezvous).
+* :func:`find_free_port` - a TCP port nobody listens on now (from
+  :mod:`rollout_sync.distributed`; here for the tests that pick loopback rendezvous).
 * :func:`run_processes` - spawn ``nprocs`` children running ``target(rank, *args)``, collect
   their return values, and raise :class:`~rollout_sync.errors.GroupProcessError` with every
   child's traceback when one fails, dies or overstays. A child killed by a signal reports the
@@ -18,7 +19,6 @@ import multiprocessing.context
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -27,21 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..distributed import find_free_port
 from ..errors import ChildFailure, GroupProcessError
 
 __all__ = ["ChildFailure", "GroupProcessError", "find_free_port", "run_processes"]
-
-
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that nothing listens on at the time of the call.
-
-    Another process may take it before it is used; rendezvous on loopback within a test is the
-    intended use, where that race is rare enough.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 # -- spawning a group of processes -------------------------------------------------------------
