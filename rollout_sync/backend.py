@@ -61,6 +61,8 @@ class RolloutBase(abc.ABC):
       runs while the caller's loop handles a command.
     * :meth:`load_weights` (optional): the default copies in place into :meth:`served_weights`;
       an engine that needs a reload path overrides it.
+    * :meth:`flat_weight_storage` (optional): the flat buffer the served weights live in, for
+      zero-copy transfers.
 
     What the base keeps: the served weight version, and whether the served weights are torn
     (a synchronous write failed part-way), in which case generation must be refused until a
@@ -119,6 +121,17 @@ class RolloutBase(abc.ABC):
         tensors returns tensors of the right names, shapes and dtypes to receive into and
         overrides :meth:`load_weights` to hand them to the engine.
         """
+
+    def flat_weight_storage(self) -> torch.Tensor | None:
+        """The flat buffer the served weights live in, if they do (opt-in); default ``None``.
+
+        A backend that keeps its served weights as views of one ``uint8`` buffer, laid out as
+        :class:`~rollout_sync.flat.FlatWeights` lays them out (served order, each tensor at a
+        multiple of 64 bytes), returns that buffer here. Transfers then receive into it and
+        send from it directly, without staging copies, and overwrite its padding bytes: return
+        it only if every byte of it is the backend's to overwrite.
+        """
+        return None
 
     def load_weights(
         self, weights: Mapping[str, torch.Tensor], *, require_all: bool = True

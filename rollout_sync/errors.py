@@ -53,6 +53,7 @@ __all__ = [
     "PayloadTransportError",
     "PayloadsExhausted",
     "RayUnavailableError",
+    "RelayForwardError",
     "RolloutSyncError",
     "SchedulerTimeout",
     "ShutdownTimeout",
@@ -213,6 +214,38 @@ class ManifestRejected(WeightTransferError):
     ) -> None:
         super().__init__(message, operation=operation, version=version)
         self.rejected_by = tuple(rejected_by)
+
+
+class RelayForwardError(WeightTransferError):
+    """A pipelined relay received its version whole, but passing it on failed.
+
+    Raised by :meth:`~rollout_sync.WeightTransfer.relay` after the relay's own receive
+    completed (``complete`` is true: the relay's targets hold ``version`` whole; a worker
+    commits it and still reports the failure). The downstream receivers got nothing (a
+    rejected manifest) or fail on their own side (a dead relay, a bad bucket).
+
+    Attributes:
+        cause: the forwarding's own error (:class:`ManifestRejected`,
+            :class:`ChecksumMismatchError`, a timeout or a dead receiver).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        operation: str,
+        version: int,
+        tensors_written: int,
+        cause: WeightTransferError,
+    ) -> None:
+        super().__init__(
+            message,
+            operation=operation,
+            version=version,
+            tensors_written=tensors_written,
+            complete=True,
+        )
+        self.cause = cause
 
 
 class ChecksumMismatchError(WeightTransferError):

@@ -21,11 +21,25 @@ One transfer, in order:
    collectives. Two buffers alternate: the source packs bucket ``k + 1`` while bucket ``k`` is
    on the wire, a receiver unpacks bucket ``k`` while bucket ``k + 1`` arrives. Unpacking is
    ``target.copy_(view)``, so non-contiguous targets are fine.
-4. **Checksums** (optional). The source appends a checksum to each bucket; a receiver checks it
-   before unpacking that bucket. A mismatch stops all further writes on that receiver, which
-   keeps receiving (so the group is not left hanging) and votes no at the end.
+
+   **Zero-copy.** A bucket whose bytes already lie contiguously in memory is not staged: a
+   bucket that is exactly one contiguous tensor, or a span of the flat ``storage`` the caller
+   declares its tensors live in (:class:`~rollout_sync.flat.FlatWeights`,
+   :meth:`~rollout_sync.RolloutBase.flat_weight_storage`) is sent straight from it and
+   received straight into it.
+4. **Checksums** (optional). The source broadcasts a checksum after each bucket; a receiver
+   checks it before unpacking that bucket (``verify_before_write``, the default, stages every
+   bucket for this). A mismatch stops all further writes on that receiver, which keeps
+   receiving (so the group is not left hanging) and votes no at the end. With
+   ``verify_before_write=False`` zero-copy buckets are verified *after* they landed in the
+   targets: a bad one leaves them torn, and the worker marks them so.
 5. **Commit vote.** Every rank all-gathers whether its side succeeded. Only then does
    :meth:`WeightTransfer.receive` return; the caller commits the version.
+
+**The pipelined relay.** :meth:`WeightTransfer.relay` runs on the replica that receives the P2R
+and is the R2R source: it passes bucket ``k`` on to the R2R group while bucket ``k + 1``
+arrives, bytes and checksums exactly as received, so the two hops overlap. The other replicas
+run an ordinary :meth:`WeightTransfer.receive` at the same time.
 
 Every collective is waited for with a timeout (:func:`~rollout_sync.distributed.wait_work`). A
 peer that dies mid-transfer is a :class:`WeightTransferError` in bounded time, whose
@@ -42,6 +56,7 @@ import functools
 import hashlib
 import json
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -56,10 +71,12 @@ from .errors import (
     CollectiveTimeout,
     ManifestError,
     ManifestRejected,
+    RelayForwardError,
     RolloutSyncError,
     WeightTransferError,
     WeightTransferTimeout,
 )
+from .flat import ALIGN_BYTES, aligned
 from .trace import SpanKind, Timeline
 from .weights import WeightSpec, check_weights_match
 
@@ -70,6 +87,7 @@ __all__ = [
     "ManifestError",
     "ManifestRejected",
     "OriginChecksums",
+    "RelayForwardError",
     "TransferConfig",
     "TransferHooks",
     "TransferStats",
@@ -84,13 +102,8 @@ __all__ = [
 BUFFER_WRITE = "weight_buffer_write"
 """Span kind of a write into an async-mode weight buffer (not a served tensor)."""
 
-ALIGN_BYTES = 64
-"""Every tensor starts at a multiple of this in its bucket, so a byte slice views as any dtype."""
-
-CHECKSUM_BYTES = 16
-"""Two int64 words appended to a bucket when checksums are on."""
-
-_MANIFEST_FORMAT = 1
+_MANIFEST_FORMAT = 2
+"""2: checksums travel as a broadcast of their own after each bucket (1: appended to it)."""
 _CHECKSUM_COLS = 1024
 _CHECKSUM_PRIME = 2_147_483_629
 
@@ -105,9 +118,18 @@ class TransferConfig:
     bucket_bytes: int = 32 << 20
     """Target size of one flat bucket; a larger tensor gets a bucket of its own."""
     checksums: bool = False
-    """Append a checksum to every bucket and verify it on every receiver."""
+    """Send a checksum after every bucket and verify it on every receiver."""
     timeout_s: float = 60.0
     """Limit of each collective (manifest, each bucket, each vote)."""
+    zero_copy: bool = True
+    """Send from, and receive into, buckets whose bytes already lie contiguously (one tensor,
+    or a span of declared flat storage) instead of staging them. ``False`` stages every bucket
+    (for comparison)."""
+    verify_before_write: bool = True
+    """With checksums, stage every received bucket and verify it before any target is written.
+    ``False`` lets zero-copy buckets land in the targets first and be verified after: no
+    staging copy, but a bad bucket leaves the targets torn (they are marked so, never
+    served). Ignored without checksums (nothing to verify)."""
 
     def __post_init__(self) -> None:
         if self.bucket_bytes < ALIGN_BYTES:
@@ -121,10 +143,10 @@ class TransferHooks:
     """Fault-injection points for tests (corrupt a bucket, kill a peer mid-transfer).
 
     ``after_pack(bucket_index, flat)`` runs on the source after a bucket is packed and
-    checksummed, before it is sent; ``after_receive(bucket_index, flat)`` on a receiver after a
-    bucket arrived, before it is verified and unpacked. Both see staged buckets only: a bucket
-    sent straight from (or received straight into) its one tensor has no staging buffer. With
-    checksums on, every bucket is staged.
+    checksummed, before it is sent; ``after_receive(bucket_index, flat)`` on a receiver (and a
+    relay) after a bucket arrived, before it is verified, forwarded and unpacked. Both fire for
+    every bucket. For a zero-copy bucket ``flat`` is the tensors' own bytes (on the source, the
+    weights being sent; on a receiver, the targets), so a hook that changes it changes them.
     """
 
     after_pack: Callable[[int, torch.Tensor], None] | None = None
@@ -136,7 +158,7 @@ class TransferStats:
     """What one transfer did on this rank. Times in seconds."""
 
     role: str
-    """``"send"`` or ``"receive"``."""
+    """``"send"``, ``"receive"`` or ``"relay"`` (received, and passed on as it arrived)."""
     version: int
     tensors: int
     buckets: int
@@ -153,6 +175,8 @@ class TransferStats:
     """The source's checksums of each bucket, when checksums are on (for R2R's origin check)."""
     layout: str = ""
     """Identifies the bucket layout; checksums are comparable only between equal layouts."""
+    zero_copy_buckets: int = 0
+    """Buckets sent from, or received into, the tensors' own memory (no staging copy)."""
 
     @property
     def mb_per_s(self) -> float:
@@ -243,15 +267,15 @@ class WeightManifest:
                     f"got layout {tensor.layout}"
                 )
             nbytes = tensor.numel() * tensor.element_size()
-            start = _align(offset)
+            start = aligned(offset)
             if start + nbytes > bucket_bytes and offset > 0:
-                sizes.append(_align(offset))
+                sizes.append(aligned(offset))
                 bucket, start = bucket + 1, 0
             entries.append(
                 ManifestEntry(name, tuple(tensor.shape), tensor.dtype, bucket, start, nbytes)
             )
             offset = start + nbytes
-        sizes.append(max(_align(offset), ALIGN_BYTES))
+        sizes.append(max(aligned(offset), ALIGN_BYTES))
         manifest = cls(tuple(entries), tuple(sizes), require_all, checksums, None)
         if origin is not None and origin.layout == manifest.layout:
             manifest = cls(tuple(entries), tuple(sizes), require_all, checksums, origin)
@@ -399,10 +423,6 @@ class WeightManifest:
                 )
 
 
-def _align(n: int) -> int:
-    return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
-
-
 # -- checksums ---------------------------------------------------------------------------------
 
 
@@ -473,10 +493,132 @@ class _Outcome:
     failure: str | None = None
     checksums_verified: int = 0
     source_checksums: list[tuple[int, int]] = field(default_factory=list)
+    zero_copy_buckets: int = 0
 
 
 _HEADER_WORDS = 2
 """The header broadcast first: (manifest byte count, or -1 for an abort; weight version)."""
+
+
+@dataclass(frozen=True)
+class _Launched:
+    work: dist.Work
+    bucket: int
+    what: str
+    start_ns: int
+
+
+class _InFlight:
+    """Collectives launched on one transfer's group, waited for in launch order."""
+
+    def __init__(self, transfer: WeightTransfer, op: str, buckets: int, version: int | None):
+        self.transfer = transfer
+        self.op = op
+        self.buckets = buckets
+        self.version = version
+        self.pending: deque[_Launched] = deque()
+
+    def launch(self, tensor: torch.Tensor, bucket: int, what: str = "bucket") -> None:
+        start_ns = time.monotonic_ns()
+        try:
+            work = dist.broadcast(
+                tensor, self.transfer.src, group=self.transfer.group, async_op=True
+            )
+        except RuntimeError as exc:  # a group already broken by a dead peer refuses new work
+            raise WeightTransferError(
+                f"{self.op}: {what} {bucket + 1}/{self.buckets} could not be started: {exc}",
+                operation=self.op,
+                version=self.version,
+            ) from exc
+        assert work is not None
+        self.pending.append(_Launched(work, bucket, what, start_ns))
+
+    def finish_through(self, bucket: int, written: int = 0) -> None:
+        """Wait for every collective of buckets up to ``bucket``, in order."""
+        while self.pending and self.pending[0].bucket <= bucket:
+            launched = self.pending.popleft()
+            name = f"{launched.what} {launched.bucket + 1}/{self.buckets}"
+            try:
+                self.transfer._wait(launched.work, f"{self.op}: {name}", self.version, written)
+            finally:
+                if self.transfer.timeline is not None:
+                    self.transfer.timeline.add_span(
+                        SpanKind.WEIGHT_COLLECTIVE,
+                        name,
+                        launched.start_ns,
+                        src=self.transfer.src,
+                        version=self.version,
+                    )
+
+    def finish_all(self, written: int = 0) -> None:
+        self.finish_through(self.buckets, written)
+
+
+class _Forward:
+    """The relay's second hop: every bucket, once received, broadcast again on the R2R group.
+
+    A failure here (a receiver died, timed out, or rejected) stops the forwarding but not the
+    relay's own receive: it is kept in :attr:`error` and reported after the relay committed.
+    """
+
+    def __init__(
+        self, transfer: WeightTransfer, op: str, manifest: WeightManifest, version: int
+    ) -> None:
+        self.transfer = transfer
+        self.op = op
+        self.version = version
+        self.manifest = manifest
+        self.buckets = manifest.num_buckets
+        self.in_flight = _InFlight(transfer, op, self.buckets, version)
+        self.error: WeightTransferError | None = None
+        self.failed_ranks: list[int] = []
+        self.launched = 0
+
+    def launch(self, bucket: int, flat: torch.Tensor, checksum: torch.Tensor | None) -> None:
+        self.launched = bucket + 1
+        if self.error is not None:
+            return
+        try:
+            self.in_flight.launch(flat, bucket)
+            if checksum is not None:
+                self.in_flight.launch(checksum, bucket, "checksum")
+        except WeightTransferError as exc:
+            self._fail(exc)
+
+    def finish_through(self, bucket: int) -> None:
+        if self.error is None:
+            try:
+                self.in_flight.finish_through(bucket)
+            except WeightTransferError as exc:
+                self._fail(exc)
+
+    def fill(self) -> None:
+        """The relay's source failed: send zeros for the buckets not passed on yet, so the
+        receivers reach the commit vote, where the relay says no, instead of waiting out the
+        timeout."""
+        if self.error is not None or self.launched >= self.buckets:
+            return
+        device = self.transfer.device
+        zeros = torch.zeros(max(self.manifest.bucket_nbytes), dtype=torch.uint8, device=device)
+        checksum = torch.zeros(2, dtype=torch.int64, device=device)
+        for k in range(self.launched, self.buckets):
+            flat = zeros[: self.manifest.bucket_nbytes[k]]
+            self.launch(k, flat, checksum if self.manifest.checksums else None)
+
+    def close(self, *, ok: bool) -> None:
+        """Finish every forward, then the R2R commit vote (this relay's ``ok``)."""
+        self.finish_through(self.buckets)
+        if self.error is None:
+            try:
+                self.failed_ranks = self.transfer._vote_ranks(
+                    ok=ok, op=f"{self.op}: commit vote", version=self.version, written=0
+                )
+            except WeightTransferError as exc:
+                self._fail(exc)
+
+    def _fail(self, exc: WeightTransferError) -> None:
+        self.error = exc
+        self.in_flight.pending.clear()  # a broken group's other works are abandoned, not waited
 
 
 class WeightTransfer:
@@ -484,14 +626,15 @@ class WeightTransfer:
 
     One object per (group, source); reuse it across syncs: its bucket buffers, the encoded
     manifest (source) and the decoded one (receivers) are kept while the layout is unchanged.
-    The source calls :meth:`send`, every other member :meth:`receive`, for each sync, in the
-    same order. Not thread-safe: one transfer at a time per object.
+    The source calls :meth:`send`, every other member :meth:`receive` (or, on a replica that
+    passes the weights on, :meth:`relay`), for each sync, in the same order. Not thread-safe:
+    one transfer at a time per object.
 
     Args:
         group: the process group (``None``: the default group). P2R: ``{trainer, replica}``;
             R2R: the replicas.
         src: the *global* rank of the source.
-        config: bucket size, checksums, collective timeout.
+        config: bucket size, checksums, collective timeout, zero-copy.
         timeline: records collective and write spans.
         device: where buckets live. Default: CUDA for an NCCL group, CPU otherwise.
         hooks: fault injection for tests.
@@ -522,7 +665,8 @@ class WeightTransfer:
         self._buffers: list[torch.Tensor] = []
         self._encoded: tuple[object, WeightManifest, bytes] | None = None
         self._decoded: tuple[bytes, WeightManifest] | None = None
-        self._views: tuple[WeightManifest, tuple[int, ...], list[list[torch.Tensor]]] | None = None
+        self._views: tuple[object, list[list[torch.Tensor]]] | None = None
+        self._spans: tuple[object, tuple[torch.Tensor | None, ...]] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -543,6 +687,7 @@ class WeightTransfer:
         version: int,
         require_all: bool = True,
         origin: OriginChecksums | None = None,
+        storage: torch.Tensor | None = None,
     ) -> TransferStats:
         """Broadcast ``weights`` (this rank must be the source); returns when all committed.
 
@@ -552,6 +697,9 @@ class WeightTransfer:
                 accept a manifest that does not name every served weight.
             origin: the original sender's checksums of ``version`` (an R2R forwarding what it
                 received), checked by every receiver when the layouts match.
+            storage: the flat buffer ``weights`` are views of, if they are
+                (:class:`~rollout_sync.flat.FlatWeights`): buckets that are spans of it are
+                sent straight from it, with no packing copy.
 
         Raises:
             ManifestRejected: a receiver rejected the manifest; nothing was written.
@@ -563,9 +711,10 @@ class WeightTransfer:
         start = time.perf_counter()
         op = f"send version {version} from rank {self.src} to ranks {list(self.ranks)}"
         try:
+            self._check_storage(storage)
             manifest, data = self._encode(weights, require_all, origin)
         except BaseException as exc:
-            self._broadcast_abort(op, version, f"{type(exc).__name__}: {exc}")
+            self.abort(f"{type(exc).__name__}: {exc}", version=version)
             raise
         self._broadcast_manifest(data, version, op)
         self._vote(
@@ -576,7 +725,7 @@ class WeightTransfer:
             reject_message="rejected the manifest; nothing was written",
         )
         manifest_done = time.perf_counter()
-        checksums = self._send_buckets(manifest, weights, op, version)
+        checksums, zero_copy = self._send_buckets(manifest, weights, storage, op, version)
         failed = self._vote_ranks(ok=True, op=f"{op}: commit vote", version=version, written=0)
         if failed:
             raise ChecksumMismatchError(
@@ -602,7 +751,28 @@ class WeightTransfer:
             0,
             tuple(checksums) if checksums else None,
             manifest.layout,
+            zero_copy,
         )
+
+    def abort(self, reason: str, *, version: int = 0) -> None:
+        """Tell the receivers waiting for this transfer's manifest that none is coming.
+
+        On the source only, in place of :meth:`send` (a source that cannot send, say because
+        its own weights are torn): every receiver raises :class:`ManifestRejected` at once,
+        writing nothing, instead of waiting out the timeout. A failure to deliver the abort
+        (a receiver already dead) is not raised: the reason to abort is the error to report.
+        """
+        op = f"send version {version} from rank {self.src} to ranks {list(self.ranks)}"
+        header = torch.tensor([-1, version], dtype=torch.int64, device=self.device)
+        try:
+            self._collective(
+                lambda: dist.broadcast(header, self.src, group=self.group, async_op=True),
+                f"{op}: abort ({reason})",
+                version=version,
+                written=0,
+            )
+        except WeightTransferError:
+            pass
 
     def _encode(
         self, weights: Mapping[str, torch.Tensor], require_all: bool, origin: OriginChecksums | None
@@ -630,54 +800,45 @@ class WeightTransfer:
         return manifest, data
 
     def _send_buckets(
-        self, manifest: WeightManifest, weights: Mapping[str, torch.Tensor], op: str, version: int
-    ) -> list[tuple[int, int]]:
-        tail = CHECKSUM_BYTES if manifest.checksums else 0
-        buffers = self._bucket_buffers(manifest, tail)
-        views = self._bucket_views(manifest, buffers, tail)
-        in_flight: list[tuple[dist.Work, int, int]] = []
+        self,
+        manifest: WeightManifest,
+        weights: Mapping[str, torch.Tensor],
+        storage: torch.Tensor | None,
+        op: str,
+        version: int,
+    ) -> tuple[list[tuple[int, int]], int]:
+        """Pack (or take in place) and broadcast every bucket; (checksums, zero-copy buckets).
+
+        Packing bucket ``k`` overlaps the broadcast of bucket ``k - 1``: two staging buffers
+        alternate, and a buffer is reused only once its previous broadcast completed.
+        """
+        spans = self._bucket_spans(manifest, weights, storage, receiving=False)
+        buffers = self._bucket_buffers(manifest, spans, 2)
+        views = self._bucket_views(manifest, buffers, spans)
+        in_flight = _InFlight(self, op, manifest.num_buckets, version)
         checksum_tensors: list[torch.Tensor] = []
-        n = manifest.num_buckets
         with torch.no_grad():
             for k, entries in enumerate(manifest.buckets):
-                # Buffer k % 2 was last used by bucket k - 2: that send must be complete.
-                while in_flight and in_flight[0][1] <= k - len(buffers):
-                    self._finish(in_flight.pop(0), op, n, version, 0)
-                size = manifest.bucket_nbytes[k]
-                direct = None if tail else self._direct(manifest, k, weights)
-                if direct is not None:
-                    # A bucket that is exactly one contiguous tensor goes out as is.
-                    in_flight.append(self._launch(direct, k))
-                    continue
-                flat = buffers[k % len(buffers)][: size + tail]
-                for lo, hi in manifest.padding[k]:
-                    # Padding gets zeros, so equal weights give equal buckets (and checksums)
-                    # whatever the buffer held before.
-                    flat[lo:hi].zero_()
-                torch._foreach_copy_(views[k], [weights[e.name] for e in entries])
-                if tail:
-                    checksum = bucket_checksum(flat[:size])
-                    flat[size:].view(torch.int64).copy_(checksum)
-                    checksum_tensors.append(checksum)
+                flat = spans[k]
+                if flat is None:
+                    # The staging buffer of bucket k last held bucket k - len(buffers).
+                    in_flight.finish_through(k - len(buffers))
+                    flat = buffers[k % len(buffers)][: manifest.bucket_nbytes[k]]
+                    for lo, hi in manifest.padding[k]:
+                        # Padding gets zeros, so equal weights give equal buckets (and
+                        # checksums) whatever the buffer held before.
+                        flat[lo:hi].zero_()
+                    torch._foreach_copy_(views[k], [weights[e.name] for e in entries])
+                checksum = bucket_checksum(flat) if manifest.checksums else None
                 if self.hooks.after_pack is not None:
                     self.hooks.after_pack(k, flat)
-                in_flight.append(self._launch(flat, k))
-            while in_flight:
-                self._finish(in_flight.pop(0), op, n, version, 0)
-        return [(int(c[0]), int(c[1])) for c in checksum_tensors]
-
-    def _broadcast_abort(self, op: str, version: int, reason: str) -> None:
-        """Tell receivers waiting for a manifest that none is coming (a size of -1)."""
-        header = torch.tensor([-1, version], dtype=torch.int64, device=self.device)
-        try:
-            self._collective(
-                lambda: dist.broadcast(header, self.src, group=self.group, async_op=True),
-                f"{op}: abort ({reason})",
-                version=version,
-                written=0,
-            )
-        except WeightTransferError:
-            pass  # the error that made the source abort is the one to report
+                in_flight.launch(flat, k)
+                if checksum is not None:
+                    checksum_tensors.append(checksum)
+                    in_flight.launch(checksum, k, "checksum")
+            in_flight.finish_all()
+        zero_copy = sum(span is not None for span in spans)
+        return [(int(c[0]), int(c[1])) for c in checksum_tensors], zero_copy
 
     def _broadcast_manifest(self, data: bytes, version: int, op: str) -> None:
         header = torch.tensor([len(data), version], dtype=torch.int64, device=self.device)
@@ -703,6 +864,7 @@ class WeightTransfer:
         *,
         allow_subset: bool = True,
         write_kind: str = SpanKind.WEIGHT_WRITE,
+        storage: torch.Tensor | None = None,
     ) -> TransferStats:
         """Receive one broadcast into ``into`` (this rank must not be the source), in place.
 
@@ -714,6 +876,11 @@ class WeightTransfer:
             allow_subset: accept a manifest that does not name every target (a
                 ``trainable_only`` sync). ``False`` rejects it.
             write_kind: the span kind of writes into ``into``.
+            storage: the flat buffer ``into`` are views of, if they are
+                (:meth:`~rollout_sync.RolloutBase.flat_weight_storage`): buckets that are
+                spans of it are received straight into it (zero-copy; its padding bytes are
+                overwritten). With checksums and ``verify_before_write`` (the default) every
+                bucket is still staged and verified first.
 
         Raises:
             WeightMismatchError: this rank rejected the manifest; ``into`` is untouched.
@@ -725,11 +892,163 @@ class WeightTransfer:
         """
         if self.is_source:
             raise RuntimeError(f"receive() on the source rank {self.src}; call send()")
+        self._check_storage(storage)
         start = time.perf_counter()
         me = dist.get_rank()
-        op = f"receive from rank {self.src} on rank {me}"
-        version, manifest, problem = self._receive_manifest(op, into, allow_subset)
+        version, manifest, _, problem = self._receive_manifest(
+            f"receive from rank {self.src} on rank {me}", into, allow_subset
+        )
         op = f"receive version {version} from rank {self.src} on rank {me}"
+        self._manifest_vote(op, version, problem)
+        assert manifest is not None  # a missing manifest always comes with a problem (raised)
+        manifest_done = time.perf_counter()
+        outcome = _Outcome()
+        self._receive_buckets(manifest, into, storage, op, version, outcome, write_kind, None)
+        failed = self._vote_ranks(
+            ok=outcome.failure is None,
+            op=f"{op}: commit vote",
+            version=version,
+            written=outcome.tensors_written,
+        )
+        self._raise_failures(op, version, outcome, failed)
+        return self._receive_stats("receive", version, manifest, outcome, start, manifest_done)
+
+    def relay(
+        self,
+        into: Mapping[str, torch.Tensor],
+        forward: WeightTransfer,
+        *,
+        allow_subset: bool = True,
+        write_kind: str = SpanKind.WEIGHT_WRITE,
+        storage: torch.Tensor | None = None,
+    ) -> TransferStats:
+        """Receive one broadcast into ``into`` and pass it on through ``forward`` as it arrives.
+
+        The pipelined relay: this rank receives from this transfer's source (the P2R) and is
+        the source of ``forward`` (the R2R), whose other members run :meth:`receive` at the
+        same time. Bucket ``k`` is broadcast on ``forward``'s group as soon as it has arrived,
+        while bucket ``k + 1`` arrives, so the two hops overlap instead of adding up. The bytes
+        are passed on exactly as received, checksums included, so a bucket corrupted on either
+        hop is caught by every downstream receiver.
+
+        Validation spans both hops: the manifest is passed on before this rank votes on it, so
+        a downstream receiver that rejects it gets nothing written, while this rank still
+        takes the version (as a separate R2R would). A relay that rejects the manifest tells
+        its downstream receivers at once (the abort header).
+
+        Args:
+            into, allow_subset, write_kind, storage: as for :meth:`receive`.
+            forward: the R2R transfer; this rank must be its source, on the same device.
+
+        Returns:
+            This rank's receive, as ``role="relay"``.
+
+        Raises:
+            RelayForwardError: this rank received the version whole (``complete``), but the
+                forwarding failed (a downstream receiver rejected the manifest, died, timed out
+                or reported a bad bucket); the caller commits the version and reports this.
+            Otherwise as :meth:`receive`. When the upstream source fails mid-transfer, the
+            buckets not yet forwarded are still sent (their bytes void) and this rank votes no
+            in the R2R commit vote, so downstream receivers fail within one transfer's time,
+            marked torn, instead of waiting out the timeout.
+        """
+        if self.is_source:
+            raise RuntimeError(f"relay() on the source rank {self.src}; this rank must receive")
+        if not forward.is_source:
+            raise ValueError(
+                f"relay() forwards as the source of the next hop, but rank {dist.get_rank()} "
+                f"is not the source of {forward!r}"
+            )
+        if forward.device != self.device:
+            raise ValueError(
+                f"relay() passes buckets on as they arrive, so both hops need one device; "
+                f"got {self.device} and {forward.device}"
+            )
+        self._check_storage(storage)
+        start = time.perf_counter()
+        me = dist.get_rank()
+        try:
+            version, manifest, data, problem = self._receive_manifest(
+                f"relay from rank {self.src} on rank {me}", into, allow_subset
+            )
+        except WeightTransferError as exc:
+            reason = f"the relay's source failed: {type(exc).__name__}"
+            forward.abort(reason, version=exc.version or 0)
+            raise
+        op = f"relay version {version} from rank {self.src} on rank {me}"
+        fop = f"forward version {version} from rank {me} to ranks {list(forward.ranks)}"
+        forwarding: _Forward | None = None
+        forward_error: WeightTransferError | None = None
+        if manifest is None:
+            forward.abort(f"rank {me} cannot decode the manifest", version=version)
+        else:
+            forwarding = _Forward(forward, fop, manifest, version)
+            try:
+                forward._broadcast_manifest(data, version, fop)
+                rejected = forward._vote_ranks(
+                    ok=problem is None, op=f"{fop}: manifest vote", version=version, written=0
+                )
+            except WeightTransferError as exc:
+                forward_error, forwarding = exc, None
+            else:
+                rejected = [r for r in rejected if r != me]
+                if problem is not None:
+                    forwarding = None  # the vote told them: this rank said no
+                elif rejected:
+                    forwarding = None
+                    forward_error = ManifestRejected(
+                        f"{fop}: ranks {rejected} rejected the manifest; nothing was written there",
+                        operation=fop,
+                        version=version,
+                        rejected_by=rejected,
+                    )
+        outcome = _Outcome()
+        try:
+            self._manifest_vote(op, version, problem)
+            assert manifest is not None
+            manifest_done = time.perf_counter()
+            self._receive_buckets(
+                manifest, into, storage, op, version, outcome, write_kind, forwarding
+            )
+            failed = self._vote_ranks(
+                ok=outcome.failure is None,
+                op=f"{op}: commit vote",
+                version=version,
+                written=outcome.tensors_written,
+            )
+        except WeightTransferError:
+            if forwarding is not None:
+                # The buckets not passed on yet still go out (void), so the receivers reach
+                # the commit vote, where this rank says no, instead of timing out.
+                forwarding.fill()
+                forwarding.close(ok=False)
+            raise
+        if forwarding is not None:
+            forwarding.close(ok=outcome.failure is None)
+            forward_error = forwarding.error
+            if forward_error is None and forwarding.failed_ranks:
+                forward_error = ChecksumMismatchError(
+                    f"{fop}: ranks {forwarding.failed_ranks} reported a failure after receiving",
+                    operation=fop,
+                    version=version,
+                    tensors_written=0,
+                    buckets=(),
+                    failed_ranks=forwarding.failed_ranks,
+                )
+        self._raise_failures(op, version, outcome, failed)
+        if forward_error is not None:
+            raise RelayForwardError(
+                f"{op}: this rank received version {version} whole, but passing it on failed: "
+                f"{forward_error}",
+                operation=fop,
+                version=version,
+                tensors_written=outcome.tensors_written,
+                cause=forward_error,
+            ) from forward_error
+        return self._receive_stats("relay", version, manifest, outcome, start, manifest_done)
+
+    def _manifest_vote(self, op: str, version: int, problem: BaseException | None) -> None:
+        """A receiver's vote on the manifest; raises its own problem or another's rejection."""
         self._vote(
             ok=problem is None,
             op=f"{op}: manifest vote",
@@ -738,16 +1057,9 @@ class WeightTransfer:
             reject_message="rejected the manifest; nothing was written",
             own_error=problem,
         )
-        assert manifest is not None  # a missing manifest always comes with a problem (raised)
-        manifest_done = time.perf_counter()
-        outcome = _Outcome()
-        self._receive_buckets(manifest, into, op, version, outcome, write_kind)
-        failed = self._vote_ranks(
-            ok=outcome.failure is None,
-            op=f"{op}: commit vote",
-            version=version,
-            written=outcome.tensors_written,
-        )
+
+    def _raise_failures(self, op: str, version: int, outcome: _Outcome, failed: list[int]) -> None:
+        """After the commit vote: raise for this rank's own failure or another rank's."""
         if outcome.failure is not None:
             raise ChecksumMismatchError(
                 f"{op}: {outcome.failure}; {outcome.tensors_written} target tensor(s) were "
@@ -757,6 +1069,15 @@ class WeightTransfer:
                 tensors_written=outcome.tensors_written,
                 buckets=outcome.failed_buckets,
                 failed_ranks=failed,
+            )
+        if self.src in failed:
+            raise WeightTransferError(
+                f"{op}: the source rank {self.src} reported that it failed mid-transfer (its "
+                f"own source died or timed out), so the bytes sent are void; "
+                f"{outcome.tensors_written} target tensor(s) were written",
+                operation=op,
+                version=version,
+                tensors_written=outcome.tensors_written,
             )
         if failed:
             raise ChecksumMismatchError(
@@ -769,10 +1090,19 @@ class WeightTransfer:
                 failed_ranks=failed,
                 complete=True,
             )
+
+    def _receive_stats(
+        self,
+        role: str,
+        version: int,
+        manifest: WeightManifest,
+        outcome: _Outcome,
+        start: float,
+        manifest_done: float,
+    ) -> TransferStats:
         end = time.perf_counter()
-        checksums = tuple(outcome.source_checksums) if manifest.checksums else None
         return TransferStats(
-            "receive",
+            role,
             version,
             len(manifest.entries),
             manifest.num_buckets,
@@ -782,14 +1112,16 @@ class WeightTransfer:
             end - start,
             outcome.tensors_written,
             outcome.checksums_verified,
-            checksums,
+            tuple(outcome.source_checksums) if manifest.checksums else None,
             manifest.layout,
+            outcome.zero_copy_buckets,
         )
 
     def _receive_manifest(
         self, op: str, into: Mapping[str, torch.Tensor], allow_subset: bool
-    ) -> tuple[int, WeightManifest | None, BaseException | None]:
-        """Receive and check the manifest; (version, manifest, this rank's objection)."""
+    ) -> tuple[int, WeightManifest | None, bytes, BaseException | None]:
+        """Receive and check the manifest; (version, manifest, its bytes, this rank's
+        objection)."""
         header = torch.zeros(_HEADER_WORDS, dtype=torch.int64, device=self.device)
         self._collective(
             lambda: dist.broadcast(header, self.src, group=self.group, async_op=True),
@@ -822,7 +1154,7 @@ class WeightTransfer:
                 manifest = WeightManifest.from_bytes(data)
                 self._decoded = (data, manifest)
         except ManifestError as exc:
-            return version, None, exc
+            return version, None, data, exc
         try:
             if not manifest.require_all and not allow_subset:
                 raise ManifestError(
@@ -836,45 +1168,61 @@ class WeightTransfer:
                 context=f"weights of version {version} from rank {self.src}",
             )
         except (RolloutSyncError, ValueError) as exc:
-            return version, manifest, exc
-        return version, manifest, None
+            return version, manifest, data, exc
+        return version, manifest, data, None
 
     def _receive_buckets(
         self,
         manifest: WeightManifest,
         into: Mapping[str, torch.Tensor],
+        storage: torch.Tensor | None,
         op: str,
         version: int,
         outcome: _Outcome,
         write_kind: str,
+        forward: _Forward | None,
     ) -> None:
-        tail = CHECKSUM_BYTES if manifest.checksums else 0
-        buffers = self._bucket_buffers(manifest, tail)
-        views = self._bucket_views(manifest, buffers, tail)
+        """Receive every bucket, two in flight, into its span of ``into`` or a staging buffer
+        (then verified and unpacked); pass each on through ``forward`` when relaying."""
+        spans = self._bucket_spans(manifest, into, storage, receiving=True)
+        # A relay keeps a third staging buffer: one receiving, one being forwarded and
+        # unpacked, one whose forward may still be finishing.
+        buffers = self._bucket_buffers(manifest, spans, 2 if forward is None else 3)
+        views = self._bucket_views(manifest, buffers, spans)
         n = manifest.num_buckets
-        flats = [buffers[k % len(buffers)][: manifest.bucket_nbytes[k] + tail] for k in range(n)]
-        # A bucket that is exactly one contiguous target is received straight into it (no
-        # staging copy); with checksums every bucket is staged, so it is verified before use.
-        direct = [None if tail else self._direct(manifest, k, into) for k in range(n)]
+        flats = [
+            span if span is not None else buffers[k % len(buffers)][: manifest.bucket_nbytes[k]]
+            for k, span in enumerate(spans)
+        ]
+        sent_checksums = (
+            [torch.zeros(2, dtype=torch.int64, device=self.device) for _ in range(n)]
+            if manifest.checksums
+            else None
+        )
+        outcome.zero_copy_buckets = sum(span is not None for span in spans)
+        in_flight = _InFlight(self, op, n, version)
         write_starts: dict[int, int] = {}
 
-        def launch(k: int) -> tuple[dist.Work, int, int]:
-            target = direct[k]
-            if target is None:
-                return self._launch(flats[k], k)
-            outcome.tensors_written += 1  # the collective itself writes the served tensor
-            write_starts[k] = time.monotonic_ns()
-            return self._launch(target, k)
+        def post(k: int) -> None:
+            if spans[k] is not None:
+                # The collective itself writes the targets (zero-copy).
+                outcome.tensors_written += len(manifest.buckets[k])
+                write_starts[k] = time.monotonic_ns()
+            in_flight.launch(flats[k], k)
+            if sent_checksums is not None:
+                in_flight.launch(sent_checksums[k], k, "checksum")
 
-        in_flight = [launch(0)]
+        post(0)
         with torch.no_grad():
             for k in range(n):
-                # Post bucket k + 1 before unpacking k: it lands in the other buffer, whose
-                # previous bucket (k - 1) was unpacked already.
+                # Post bucket k + 1 before unpacking k. Staged, it lands in a buffer whose
+                # previous bucket was unpacked already (and, when relaying, forwarded).
                 if k + 1 < n:
-                    in_flight.append(launch(k + 1))
+                    if forward is not None and spans[k + 1] is None:
+                        forward.finish_through(k + 1 - len(buffers))
+                    post(k + 1)
                 try:
-                    self._finish(in_flight.pop(0), op, n, version, outcome.tensors_written)
+                    in_flight.finish_through(k, outcome.tensors_written)
                 finally:
                     if k in write_starts and self.timeline is not None:
                         self.timeline.add_span(
@@ -882,20 +1230,20 @@ class WeightTransfer:
                             f"receive bucket {k + 1}/{n} v{version} in place",
                             write_starts[k],
                         )
-                if direct[k] is not None:
-                    continue
                 flat = flats[k]
                 if self.hooks.after_receive is not None:
                     self.hooks.after_receive(k, flat)
+                if forward is not None:
+                    forward.launch(k, flat, None if sent_checksums is None else sent_checksums[k])
                 if outcome.failure is not None:
                     continue  # keep the collectives matched; write nothing more
-                if tail:
-                    outcome.failure = self._verify(
-                        flat, manifest.bucket_nbytes[k], k, manifest.origin, outcome
-                    )
+                if sent_checksums is not None:
+                    outcome.failure = self._verify(flat, sent_checksums[k], k, manifest, outcome)
                     if outcome.failure is not None:
                         outcome.failed_buckets.append(k)
                         continue
+                if spans[k] is not None:
+                    continue
                 targets = [into[e.name] for e in manifest.buckets[k]]
                 # Counted before the copy: a copy that fails half-way has still written.
                 outcome.tensors_written += len(targets)
@@ -908,18 +1256,20 @@ class WeightTransfer:
     def _verify(
         self,
         flat: torch.Tensor,
-        size: int,
+        sent: torch.Tensor,
         k: int,
-        origin: OriginChecksums | None,
+        manifest: WeightManifest,
         outcome: _Outcome,
     ) -> str | None:
-        """Check bucket ``k``'s checksum tail (and the origin's); the failure, or ``None``."""
-        got = [int(x) for x in bucket_checksum(flat[:size]).tolist()]
-        sent = [int(x) for x in flat[size:].view(torch.int64).tolist()]
-        outcome.source_checksums.append((sent[0], sent[1]))
-        if got != sent:
+        """Check bucket ``k`` against the checksum its source sent (and the origin's); the
+        failure, or ``None``."""
+        got = [int(x) for x in bucket_checksum(flat).tolist()]
+        expected = [int(x) for x in sent.tolist()]
+        outcome.source_checksums.append((expected[0], expected[1]))
+        origin = manifest.origin
+        if got != expected:
             return (
-                f"bucket {k} arrived with checksum {got} but rank {self.src} sent {sent} "
+                f"bucket {k} arrived with checksum {got} but rank {self.src} sent {expected} "
                 "(bytes corrupted in transit or in this rank's buffer)"
             )
         if origin is not None and list(origin.checksums[k]) != got:
@@ -933,10 +1283,88 @@ class WeightTransfer:
 
     # -- buffers and collectives ---------------------------------------------------------------
 
-    def _bucket_buffers(self, manifest: WeightManifest, tail: int) -> list[torch.Tensor]:
-        """Two flat buffers big enough for the largest bucket (one if there is one bucket)."""
-        need = max(manifest.bucket_nbytes) + tail
-        count = 1 if manifest.num_buckets == 1 else 2
+    def _check_storage(self, storage: torch.Tensor | None) -> None:
+        if storage is None:
+            return
+        if (
+            storage.dim() != 1
+            or storage.dtype != torch.uint8
+            or not storage.is_contiguous()
+            or storage.device != self.device
+        ):
+            raise ValueError(
+                f"storage must be a contiguous 1-D uint8 tensor on {self.device} (see "
+                f"rollout_sync.flat.FlatWeights), got {storage.dtype} of shape "
+                f"{list(storage.shape)} on {storage.device}"
+            )
+
+    def _bucket_spans(
+        self,
+        manifest: WeightManifest,
+        tensors: Mapping[str, torch.Tensor],
+        storage: torch.Tensor | None,
+        *,
+        receiving: bool,
+    ) -> tuple[torch.Tensor | None, ...]:
+        """Per bucket, the bytes it already is in memory (zero-copy), or ``None`` (staged).
+
+        A bucket is its bytes when it is exactly one contiguous tensor, or when its tensors lie
+        in ``storage`` exactly at the bucket's offsets from one base. A receive that verifies
+        checksums before writing stages every bucket.
+        """
+        n = manifest.num_buckets
+        if not self.config.zero_copy or (
+            receiving and manifest.checksums and self.config.verify_before_write
+        ):
+            return (None,) * n
+        key = (
+            manifest,
+            None if storage is None else (storage.data_ptr(), storage.numel()),
+            tuple(tensors[e.name].data_ptr() for e in manifest.entries),
+        )
+        cached = self._spans
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        spans = tuple(self._bucket_span(manifest, k, tensors, storage) for k in range(n))
+        self._spans = (key, spans)
+        return spans
+
+    def _bucket_span(
+        self,
+        manifest: WeightManifest,
+        k: int,
+        tensors: Mapping[str, torch.Tensor],
+        storage: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        entries = manifest.buckets[k]
+        size = manifest.bucket_nbytes[k]
+        first = tensors[entries[0].name]
+        if first.device != self.device or not first.is_contiguous():
+            return None
+        if len(entries) == 1 and entries[0].nbytes == size:
+            return first.detach().reshape(-1).view(torch.uint8)
+        if storage is None:
+            return None
+        base = storage.data_ptr()
+        start = first.data_ptr() - base - entries[0].offset
+        if start < 0 or start + size > storage.numel():
+            return None
+        for e in entries:
+            tensor = tensors[e.name]
+            if tensor.data_ptr() - base != start + e.offset or not tensor.is_contiguous():
+                return None
+        return storage[start : start + size]
+
+    def _bucket_buffers(
+        self, manifest: WeightManifest, spans: tuple[torch.Tensor | None, ...], count: int
+    ) -> list[torch.Tensor]:
+        """``count`` staging buffers big enough for the largest staged bucket (fewer when
+        there are fewer buckets; none when every bucket is zero-copy)."""
+        staged = [manifest.bucket_nbytes[k] for k, span in enumerate(spans) if span is None]
+        if not staged:
+            return []
+        need = max(staged)
+        count = min(count, manifest.num_buckets)
         if (
             len(self._buffers) < count
             or self._buffers[0].numel() < need
@@ -947,26 +1375,18 @@ class WeightTransfer:
             ]
         return self._buffers[:count]
 
-    def _direct(
-        self, manifest: WeightManifest, k: int, tensors: Mapping[str, torch.Tensor]
-    ) -> torch.Tensor | None:
-        """Bucket ``k`` as a byte view of its one tensor, if it is exactly that tensor."""
-        entries = manifest.buckets[k]
-        if len(entries) != 1 or entries[0].nbytes != manifest.bucket_nbytes[k]:
-            return None
-        tensor = tensors[entries[0].name]
-        if not tensor.is_contiguous() or tensor.device != self.device:
-            return None
-        return tensor.detach().reshape(-1).view(torch.uint8)
-
     def _bucket_views(
-        self, manifest: WeightManifest, buffers: list[torch.Tensor], tail: int
+        self,
+        manifest: WeightManifest,
+        buffers: list[torch.Tensor],
+        spans: tuple[torch.Tensor | None, ...],
     ) -> list[list[torch.Tensor]]:
-        """Typed, shaped views of every entry in its bucket's buffer (kept per layout)."""
-        ptrs = tuple(b.data_ptr() for b in buffers)
+        """Typed, shaped views of every entry of a staged bucket in its buffer (kept per
+        layout); empty for zero-copy buckets."""
+        key = (manifest, tuple(b.data_ptr() for b in buffers), tuple(s is None for s in spans))
         cached = self._views
-        if cached is not None and cached[0] is manifest and cached[1] == ptrs:
-            return cached[2]
+        if cached is not None and cached[0] == key:
+            return cached[1]
         views = [
             [
                 buffers[k % len(buffers)][e.offset : e.offset + e.nbytes]
@@ -974,37 +1394,12 @@ class WeightTransfer:
                 .view(e.shape)
                 for e in entries
             ]
+            if spans[k] is None
+            else []
             for k, entries in enumerate(manifest.buckets)
         ]
-        self._views = (manifest, ptrs, views)
+        self._views = (key, views)
         return views
-
-    def _launch(self, flat: torch.Tensor, k: int) -> tuple[dist.Work, int, int]:
-        start_ns = time.monotonic_ns()
-        work = dist.broadcast(flat, self.src, group=self.group, async_op=True)
-        assert work is not None
-        return work, k, start_ns
-
-    def _finish(
-        self,
-        launched: tuple[dist.Work, int, int],
-        op: str,
-        n: int,
-        version: int | None,
-        written: int,
-    ) -> None:
-        work, k, start_ns = launched
-        try:
-            self._wait(work, f"{op}: bucket {k + 1}/{n}", version, written)
-        finally:
-            if self.timeline is not None:
-                self.timeline.add_span(
-                    SpanKind.WEIGHT_COLLECTIVE,
-                    f"bucket {k + 1}/{n}",
-                    start_ns,
-                    src=self.src,
-                    version=version,
-                )
 
     def _collective(
         self, launch: Callable[[], dist.Work | None], op: str, *, version: int | None, written: int

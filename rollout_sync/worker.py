@@ -48,7 +48,13 @@ from ._deadline import deadline_after, expired, wait_arg
 from .backend import RolloutBase
 from .buffer import SupportsWeightBuffer, WeightBuffer, WeightSyncThread
 from .distributed import DEFAULT_GROUP_TIMEOUT_S, new_group, wait_work
-from .errors import CommandTimeout, InstallTimeout, RolloutSyncError, WeightBroadcastError
+from .errors import (
+    CommandTimeout,
+    InstallTimeout,
+    RolloutSyncError,
+    TornWeightsError,
+    WeightBroadcastError,
+)
 from .guard import (
     SyncMode,
     SyncReport,
@@ -96,6 +102,11 @@ class P2R:
 
     step: int | None = None
     """Informational: the training step the weights come from (for reports)."""
+    relay: bool = False
+    """Pass every bucket on to the R2R group as it arrives (the pipelined relay,
+    :meth:`~rollout_sync.WeightTransfer.relay`): this worker must be the R2R source, and the
+    other replicas must run their R2R receive at the same time, so they get ``R2R`` and this
+    worker gets no ``R2R`` of its own (``WorkerCommandChannel(pipelined_relay=True)``)."""
 
 
 @dataclass(frozen=True)
@@ -274,7 +285,9 @@ class WorkerCommandChannel:
 
     * ``WEIGHTS`` of step ``s``: ``P2R(step=s)`` to the P2R target (the replica that receives
       from the trainer), then, with more than one replica, ``R2R(step=s)`` to every replica (the
-      target sends what it received, the others receive);
+      target sends what it received, the others receive). With ``pipelined_relay``:
+      ``P2R(step=s, relay=True)`` to the target, which passes each bucket on as it arrives,
+      and ``R2R(step=s)`` to every other replica (they receive during the P2R);
     * ``STOP``: ``Stop()`` to every replica.
 
     Commands go on each replica's command queue, the one its worker reads
@@ -287,11 +300,18 @@ class WorkerCommandChannel:
         queues: replica rank -> that replica's command queue.
         replicas: the replica ranks, the P2R target first (as in :class:`SyncGroups`); default:
             the keys of ``queues`` in order.
+        pipelined_relay: overlap the two hops (see above); the P2R target's worker must have
+            its R2R transfer.
     """
 
     def __init__(
-        self, queues: Mapping[int, CommandSink], replicas: Sequence[int] | None = None
+        self,
+        queues: Mapping[int, CommandSink],
+        replicas: Sequence[int] | None = None,
+        *,
+        pipelined_relay: bool = False,
     ) -> None:
+        self.pipelined_relay = pipelined_relay
         self.replicas = tuple(queues) if replicas is None else tuple(replicas)
         if not self.replicas:
             raise ValueError("WorkerCommandChannel needs at least one replica")
@@ -302,10 +322,10 @@ class WorkerCommandChannel:
 
     @classmethod
     def for_groups(
-        cls, groups: SyncGroups, queues: Mapping[int, CommandSink]
+        cls, groups: SyncGroups, queues: Mapping[int, CommandSink], *, pipelined_relay: bool = False
     ) -> WorkerCommandChannel:
         """The channel for the replicas of ``groups``, the P2R target first."""
-        return cls(queues, groups.replicas)
+        return cls(queues, groups.replicas, pipelined_relay=pipelined_relay)
 
     @property
     def p2r_target(self) -> int:
@@ -315,9 +335,14 @@ class WorkerCommandChannel:
         """The ``(replica rank, command)`` pairs one announcement becomes, in order."""
         if announcement.kind is CommandKind.STOP:
             return [(rank, Stop()) for rank in self.replicas]
-        out: list[tuple[int, object]] = [(self.p2r_target, P2R(step=announcement.step))]
+        step = announcement.step
+        if self.pipelined_relay and len(self.replicas) > 1:
+            out: list[tuple[int, object]] = [(self.p2r_target, P2R(step=step, relay=True))]
+            out.extend((rank, R2R(step=step)) for rank in self.replicas[1:])
+            return out
+        out = [(self.p2r_target, P2R(step=step))]
         if len(self.replicas) > 1:
-            out.extend((rank, R2R(step=announcement.step)) for rank in self.replicas)
+            out.extend((rank, R2R(step=step)) for rank in self.replicas)
         return out
 
     def announce(self, command: WeightSyncCommand, timeout: float) -> None:
@@ -345,7 +370,8 @@ class WorkerCommandChannel:
         )
 
     def __repr__(self) -> str:
-        return f"<WorkerCommandChannel replicas={list(self.replicas)}>"
+        relay = ", pipelined relay" if self.pipelined_relay else ""
+        return f"<WorkerCommandChannel replicas={list(self.replicas)}{relay}>"
 
 
 # -- the worker --------------------------------------------------------------------------------
@@ -640,11 +666,27 @@ class RolloutWorker:
 
     def _receive_p2r(self, command: P2R) -> TransferStats:
         assert self.p2r is not None
+        forward = self._relay_target(command)
         self._meet_trainer()
-        stats = self._receive_in_place(self.p2r)
+        stats = self._receive_in_place(self.p2r, forward)
+        self._keep_origin(stats)
+        return stats
+
+    def _relay_target(self, command: P2R) -> WeightTransfer | None:
+        """The R2R transfer a ``P2R(relay=True)`` passes the weights on through."""
+        if not command.relay:
+            return None
+        if self.r2r is None or not self.r2r.is_source:
+            raise RolloutSyncError(
+                "P2R(relay=True) on a worker that is not the R2R source: only the replica that "
+                "receives from the trainer and broadcasts R2R can relay"
+            )
+        return self.r2r
+
+    def _keep_origin(self, stats: TransferStats) -> None:
+        """Remember the trainer's bucket checksums, for a later R2R to pass on."""
         if stats.bucket_checksums is not None:
             self._origin = OriginChecksums(stats.version, stats.layout, stats.bucket_checksums)
-        return stats
 
     def _meet_trainer(self) -> None:
         """The P2R barrier, inside the bracket: from here on this replica sends no payload
@@ -658,9 +700,16 @@ class RolloutWorker:
 
     def _send_r2r(self, command: R2R) -> TransferStats:
         assert self.r2r is not None
-        self.rollout.check_servable()
+        try:
+            self.rollout.check_servable()
+        except TornWeightsError as exc:
+            # The receivers are waiting for a manifest: tell them none is coming.
+            self.r2r.abort(f"the R2R source's weights are torn: {exc}")
+            raise
         weights = self.rollout.served_weights()
-        return self._send(self.r2r, weights, self.rollout.weight_version)
+        return self._send(
+            self.r2r, weights, self.rollout.weight_version, self.rollout.flat_weight_storage()
+        )
 
     receive_weights_p2r = weight_sync_handler(_receive_p2r)
     """P2R receive, guarded: pause, hold egress, lazy init, transfer, fence, release."""
@@ -670,11 +719,19 @@ class RolloutWorker:
     """R2R broadcast from this replica: reads the served tensors only, so egress is held and
     generation keeps running."""
 
-    def _receive_in_place(self, transfer: WeightTransfer) -> TransferStats:
+    def _receive_in_place(
+        self, transfer: WeightTransfer, forward: WeightTransfer | None = None
+    ) -> TransferStats:
         self._ensure_engine()
         served = self.rollout.served_weights()
+        storage = self.rollout.flat_weight_storage()
         try:
-            stats = transfer.receive(served, allow_subset=self.allow_subset)
+            if forward is None:
+                stats = transfer.receive(served, allow_subset=self.allow_subset, storage=storage)
+            else:
+                stats = transfer.relay(
+                    served, forward, allow_subset=self.allow_subset, storage=storage
+                )
         except WeightTransferError as exc:
             if exc.complete and exc.version is not None:
                 # Every byte landed here intact; the failure was another rank's. These weights
@@ -701,12 +758,16 @@ class RolloutWorker:
             self.rollout.load_weights(served, require_all=False)
 
     def _send(
-        self, transfer: WeightTransfer, weights: Mapping[str, torch.Tensor], version: int
+        self,
+        transfer: WeightTransfer,
+        weights: Mapping[str, torch.Tensor],
+        version: int,
+        storage: torch.Tensor | None = None,
     ) -> TransferStats:
         origin = (
             self._origin if self._origin is not None and self._origin.version == version else None
         )
-        return transfer.send(weights, version=version, origin=origin)
+        return transfer.send(weights, version=version, origin=origin, storage=storage)
 
     def _unguarded(self, body: Callable[[Any], TransferStats], command: object) -> TransferStats:
         """The same handler body without pause or egress hold (the demo's ``--unguarded``)."""
@@ -764,7 +825,11 @@ class RolloutWorker:
 
     def _queue_async(self, kind: str, command: object) -> concurrent.futures.Future[Any]:
         assert self.sync_thread is not None
-        job = self._async_p2r if kind == "p2r" else self._async_r2r
+        if isinstance(command, P2R):
+            forward = self._relay_target(command)
+            job: Callable[[], TransferStats] = lambda: self._async_p2r(forward)  # noqa: E731
+        else:
+            job = self._async_r2r
         future = self.sync_thread.submit(kind, job)
         start = time.perf_counter()
 
@@ -805,25 +870,45 @@ class RolloutWorker:
             self.rollout.attach_weight_buffer(self.weight_buffer)
         return self.weight_buffer
 
-    def _async_receive(self, transfer: WeightTransfer) -> TransferStats:
+    def _async_receive(
+        self, transfer: WeightTransfer, forward: WeightTransfer | None = None
+    ) -> TransferStats:
         buffer = self._ensure_buffer()
+        elsewhere: WeightTransferError | None = None
         with buffer.write(self.weight_sync_timeout) as handle:
-            stats = transfer.receive(
-                handle.tensors, allow_subset=self.allow_subset, write_kind=BUFFER_WRITE
-            )
-            handle.version = stats.version
+            try:
+                if forward is None:
+                    stats = transfer.receive(
+                        handle.tensors, allow_subset=self.allow_subset, write_kind=BUFFER_WRITE
+                    )
+                else:
+                    stats = transfer.relay(
+                        handle.tensors,
+                        forward,
+                        allow_subset=self.allow_subset,
+                        write_kind=BUFFER_WRITE,
+                    )
+            except WeightTransferError as exc:
+                if not (exc.complete and exc.version is not None):
+                    raise
+                # Every byte landed here intact; the failure was another rank's (or the
+                # relay's next hop). Publish the version, and still report the failure.
+                handle.version, elsewhere = exc.version, exc
+            else:
+                handle.version = stats.version
         if not self._engine_started:
             # Not generating yet: install on this thread, then start with the new weights.
             buffer.install_into(self.rollout)
             self._start_engine()
+        if elsewhere is not None:
+            raise elsewhere
         return stats
 
-    def _async_p2r(self) -> TransferStats:
+    def _async_p2r(self, forward: WeightTransfer | None = None) -> TransferStats:
         assert self.p2r is not None
         self._meet_trainer()
-        stats = self._async_receive(self.p2r)
-        if stats.bucket_checksums is not None:
-            self._origin = OriginChecksums(stats.version, stats.layout, stats.bucket_checksums)
+        stats = self._async_receive(self.p2r, forward)
+        self._keep_origin(stats)
         return stats
 
     def _async_r2r(self) -> TransferStats:

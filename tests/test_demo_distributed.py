@@ -29,12 +29,16 @@ def _by_pid(timeline: Timeline, kind: str) -> dict[int, list[Span]]:
 
 
 @pytest.mark.timeout(90)
-def test_the_default_demo_is_clean_bit_identical_and_loses_no_payload() -> None:
+@pytest.mark.parametrize("pipelined_relay", [False, True], ids=["p2r_then_r2r", "pipelined"])
+def test_the_default_demo_is_clean_bit_identical_and_loses_no_payload(
+    pipelined_relay: bool,
+) -> None:
     timeline = Timeline()
     steps = 6
-    report = run_distributed_demo(
-        DistributedDemoConfig(replicas=3, steps=steps, checksums=True, **_FAST), timeline
+    config = DistributedDemoConfig(
+        replicas=3, steps=steps, checksums=True, pipelined_relay=pipelined_relay, **_FAST
     )
+    report = run_distributed_demo(config, timeline)
     assert report["backend"] == "torch_lm"
     assert report["failed_commands"] == 0, report["errors"]
     # Bit-identical to the trainer after every step, on every replica.
@@ -68,8 +72,10 @@ def test_the_default_demo_is_clean_bit_identical_and_loses_no_payload() -> None:
         assert len(during) >= 1, f"replica {pid} did not generate between its syncs"
         assert writes[pid], f"replica {pid} recorded no weight writes"
     assert report["results_straddled_sync"] > 0
-    # One pause per received sync: replica 1 for P2R (its R2R only reads), the others for R2R.
+    # One pause per received sync: replica 1 for P2R (its R2R only reads, or it relays inside
+    # its P2R), the others for R2R.
     assert report["generation_pauses"] == 3 * steps
+    assert report["syncs"] == (3 if pipelined_relay else 4) * steps
     # The trainer's metric, and the rollout side's phases.
     assert report["weight_sync_time_ms_p50"] > 0
     for key in ("time_to_park_ms", "egress_drain_ms", "handler_ms", "fence_ms", "sync_ms"):

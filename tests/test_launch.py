@@ -62,10 +62,11 @@ def test_commands_cross_the_store_in_order_and_a_timeout_is_queue_empty() -> Non
     try:
         with pytest.raises(queue.Empty):
             consumer.get(timeout=0.05)
-        for command in (P2R(step=1), R2R(step=1), P2R(step=2), Stop()):
+        sent = [P2R(step=1), R2R(step=1), P2R(step=2, relay=True), Stop()]
+        for command in sent:
             producer.put(command)
         taken = [consumer.get(timeout=5) for _ in range(4)]
-        assert taken == [P2R(step=1), R2R(step=1), P2R(step=2), Stop()]
+        assert taken == sent  # every field crosses, the relay flag included
         # Another replica's queue is separate.
         StoreCommandQueue(server, 2).put(Stop())
         with pytest.raises(queue.Empty):

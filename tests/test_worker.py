@@ -56,6 +56,7 @@ class FakeTransfer:
         *,
         allow_subset: bool = True,
         write_kind: str = SpanKind.WEIGHT_WRITE,
+        storage: torch.Tensor | None = None,
     ) -> TransferStats:
         version, weights = self.source()
         if self.log is not None:
@@ -86,6 +87,7 @@ class FakeTransfer:
         version: int,
         require_all: bool = True,
         origin: object = None,
+        storage: torch.Tensor | None = None,
     ) -> TransferStats:
         if self.log is not None:
             self.log.add("send")

@@ -124,6 +124,20 @@ def test_weights_become_p2r_for_the_target_and_r2r_for_every_replica() -> None:
     assert all(q.get_nowait() == Stop() for q in queues.values())
 
 
+def test_a_pipelined_relay_gets_p2r_relay_and_the_others_r2r() -> None:
+    queues: dict[int, queue.Queue[object]] = {rank: queue.Queue() for rank in (2, 1, 3)}
+    channel = WorkerCommandChannel(queues, replicas=[2, 1, 3], pipelined_relay=True)
+    channel.announce(_announcement(CommandKind.WEIGHTS), timeout=1)
+    taken = {rank: [q.get_nowait() for _ in range(q.qsize())] for rank, q in queues.items()}
+    assert taken == {2: [P2R(step=3, relay=True)], 1: [R2R(step=3)], 3: [R2R(step=3)]}
+    # One replica: nothing to relay to.
+    single: dict[int, queue.Queue[object]] = {1: queue.Queue()}
+    WorkerCommandChannel(single, pipelined_relay=True).announce(
+        _announcement(CommandKind.WEIGHTS), timeout=1
+    )
+    assert [single[1].get_nowait()] == [P2R(step=3)]
+
+
 def test_a_single_replica_gets_p2r_only() -> None:
     queues: dict[int, queue.Queue[object]] = {1: queue.Queue()}
     WorkerCommandChannel(queues).announce(_announcement(CommandKind.WEIGHTS), timeout=1)

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..backend import KVCachePolicy, RolloutBase
+from ..flat import FlatWeights
 from ..gate import Gate
 from ..scheduler import (
     GenerationRequest,
@@ -279,6 +280,10 @@ class TorchLMBackend(RolloutBase):
         kv_policy: what a sync does to cached state (module docstring).
         pause_timeout: default limit, in seconds, of ``paused()`` and of a step's wait.
         timeline: records ``forward`` and ``weight_write`` spans.
+        flat_weights: keep the parameters in one flat buffer
+            (:class:`~rollout_sync.flat.FlatWeights`) and declare it in
+            :meth:`flat_weight_storage`, so transfers receive into it and send from it without
+            staging copies. ``False``: each parameter has its own storage.
 
     Attributes:
         layer_hook: ``None`` or a callable run inside every forward, before each block
@@ -294,9 +299,11 @@ class TorchLMBackend(RolloutBase):
         pause_timeout: float = 60.0,
         timeline: Timeline | None = None,
         name: str = "generation",
+        flat_weights: bool = True,
     ) -> None:
         super().__init__()
         self.config = config if config is not None else TinyLMConfig()
+        self.flat_weights = flat_weights
         self.kv_policy = KVCachePolicy(kv_policy)
         self.pause_timeout = pause_timeout
         self.timeline = timeline
@@ -305,6 +312,7 @@ class TorchLMBackend(RolloutBase):
         self.layer_hook: LayerHook | None = None
         self._model: TinyCausalLM | None = None
         self._served: dict[str, torch.Tensor] = {}
+        self._storage: torch.Tensor | None = None
         self._write_lock = threading.Lock()
         self._write_seq = 0
         self._weights_epoch = 0
@@ -322,6 +330,8 @@ class TorchLMBackend(RolloutBase):
         for param in model.parameters():
             param.requires_grad_(False)
         self._served = dict(model.named_parameters())
+        if self.flat_weights:
+            self._storage = FlatWeights.adopt(self._served).storage
         self._model = model
 
     @property
@@ -354,6 +364,12 @@ class TorchLMBackend(RolloutBase):
         if self._model is None:
             self.ensure_initialized()
         return self._served
+
+    def flat_weight_storage(self) -> torch.Tensor | None:
+        """The flat buffer the parameters live in (``flat_weights``), else ``None``."""
+        if self._model is None:
+            self.ensure_initialized()
+        return self._storage
 
     def load_weights(
         self, weights: Mapping[str, torch.Tensor], *, require_all: bool = True

@@ -82,6 +82,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--checksums", action="store_true", help="checksum every bucket")
     demo.add_argument(
+        "--pipelined-relay",
+        action="store_true",
+        help="the first replica passes each bucket on to the others as it arrives "
+        "(P2R and R2R overlap) instead of an R2R after the P2R",
+    )
+    demo.add_argument(
         "--in-process",
         action="store_true",
         help="run the single-process demo instead (threads, no torch.distributed)",
@@ -280,6 +286,7 @@ def _run_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
             numel=numel,
             bucket_bytes=max(64, int(args.bucket_mb * (1 << 20))),
             checksums=args.checksums,
+            pipelined_relay=args.pipelined_relay,
         )
         if args.launcher == "torchrun":
             under_torchrun = run_demo_under_torchrun(config, timeline)

@@ -131,6 +131,9 @@ class DistributedDemoConfig:
     """torn_read: elements (float32) per tensor: 32 x 65536 x 4 B = 8 MiB by default."""
     bucket_bytes: int = 4 << 20
     checksums: bool = False
+    pipelined_relay: bool = False
+    """The first replica passes each bucket on to the others as it arrives (``P2R(relay=True)``;
+    the two hops overlap) instead of an R2R after the P2R."""
     step_interval_s: float = 0.1
     """The trainer's training step: it takes the payloads that arrive for this long."""
     payload_capacity: int = 256
@@ -503,7 +506,9 @@ def _trainer(
     broadcast = WeightBroadcastCallback(
         lambda: weights,
         pusher=pusher,
-        channel=WorkerCommandChannel.for_groups(groups, queues),
+        channel=WorkerCommandChannel.for_groups(
+            groups, queues, pipelined_relay=config.pipelined_relay
+        ),
         timeout=config.timeout_s,
         sync_on_run_begin=False,
         report_every_step=True,
@@ -567,7 +572,7 @@ def _replica(
     def on_transfer(stats: TransferStats, tensors: Mapping[str, torch.Tensor]) -> None:
         # The worker calls this before anything else writes these tensors: they hold exactly
         # the version just received.
-        if config.check_every_step and stats.role == "receive":
+        if config.check_every_step and stats.role in ("receive", "relay"):
             digests[stats.version] = weights_digest(tensors)
 
     try:
@@ -789,7 +794,11 @@ def _report(
 
     p2r_rates = [t["nbytes"] / 1e6 / t["total_s"] for t in trainer["transfers"]]
     r2r_rates = (
-        [t["nbytes"] / 1e6 / t["total_s"] for t in replicas[0]["transfers"] if t["role"] == "send"]
+        [
+            t["nbytes"] / 1e6 / t["total_s"]
+            for t in replicas[0]["transfers"]
+            if t["role"] in ("send", "relay")
+        ]
         if config.replicas > 1
         else []
     )

@@ -24,6 +24,7 @@ more than :func:`torchrun_context` (docs/deploy.md has the commands).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import os
@@ -171,14 +172,15 @@ def _encode(command: object) -> bytes:
             f"a StoreCommandQueue carries P2R, R2R and Stop commands, not {kind}; put other "
             "commands on a queue of your own"
         )
-    step = getattr(command, "step", None)
-    return json.dumps({"kind": kind, "step": step}).encode()
+    assert dataclasses.is_dataclass(command)
+    fields = {f.name: getattr(command, f.name) for f in dataclasses.fields(command)}
+    return json.dumps({"kind": kind, **fields}).encode()
 
 
 def _decode(data: bytes) -> object:
     doc = json.loads(data.decode())
-    cls = _COMMANDS[doc["kind"]]
-    return cls() if cls is Stop else cls(step=doc["step"])
+    cls = _COMMANDS[doc.pop("kind")]
+    return cls(**doc)
 
 
 class QueueStore(Protocol):
