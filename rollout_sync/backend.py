@@ -80,17 +80,20 @@ class RolloutBase(abc.ABC):
     # -- the pause -----------------------------------------------------------------------------
 
     @contextmanager
-    def paused(self, timeout: float | None = None) -> Iterator[None]:
+    def paused(self, timeout: float | None = None) -> Iterator[object]:
         """Park generation for the ``with`` body: no forward runs inside it and none starts.
 
         Contract for overrides: re-entrant; bounded by ``timeout`` seconds (``None``: the
         backend's default), raising :class:`PauseTimeout` instead of hanging; always resumes on
         exit, exceptions included; a no-op before the engine exists.
 
+        What the ``with`` yields is the backend's to say (a stream scheduler yields a
+        :class:`~rollout_sync.scheduler.ParkReport`; the default yields ``None``).
+
         The default does nothing: correct for an engine whose generate call blocks the loop that
         runs weight-sync commands, since that loop cannot be in a sync and a generate at once.
         """
-        yield
+        yield None
 
     # -- lifecycle -----------------------------------------------------------------------------
 

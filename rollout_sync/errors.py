@@ -53,6 +53,7 @@ __all__ = [
     "PayloadTransportError",
     "PayloadsExhausted",
     "RayUnavailableError",
+    "RecoveryError",
     "RelayForwardError",
     "RolloutSyncError",
     "SchedulerTimeout",
@@ -379,7 +380,19 @@ class GroupProcessError(RolloutSyncError, ChildProcessError):
 
 
 class PayloadTransportError(RolloutSyncError):
-    """The payload transport broke (a peer went away, the protocol was violated) or is closed."""
+    """The payload transport broke (a peer went away, the protocol was violated) or is closed.
+
+    Attributes:
+        peer: the global rank of the peer whose connection failed, when one did.
+        cause: ``"closed"`` (its connection closed: the peer most likely died) or
+            ``"timeout"`` (it took nothing within the limit: hung, or not serving its
+            transport); ``None`` for other failures.
+    """
+
+    def __init__(self, message: str, *, peer: int | None = None, cause: str | None = None):
+        super().__init__(message)
+        self.peer = peer
+        self.cause = cause
 
 
 class PayloadsExhausted(PayloadTransportError):
@@ -463,6 +476,11 @@ class GenerationTimeout(RolloutSyncError, TimeoutError):
 
 class EngineCallTimeout(RolloutSyncError, TimeoutError):
     """A call into the vLLM engine did not return within its limit."""
+
+
+class RecoveryError(RolloutSyncError):
+    """Recovering from a dead process could not proceed (a teardown that hangs, a call without
+    what its role needs); see :mod:`rollout_sync.recovery`."""
 
 
 class CommandTimeout(RolloutSyncError, TimeoutError):

@@ -140,9 +140,10 @@ class TimerStatistics:
     """Event pairs alive: pending, inside a body, or kept for reuse. 0 on the perf_counter clock
     and before the first measurement."""
     skipped: int
-    """Bodies run untimed because ``max_pending`` samples were already outstanding."""
+    """Bodies that completed untimed because ``max_pending`` samples were already
+    outstanding."""
     failed: int
-    """Bodies that raised; their samples are discarded."""
+    """Bodies that raised, timed or skipped; their samples are discarded."""
 
 
 @dataclass
@@ -248,8 +249,8 @@ class WeightSyncTimer:
     def measure(self, tag: int = 0, *, nbytes: int = 0) -> Iterator[Measurement]:
         """Time the ``with`` body as one sample tagged ``tag``.
 
-        Never blocks. If the body raises, its sample is discarded (counted in ``failed``) and
-        the error propagates.
+        Never blocks. If the body raises, its sample is discarded (counted in ``failed``, also
+        when it ran untimed) and the error propagates.
         """
         measurement = Measurement(tag=tag, nbytes=nbytes)
         if self.clock is TimerClock.PERF_COUNTER:
@@ -269,7 +270,14 @@ class WeightSyncTimer:
         pair = self._acquire_pair()
         if pair is None:
             measurement.timed = False
-            yield measurement
+            try:
+                yield measurement
+            except BaseException:
+                with self._lock:
+                    self._failed += 1
+                raise
+            with self._lock:
+                self._skipped += 1
             return
         pair.start.record()
         try:
@@ -292,7 +300,6 @@ class WeightSyncTimer:
             if self._free:
                 return self._free.pop()
             if self._event_pairs >= self.max_pending:
-                self._skipped += 1
                 return None
             self._event_pairs += 1
         # Constructing events touches no device work; done outside the lock all the same.

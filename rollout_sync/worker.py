@@ -601,6 +601,60 @@ class RolloutWorker:
                 self.rollout.stop(timeout)
         self._deliver_async_results()
 
+    # -- recovery ----------------------------------------------------------------------------
+
+    def use_groups(self, groups: SyncGroups, **transfer_kwargs: Any) -> None:
+        """Take this replica's P2R transfer, P2R barrier and R2R transfer from ``groups`` (new
+        groups after a recovery, :mod:`rollout_sync.recovery`). ``transfer_kwargs`` go to
+        :meth:`SyncGroups.p2r_transfer` / :meth:`SyncGroups.r2r_transfer` (``config=``,
+        ``timeline=``, ...)."""
+        self.p2r = groups.p2r_transfer(**transfer_kwargs)
+        self.p2r_barrier = groups.p2r_barrier if self.p2r is not None else None
+        self.r2r = groups.r2r_transfer(**transfer_kwargs)
+        self._origin = None  # checksums of a layout on the old groups
+
+    def reseed(self, transfer: WeightTransfer) -> TransferStats:
+        """Take part in a recovery's re-seed transfer (:func:`~rollout_sync.recovery.
+        recover_weights`), guarded: as its source, send the served weights (egress held,
+        generation keeps running); else receive them in place (paused, egress held, committed;
+        a torn replica serves again once this lands). In async modes the transfer runs on the
+        weight-sync thread like any other.
+
+        Raises:
+            TornWeightsError: this replica is the source but its weights are torn.
+            WeightTransferError and its kinds: as for a P2R.
+        """
+        if self.weight_sync_mode is not SyncMode.SYNC:
+            assert self.sync_thread is not None
+            job = (
+                (lambda: self._async_send(transfer))
+                if transfer.is_source
+                else (lambda: self._async_receive(transfer))
+            )
+            future = self.sync_thread.submit("reseed", job)
+            result: TransferStats = future.result(timeout=self.weight_sync_timeout * 4)
+            return result
+        if transfer.is_source:
+            return self.send_reseed(transfer)
+        return self.receive_reseed(transfer)
+
+    def _receive_reseed(self, transfer: WeightTransfer) -> TransferStats:
+        return self._receive_in_place(transfer)
+
+    def _send_reseed(self, transfer: WeightTransfer) -> TransferStats:
+        self.rollout.check_servable()
+        return self._send(
+            transfer,
+            self.rollout.served_weights(),
+            self.rollout.weight_version,
+            self.rollout.flat_weight_storage(),
+        )
+
+    receive_reseed = weight_sync_handler(_receive_reseed)
+    """A re-seed receive, guarded like P2R."""
+    send_reseed = holds_payload_egress(_send_reseed)
+    """A re-seed send from the served weights, guarded like an R2R send."""
+
     def statistics(self) -> WorkerStatistics:
         with self._lock:
             results = list(self.results)
@@ -915,6 +969,10 @@ class RolloutWorker:
         assert self.r2r is not None
         if not self.r2r.is_source:
             return self._async_receive(self.r2r)
+        return self._async_send(self.r2r)
+
+    def _async_send(self, transfer: WeightTransfer) -> TransferStats:
+        """Send the newest complete buffer version (on the weight-sync thread)."""
         buffer = self.weight_buffer
         version = None if buffer is None else buffer.published_version
         if buffer is None or version is None:
@@ -922,7 +980,7 @@ class RolloutWorker:
                 "R2R broadcast before this replica received any complete version (send P2R first)"
             )
         # This thread is the buffer's only writer, so it is stable while it is read here.
-        return self._send(self.r2r, buffer.tensors, version)
+        return self._send(transfer, buffer.tensors, version)
 
     def _deliver_async_results(self) -> None:
         while True:

@@ -301,6 +301,51 @@ def test_receiver_mirrors_expiry_and_lost_count() -> None:
     assert state.all_closed and state.lost == 3
 
 
+def test_a_payload_is_acknowledged_once_the_trainer_moves_on_from_it() -> None:
+    state = _ReceiverState([1], window=8, request_timeout_us=1000)
+    state.grant(1)
+    accepted = state.on_offer(1, _offer_words(0, 0, 3, 0), can_accept=True)
+    assert accepted is not None
+    state.on_received(accepted, [_payload(1, i) for i in range(3)])
+    state.acknowledge_taken()  # get() #1 starts: nothing taken yet
+    state.take()
+    assert state.peers[1].acknowledged == 0  # handed out, but the trainer has not moved on
+    state.acknowledge_taken()  # get() #2 starts
+    state.take()
+    assert state.peers[1].acknowledged == 1
+
+
+def test_a_failed_sender_counts_what_it_had_in_flight_as_lost_and_the_rest_goes_on() -> None:
+    state = _ReceiverState([1, 2], window=8, request_timeout_us=1000)
+    state.grant(1)
+    state.grant(2)
+    accepted = state.on_offer(1, _offer_words(0, 0, 3, 0), can_accept=True)
+    assert accepted is not None and state.flush_target() is not None
+    state.on_peer_failed(1, "closed")
+    # The accepted transfer will never complete: lost, and no flush waits for it.
+    assert state.lost == 3 and state.flushed(accepted.ticket)
+    assert state.grant(1) is None and not state.all_closed  # sender 2 goes on
+    state.on_bye(2, total=0)
+    assert state.all_closed
+
+
+def test_the_sender_keeps_what_is_not_acknowledged_to_send_it_again() -> None:
+    state = _SendPoolState(capacity=8, max_in_flight=2)
+    _register(state, 5)
+    state.add_request(0, credits=8, timeout_ns=10 * S, now_ns=0)
+    for _ in range(2):
+        offer = _offer(state.next_work(0))
+        state.on_reply(offer.offer_id, FrameKind.ACCEPT, 0)
+        state.offer_accepted(offer)
+        state.offer_completed(offer)
+    state.acknowledge(1)
+    assert [e.seq for e in state.not_acknowledged()] == [1, 2, 3, 4]  # sent 1-3, unsent 4
+    with pytest.raises(
+        PayloadTransportError, match="acknowledged 9 payloads, this sender launched 4"
+    ):
+        state.acknowledge(9)
+
+
 # -- the wire ----------------------------------------------------------------------------------
 
 

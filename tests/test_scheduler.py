@@ -32,7 +32,7 @@ from rollout_sync import (
 )
 from rollout_sync.backends.torch_lm import TorchLMStreamBackend
 from rollout_sync.errors import SchedulerTimeout, WouldBlock
-from rollout_sync.scheduler import FinishReason, SchedulerStatistics, SequenceState
+from rollout_sync.scheduler import FinishReason, ParkReport, SchedulerStatistics, SequenceState
 from rollout_sync.testing import CheckThenActScheduler
 
 
@@ -98,7 +98,10 @@ def test_keep_stale_policy_continues_on_the_old_cache_and_says_so() -> None:
         rid = backend.put([3, 1, 4, 1, 5], max_new_tokens=8)
         for _ in range(3):
             backend.scheduler.step()
-        with backend.paused():
+        with backend.paused() as park:
+            # The backend's pause is the scheduler's: it reports the park like the scheduler.
+            assert isinstance(park, ParkReport)
+            assert park.in_flight == 1 and not park.drained
             backend.load_weights(weights_of(config, 1))
             backend.commit_weight_version(1)
         _drive_until_idle(backend.scheduler)

@@ -111,8 +111,14 @@ def _combinations_child(rank: int, port: int) -> list[dict[str, Any]]:
             zero_copy=zero_copy,
             timeout_s=20,
         )
-        p2r = groups.p2r_transfer(config=config)
-        r2r = groups.r2r_transfer(config=config)
+        hooked: list[int] = []  # the hooks fire for every bucket, one-tensor buckets included
+
+        def record(k: int, flat: torch.Tensor, hooked: list[int] = hooked) -> None:
+            hooked.append(k)
+
+        hooks = TransferHooks(after_pack=record, after_receive=record)
+        p2r = groups.p2r_transfer(config=config, hooks=hooks)
+        r2r = groups.r2r_transfer(config=config, hooks=hooks)
         # Every rank's tensors: the trainer's of this version, the replicas' of version 0,
         # either in flat storage (zero-copy) or each in its own allocation.
         weights = make(version if rank == 0 else 0)
@@ -140,6 +146,7 @@ def _combinations_child(rank: int, port: int) -> list[dict[str, Any]]:
                 "zero_copy_buckets": stats.zero_copy_buckets,
                 "buckets": stats.buckets,
                 "checksums_verified": stats.checksums_verified,
+                "hooked": hooked,
             }
         )
     return out
@@ -166,6 +173,10 @@ def test_every_combination_lands_bit_identically() -> None:
             if _CHECKSUMS[checksums][0]:
                 assert got["checksums_verified"] == got["buckets"], (rank, got["case"])
         assert results[1][i]["role"] == ("relay" if pipelined else "receive")
+        buckets = list(range(trainer["buckets"]))
+        assert trainer["hooked"] == buckets and results[3][i]["hooked"] == buckets
+        # The relay: its receive, and (sequential) its R2R send's packing.
+        assert results[1][i]["hooked"] == (buckets if pipelined else buckets + buckets)
         if zero_copy:
             assert trainer["zero_copy_buckets"] == trainer["buckets"]
     if_split = [r for r in results[0] if r["case"][0] == "split"]

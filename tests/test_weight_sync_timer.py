@@ -116,6 +116,12 @@ def test_past_max_pending_a_sync_runs_untimed_and_is_counted() -> None:
     assert timed == [True, True, True, False, False]
     stats = timer.statistics()
     assert (stats.measured, stats.skipped, stats.event_pairs) == (3, 2, 3)
+    # A skipped body that raises is a failure, not a skip.
+    with pytest.raises(ValueError, match="boom"), timer.measure(5) as m:
+        assert not m.timed
+        raise ValueError("boom")
+    stats = timer.statistics()
+    assert (stats.measured, stats.skipped, stats.failed) == (3, 2, 1)
     stream.complete_all()
     assert [s.tag for s in timer.harvest()] == [0, 1, 2]
     # Harvested pairs beyond pool_size are dropped, not kept.

@@ -47,6 +47,7 @@ from ..gate import Gate
 from ..scheduler import (
     GenerationRequest,
     GenerationResult,
+    ParkReport,
     RolloutTaskScheduler,
     SamplingParams,
     SequenceState,
@@ -345,7 +346,7 @@ class TorchLMBackend(RolloutBase):
     # -- the pause -----------------------------------------------------------------------------
 
     @contextmanager
-    def paused(self, timeout: float | None = None) -> Iterator[None]:
+    def paused(self, timeout: float | None = None) -> Iterator[object]:
         """Park decoding between two steps for the ``with`` body (see :class:`RolloutBase`).
 
         Returns once the decode step in progress (if any) has finished; no step starts until
@@ -355,7 +356,7 @@ class TorchLMBackend(RolloutBase):
             PauseTimeout: a step was still running after ``timeout`` seconds.
         """
         with self.generation_gate.exclusive(timeout):
-            yield
+            yield None
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -742,11 +743,12 @@ class TorchLMStreamBackend(TorchLMBackend):
     @contextmanager
     def paused(
         self, timeout: float | None = None, *, wait_for_active_tasks: bool | None = None
-    ) -> Iterator[None]:
+    ) -> Iterator[ParkReport]:
         """Park the scheduler for the ``with`` body; see :meth:`RolloutTaskScheduler.paused`.
 
-        ``wait_for_active_tasks=None`` follows ``drain_on_pause``.
+        ``wait_for_active_tasks=None`` follows ``drain_on_pause``. Yields the scheduler's
+        :class:`~rollout_sync.scheduler.ParkReport` (time to park, sequences in flight).
         """
         drain = self.drain_on_pause if wait_for_active_tasks is None else wait_for_active_tasks
-        with self.scheduler.paused(timeout, wait_for_active_tasks=drain):
-            yield
+        with self.scheduler.paused(timeout, wait_for_active_tasks=drain) as report:
+            yield report

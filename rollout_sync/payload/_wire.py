@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .._deadline import (
+    collective_failure,
     deadline_after,
     expired,
     limit_of,
@@ -48,7 +50,8 @@ FRAME_WORDS = 64
 _HEADER_WORDS = 8
 MAX_BATCH = FRAME_WORDS - _HEADER_WORDS
 """The most payloads one offer (one transfer) can carry: one size word each."""
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+"""2: REQUEST and BYE_ACK carry the count of acknowledged payloads."""
 _VERSION_WORD = 7
 _ALIGN = 16
 
@@ -57,7 +60,9 @@ class FrameKind(enum.IntEnum):
     """What a control frame says. Words 1.. depend on the kind (see each member)."""
 
     REQUEST = 1
-    """receiver -> sender: [request_id, credits, timeout_us]. Credit for ``credits`` payloads."""
+    """receiver -> sender: [request_id, credits, timeout_us, acknowledged]. Credit for
+    ``credits`` payloads; ``acknowledged``: how many of this sender's payloads (in order) the
+    trainer has taken and moved on from."""
     EXPIRED = 2
     """sender -> receiver: [request_id, credits_left]. The request ran out unserved."""
     OFFER = 3
@@ -72,7 +77,7 @@ class FrameKind(enum.IntEnum):
     BYE = 7
     """sender -> receiver: [total_registered]. The sender is closing; nothing more will come."""
     BYE_ACK = 8
-    """receiver -> sender: []. The last frame on this pair."""
+    """receiver -> sender: [acknowledged]. The last frame on this pair."""
 
 
 def make_frame(kind: FrameKind, *words: int, sizes: Sequence[int] = ()) -> torch.Tensor:
@@ -128,6 +133,23 @@ def send_frame(frame: torch.Tensor, peer: int, group: dist.ProcessGroup, timeout
         if work is None:  # pragma: no cover - isend returns work for a member rank
             raise PayloadTransportError("this rank is not in the payload control group")
         wait_collective([work], operation=what, timeout_s=timeout, ranks=(peer,))
+
+
+def recv_frame(frame: torch.Tensor, peer: int, group: dist.ProcessGroup, timeout: float) -> None:
+    """Receive the next control frame from ``peer`` into ``frame`` (a reader's idle wait,
+    bounded by the control group's own ``timeout``).
+
+    Raises:
+        PayloadTransportError: the peer's connection closed (``cause="closed"``: it died) or
+            nothing came within ``timeout`` (``cause="timeout"``); names the peer.
+    """
+    what = f"control frame from rank {peer}"
+    start = time.monotonic()
+    with _peer_failures(what, peer, timeout):
+        try:
+            dist.recv(frame, src=peer, group=group)
+        except RuntimeError as exc:
+            raise collective_failure(exc, what, (peer,), timeout, start) from exc
 
 
 COALESCE_BYTES = 1 << 20
@@ -306,12 +328,16 @@ def _peer_failures(what: str, peer: int, timeout: float) -> Iterator[None]:
     except CollectiveTimeout as exc:
         raise PayloadTransportError(
             f"{what} did not complete within {timeout:.1f} s: rank {peer} stopped serving its "
-            "transport or hung; the transport is unusable now"
+            "transport or hung; the transport is unusable now",
+            peer=peer,
+            cause="timeout",
         ) from exc
     except (CollectiveError, RuntimeError) as exc:  # RuntimeError: the send itself refused
         raise PayloadTransportError(
             f"{what} failed: the connection to rank {peer} closed (the peer most likely died; "
-            f"check its log); the transport is unusable now: {exc}"
+            f"check its log); the transport is unusable now: {exc}",
+            peer=peer,
+            cause="closed",
         ) from exc
 
 

@@ -47,6 +47,7 @@ from ._wire import (
     make_frame,
     offer_sizes,
     read_frame,
+    recv_frame,
     send_frame,
     unpack_payload,
     use_device,
@@ -100,7 +101,15 @@ class ReceiverStatistics:
     announced: int
     """Payloads the closed senders said they registered (their goodbye carries the count)."""
     lost: int
-    """Announced by a closed sender and never received. Zero unless something broke."""
+    """Announced by a closed sender and never received, plus what a failed sender had in
+    flight here (accepted and not fully received, or offered and deferred). Zero unless
+    something broke."""
+    acknowledged: int = 0
+    """Payloads acknowledged to their senders: taken by :meth:`PayloadReceiver.get`, which
+    then was called again (the trainer moved on from them)."""
+    failed_senders: dict[int, str] = field(default_factory=dict)
+    """Senders whose connection failed, by rank: ``"closed"`` (died) or ``"timeout"``
+    (hung). The receiver goes on with the others."""
 
 
 @dataclass
@@ -114,6 +123,14 @@ class _Peer:
     next_seq: int = 0
     received: int = 0
     announced: int | None = None
+    taken: int = 0
+    acknowledged: int = 0
+    """Taken, and get() called again since: what the sender is told it may forget."""
+    deferred: int = 0
+    """Payloads of the offer deferred last (the sender holds them for the next offer)."""
+    failed: str | None = None
+    """``"closed"`` or ``"timeout"`` once this sender's connection failed."""
+    lost_in_flight: int = 0
 
     @property
     def outstanding(self) -> int:
@@ -144,7 +161,8 @@ class _ReceiverState:
         self.queue: deque[ReceivedPayload] = deque()
         self.holds = 0
         self.deferred: set[int] = set()
-        self.in_flight: set[int] = set()
+        self.in_flight: dict[int, int] = {}
+        """Accepted transfers on the wire: ticket -> sender rank."""
         self._next_ticket = 0
         self._next_request_id = 0
         self.error: BaseException | None = None
@@ -162,14 +180,15 @@ class _ReceiverState:
     # -- credit --------------------------------------------------------------------------------
 
     def grant(self, rank: int) -> tuple[int, int] | None:
-        """Credit to grant ``rank`` now, as (request_id, credits), or None.
+        """Credit to grant ``rank`` now, as (request_id, credits), or None (the request frame
+        also carries ``peers[rank].acknowledged``).
 
         Credit covers only room the receiver has (``window`` per sender, less what is granted,
         on the wire and queued); it is granted in chunks of at least a quarter window, so that a
         steady stream does not cost one request per payload.
         """
         peer = self.peers[rank]
-        if peer.announced is not None:
+        if peer.announced is not None or peer.failed is not None:
             return None
         free = self.window - peer.outstanding - peer.receiving - peer.queued
         if free < max(1, self.window // 4):
@@ -218,7 +237,9 @@ class _ReceiverState:
         if not can_accept:
             self.deferred.add(rank)
             self.offers_deferred += 1
+            peer.deferred = count
             return None
+        peer.deferred = 0
         request_ids: list[int] = []
         left = count
         while left:
@@ -232,7 +253,7 @@ class _ReceiverState:
         peer.next_seq += count
         peer.receiving += count
         self._next_ticket += 1
-        self.in_flight.add(self._next_ticket)
+        self.in_flight[self._next_ticket] = rank
         return _Accepted(
             self._next_ticket,
             first_seq,
@@ -242,7 +263,7 @@ class _ReceiverState:
         )
 
     def on_received(self, accepted: _Accepted, payloads: list[ReceivedPayload]) -> None:
-        self.in_flight.discard(accepted.ticket)
+        self.in_flight.pop(accepted.ticket, None)
         peer = self.peers[payloads[0].source]
         peer.receiving -= len(payloads)
         peer.queued += len(payloads)
@@ -256,9 +277,27 @@ class _ReceiverState:
         if not self.queue:
             return None
         payload = self.queue.popleft()
-        self.peers[payload.source].queued -= 1
+        peer = self.peers[payload.source]
+        peer.queued -= 1
+        peer.taken += 1
         self.taken += 1
         return payload
+
+    def acknowledge_taken(self) -> None:
+        """The trainer moved on (it asks for the next payload): what it took is acknowledged."""
+        for peer in self.peers.values():
+            peer.acknowledged = peer.taken
+
+    def on_peer_failed(self, rank: int, cause: str) -> None:
+        """``rank``'s connection failed: what it had in flight here is lost, the rest goes on."""
+        peer = self.peers[rank]
+        peer.failed = cause
+        peer.lost_in_flight = peer.receiving + peer.deferred
+        peer.receiving = peer.deferred = 0
+        peer.requests.clear()
+        self.deferred.discard(rank)
+        for ticket in [t for t, r in self.in_flight.items() if r == rank]:
+            del self.in_flight[ticket]
 
     def on_bye(self, rank: int, total: int) -> None:
         peer = self.peers[rank]
@@ -290,7 +329,8 @@ class _ReceiverState:
 
     @property
     def all_closed(self) -> bool:
-        return all(p.announced is not None for p in self.peers.values())
+        """Every sender said goodbye or failed: nothing more will arrive."""
+        return all(p.announced is not None or p.failed is not None for p in self.peers.values())
 
     @property
     def announced(self) -> int:
@@ -298,7 +338,10 @@ class _ReceiverState:
 
     @property
     def lost(self) -> int:
-        return sum(p.announced - p.received for p in self.peers.values() if p.announced is not None)
+        closed = sum(
+            p.announced - p.received for p in self.peers.values() if p.announced is not None
+        )
+        return closed + sum(p.lost_in_flight for p in self.peers.values())
 
 
 class PayloadReceiver(TransportEnd):
@@ -388,15 +431,18 @@ class PayloadReceiver(TransportEnd):
         """
         limit, deadline = self._deadline(timeout)
         with self._lock:
+            self._state.acknowledge_taken()
             while True:
                 payload = self._state.take()
                 if payload is not None:
                     break
                 self._raise_if_failed("receive a payload")
                 if self._state.all_closed:
+                    failed = {p.rank: p.failed for p in self._state.peers.values() if p.failed}
                     raise PayloadsExhausted(
                         f"no more payloads: all {len(self.sender_ranks)} senders have closed "
                         "and every payload they sent was taken"
+                        + (f" (failed, by rank: {failed})" if failed else "")
                     )
                 if expired(deadline):
                     raise PayloadTimeout(
@@ -423,6 +469,7 @@ class PayloadReceiver(TransportEnd):
     def get_nowait(self) -> ReceivedPayload:
         """The next payload if one is queued; raise :class:`WouldBlock` if none is."""
         with self._lock:
+            self._state.acknowledge_taken()
             payload = self._state.take()
             if payload is None:
                 self._raise_if_failed("receive a payload")
@@ -459,7 +506,7 @@ class PayloadReceiver(TransportEnd):
                 with self._send_locks[rank]:
                     self._send_frame(rank, make_frame(FrameKind.RESUME))
             except BaseException as exc:
-                self._fail(exc)
+                self._fail_from(rank, exc)
 
     def flush_pending_receives(self, timeout: float | None = None) -> None:
         """Return once the transfers being received at the call have completed.
@@ -541,6 +588,8 @@ class PayloadReceiver(TransportEnd):
                 senders_closed=sum(p.announced is not None for p in s.peers.values()),
                 announced=s.announced,
                 lost=s.lost,
+                acknowledged=sum(p.acknowledged for p in s.peers.values()),
+                failed_senders={p.rank: p.failed for p in s.peers.values() if p.failed},
             )
 
     def __repr__(self) -> str:
@@ -559,7 +608,7 @@ class PayloadReceiver(TransportEnd):
             use_device(self.device)
             self._top_up(rank)
             while True:
-                dist.recv(frame, src=rank, group=self.groups.control)
+                recv_frame(frame, rank, self.groups.control, self.groups.timeout_s)
                 kind, words = read_frame(frame, rank)
                 if kind is FrameKind.OFFER:
                     self._on_offer(rank, words)
@@ -571,12 +620,13 @@ class PayloadReceiver(TransportEnd):
                     with self._send_locks[rank]:
                         with self._lock:
                             self._state.on_bye(rank, words[1])
-                        self._send_frame(rank, make_frame(FrameKind.BYE_ACK))
+                            acknowledged = self._state.peers[rank].acknowledged
+                        self._send_frame(rank, make_frame(FrameKind.BYE_ACK, acknowledged))
                     return
                 else:
                     raise PayloadTransportError(f"rank {rank} sent {kind.name} to a receiver")
         except BaseException as exc:  # kept: every later call re-raises it
-            self._fail(exc)
+            self._fail_from(rank, exc)
         finally:
             with self._lock:
                 self._state.closed_readers += 1
@@ -670,7 +720,7 @@ class PayloadReceiver(TransportEnd):
         try:
             self._top_up(rank)
         except BaseException as exc:  # kept: every later call re-raises it
-            self._fail(exc)
+            self._fail_from(rank, exc)
 
     def _top_up(self, rank: int) -> None:
         """Grant ``rank`` the credit there is room for (requests go out in grant order)."""
@@ -679,14 +729,32 @@ class PayloadReceiver(TransportEnd):
                 if self._state.error is not None:
                     return
                 grant = self._state.grant(rank)
+                acknowledged = self._state.peers[rank].acknowledged
             if grant is not None:
                 request_id, credits = grant
                 self._send_frame(
                     rank,
                     make_frame(
-                        FrameKind.REQUEST, request_id, credits, self._state.request_timeout_us
+                        FrameKind.REQUEST,
+                        request_id,
+                        credits,
+                        self._state.request_timeout_us,
+                        acknowledged,
                     ),
                 )
+
+    def _fail_from(self, rank: int, exc: BaseException) -> None:
+        """A failure talking to sender ``rank``: if its connection failed (it died or hung),
+        account for what it had in flight and go on with the others (a hold or a flush
+        waiting for its transfer is released); anything else fails the receiver."""
+        if isinstance(exc, PayloadTransportError) and exc.peer == rank and exc.cause is not None:
+            with self._lock:
+                if self._state.peers[rank].failed is None:
+                    self._state.on_peer_failed(rank, exc.cause)
+                self._progress.notify_all()
+                self._arrived.notify_all()
+        else:
+            self._fail(exc)
 
     def _send_frame(self, rank: int, frame: torch.Tensor) -> None:
         """Send a control frame to ``rank``; the caller holds that rank's send lock."""

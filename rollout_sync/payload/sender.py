@@ -72,7 +72,9 @@ from ._wire import (
     make_frame,
     pack_payload,
     read_frame,
+    recv_frame,
     send_frame,
+    unpack_payload,
     use_device,
     wait_works,
 )
@@ -106,6 +108,8 @@ class PayloadGroups:
 
     data: dist.ProcessGroup
     control: dist.ProcessGroup
+    timeout_s: float = DEFAULT_CONTROL_TIMEOUT_S
+    """The groups' timeout: the longest a reader waits for the next control frame."""
 
 
 def new_payload_groups(
@@ -131,7 +135,7 @@ def new_payload_groups(
     control = dist.new_group(members, backend="gloo", timeout=group_timedelta(timeout))
     if data is None or control is None:  # pragma: no cover - new_group returns a group here
         raise RuntimeError("torch.distributed.new_group returned no group")
-    return PayloadGroups(data=data, control=control)
+    return PayloadGroups(data=data, control=control, timeout_s=timeout)
 
 
 # -- the pool's bookkeeping --------------------------------------------------------------------
@@ -216,6 +220,10 @@ class _SendPoolState:
         self.capacity = capacity
         self.max_in_flight = max_in_flight
         self.unsent: deque[_Entry] = deque()
+        self.unacknowledged: deque[_Entry] = deque()
+        """Sent, and not yet acknowledged by the receiver (kept to be sent again after a
+        recovery)."""
+        self.acknowledged = 0
         self.reserved = 0
         self.in_flight: _Offer | None = None
         self.reply: FrameKind | None = None
@@ -396,7 +404,28 @@ class _SendPoolState:
         self.sent += offer.count
         self.bytes_sent += offer.nbytes
         self.transfers += 1
+        self.unacknowledged.extend(e for e in offer.entries if e.seq >= self.acknowledged)
         self._finish(offer)
+
+    def acknowledge(self, count: int) -> None:
+        """The receiver says the trainer took and moved on from this sender's first
+        ``count`` payloads."""
+        # The receiver may take a transfer, and move on, before this end has finished its own
+        # bookkeeping of it: the offer in flight counts as sent here.
+        launched = self.sent + (self.in_flight.count if self.in_flight is not None else 0)
+        if count > launched:
+            raise PayloadTransportError(
+                f"the receiver acknowledged {count} payloads, this sender launched {launched}"
+            )
+        self.acknowledged = max(self.acknowledged, count)
+        while self.unacknowledged and self.unacknowledged[0].seq < self.acknowledged:
+            self.unacknowledged.popleft()
+
+    def not_acknowledged(self) -> list[_Entry]:
+        """Every registered payload not acknowledged, in order: sent, in flight, unsent."""
+        in_flight = list(self.in_flight.entries) if self.in_flight is not None else []
+        entries = [*self.unacknowledged, *in_flight, *self.unsent]
+        return sorted({e.seq: e for e in entries}.values(), key=lambda e: e.seq)
 
     def _finish(self, offer: _Offer) -> None:
         self.in_flight = None
@@ -425,6 +454,10 @@ class SenderStatistics:
     """Payloads registered since the sender was made."""
     sent: int
     """Payloads whose transfer completed."""
+    acknowledged: int
+    """Payloads (the first ``acknowledged`` in order) the trainer took and moved on from, as
+    its receiver said; the rest may be lost if a process dies (see
+    :meth:`PayloadSender.unacknowledged`)."""
     bytes_sent: int
     transfers: int
     """Completed transfers (each carries up to ``max_in_flight`` payloads)."""
@@ -698,6 +731,19 @@ class PayloadSender(TransportEnd):
                 ),
             )
 
+    def unacknowledged(self) -> list[tuple[dict[str, torch.Tensor], dict[str, Any]]]:
+        """Every payload registered here that the trainer has not acknowledged, in order, as
+        ``(tensors, meta)``: sent but unacknowledged, in flight, and unsent.
+
+        Works on a sender that failed or closed too. After a recovery, register these on the
+        new transport's sender: nothing acknowledged is lost, and nothing unacknowledged is
+        dropped (a payload the trainer took but had not moved on from may arrive twice; give
+        payloads an id in ``meta`` where that matters).
+        """
+        with self._lock:
+            entries = self._state.not_acknowledged()
+        return [unpack_payload(e.buffer) for e in entries]
+
     def wait_for_credit(self, timeout: float | None = None) -> int:
         """Wait until the receiver has granted credit; returns the payloads it covers.
 
@@ -784,6 +830,7 @@ class PayloadSender(TransportEnd):
                 receiver_rank=self.receiver_rank,
                 registered=s.registered,
                 sent=s.sent,
+                acknowledged=s.acknowledged,
                 bytes_sent=s.bytes_sent,
                 transfers=s.transfers,
                 unsent=len(s.unsent),
@@ -925,11 +972,12 @@ class PayloadSender(TransportEnd):
         try:
             use_device(self.device)
             while True:
-                dist.recv(frame, src=self.receiver_rank, group=self.groups.control)
+                recv_frame(frame, self.receiver_rank, self.groups.control, self.groups.timeout_s)
                 kind, words = read_frame(frame, self.receiver_rank)
                 now = time.monotonic_ns()
                 with self._lock:
                     if kind is FrameKind.REQUEST:
+                        self._state.acknowledge(words[4])
                         self._state.add_request(words[1], words[2], words[3] * 1000, now)
                         self._work.notify()
                         self._progress.notify_all()
@@ -940,6 +988,7 @@ class PayloadSender(TransportEnd):
                         self._state.receiver_resumed(now)
                         self._work.notify()
                     elif kind is FrameKind.BYE_ACK:
+                        self._state.acknowledge(words[1])
                         self._state.bye_acked = True
                         self._progress.notify_all()
                         return
