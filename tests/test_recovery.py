@@ -312,20 +312,6 @@ def _payload(sender: int, i: int, tag: str = "") -> tuple[dict[str, torch.Tensor
     return {"tokens": torch.arange(64) + i}, {"id": f"{sender}-{tag}{i}"}
 
 
-def _die_on_third_transfer() -> None:
-    """In the victim: its third payload transfer dies after the receiver accepted it."""
-    original = torch.distributed.batch_isend_irecv
-    calls = [0]
-
-    def dying(ops: Any) -> Any:
-        calls[0] += 1
-        if calls[0] == 3:
-            os._exit(17)
-        return original(ops)
-
-    torch.distributed.batch_isend_irecv = dying
-
-
 def _payload_death_child(index: int, port0: int, port1: int, acked_file: str) -> dict[str, Any]:
     from rollout_sync.errors import PayloadsExhausted, PayloadTimeout
     from rollout_sync.payload import PayloadReceiver, PayloadSender, new_payload_groups
@@ -369,8 +355,10 @@ def _payload_death_child(index: int, port0: int, port1: int, acked_file: str) ->
                 calls = [0]
 
                 def dying(ops: Any) -> Any:
+                    # Mid-transfer (the receiver accepted it), once the victim has been told
+                    # of at least one acknowledged payload and has sent a few.
                     calls[0] += 1
-                    if calls[0] == 3:
+                    if calls[0] >= 3 and sender.statistics().acknowledged > 0:
                         record_acked()
                         os._exit(17)
                     return original(ops)
