@@ -72,6 +72,7 @@ from .transfer import (
     TransferStats,
     WeightTransfer,
     WeightTransferError,
+    WeightTransferTimeout,
 )
 
 __all__ = [
@@ -631,8 +632,17 @@ class RolloutWorker:
                 if transfer.is_source
                 else (lambda: self._async_receive(transfer))
             )
-            future = self.sync_thread.submit("reseed", job)
-            result: TransferStats = future.result(timeout=self.weight_sync_timeout * 4)
+            # A re-seed receive queues like a P2R, a re-seed send like an R2R.
+            future = self.sync_thread.submit("r2r" if transfer.is_source else "p2r", job)
+            limit = self.weight_sync_timeout * 4
+            try:
+                result: TransferStats = future.result(timeout=limit)
+            except concurrent.futures.TimeoutError:
+                raise WeightTransferTimeout(
+                    f"the re-seed transfer on the weight-sync thread did not finish within "
+                    f"{limit:.1f} s",
+                    operation="reseed",
+                ) from None
             return result
         if transfer.is_source:
             return self.send_reseed(transfer)

@@ -382,6 +382,46 @@ def test_async_syncs_run_on_the_sync_thread_and_install_at_safe_points() -> None
     assert worker.weight_buffer.statistics().writes == 5
 
 
+def test_a_reseed_receive_is_guarded_and_clears_a_torn_state() -> None:
+    log = EventLog()
+    rollout = RecordingRollout(log, {"w": torch.zeros(4)})
+    worker = RolloutWorker(rollout, data_packer=RecordingPacker(log=log))
+    rollout.mark_weights_torn("a P2R died part-way")
+    stats = worker.reseed(FakeTransfer(lambda: (4, {"w": torch.full((4,), 4.0)}), log=log))  # type: ignore[arg-type]
+    assert stats.version == 4 and rollout.weight_version == 4 and not rollout.weights_torn
+    assert log.events[:2] == ["pause:enter", "hold_sends:enter"]
+    assert worker.last_weight_sync_report is not None
+    assert worker.last_weight_sync_report.handler == "_receive_reseed"
+
+
+def test_a_reseed_source_holds_egress_only_and_refuses_torn_weights() -> None:
+    log = EventLog()
+    rollout = RecordingRollout(log, {"w": torch.ones(4)})
+    rollout.commit_weight_version(3)
+    worker = RolloutWorker(rollout, data_packer=RecordingPacker(log=log))
+    source = FakeTransfer(lambda: (0, {}), is_source=True, log=log)
+    worker.reseed(source)  # type: ignore[arg-type]
+    assert source.sent == [3] and "pause:enter" not in log.events
+    rollout.mark_weights_torn("torn")
+    with pytest.raises(TornWeightsError):
+        worker.reseed(source)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(30)
+def test_an_async_reseed_writes_the_buffer_on_the_sync_thread() -> None:
+    model = VersionStampedModel(4, 16)
+    backend = AsyncTornReadBackend(model)
+    worker = RolloutWorker(backend, mode=SyncMode.ASYNC_PER_FORWARD)
+    try:
+        stats = worker.reseed(FakeTransfer(lambda: _stamped(model, 6)))  # type: ignore[arg-type]
+        assert stats.version == 6
+        assert worker.weight_buffer is not None
+        assert worker.weight_buffer.published_version == 6
+        assert backend.weight_version == 6  # not generating yet: installed at once
+    finally:
+        worker.close()
+
+
 class _ReloadingRollout(RecordingRollout):
     """An engine that cannot serve the tensors it exposes: it reloads them after a sync."""
 
