@@ -38,7 +38,6 @@ import json
 import multiprocessing as mp
 import os
 import random
-import statistics
 import sys
 import time
 from collections import Counter
@@ -47,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rollout_sync.metrics import percentile  # noqa: E402 - the path is set up above
 
 WORLD = 4
 TRAINER, RELAY, LEAVES = 0, 1, (2, 3)
@@ -460,12 +461,8 @@ def main(argv: list[str] | None = None) -> int:
         "payloads_taken": len(job.took),
         "converged": converged,
         "final_version": trainer.get("version"),
-        "recovery_s_p50": round(statistics.median(recovery_s), 2) if recovery_s else None,
-        "recovery_s_p99": round(
-            sorted(recovery_s)[max(0, int(len(recovery_s) * 0.99 + 0.5) - 1)], 2
-        )
-        if recovery_s
-        else None,
+        "recovery_s_p50": round(percentile(recovery_s, 50), 2) if recovery_s else None,
+        "recovery_s_p99": round(percentile(recovery_s, 99), 2) if recovery_s else None,
         "hangs": hangs,
         "timeout_s": args.timeout,
         "wall_s": round(time.monotonic() - started, 1),

@@ -157,7 +157,8 @@ def wait_collective(
         if work is None:
             continue
         try:
-            completed = work.wait(wait_timedelta(deadline))
+            # No limit for an infinite deadline (a timedelta cannot hold one).
+            completed = work.wait() if math.isinf(deadline) else work.wait(wait_timedelta(deadline))
         except Exception as exc:  # re-raised below as the package's typed error
             raise collective_failure(exc, operation, ranks, timeout_s, start) from exc
         if completed is False:

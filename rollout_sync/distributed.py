@@ -21,6 +21,7 @@ Spawning processes of one's own (tests, demos, benchmarks) is
 from __future__ import annotations
 
 import socket
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,12 +35,17 @@ __all__ = [
     "CollectiveTimeout",
     "find_free_port",
     "group_ranks",
+    "group_timeout_s",
     "init_process_group",
     "new_group",
     "wait_work",
 ]
 
 DEFAULT_GROUP_TIMEOUT_S = 60.0
+
+_GROUP_TIMEOUTS: weakref.WeakKeyDictionary[dist.ProcessGroup, float] = weakref.WeakKeyDictionary()
+"""The timeout each group was made with here: the backend ends an operation there, whatever
+longer limit a caller waits with."""
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -85,6 +91,7 @@ def init_process_group(
     dist.init_process_group(
         backend, init_method=init_method, timeout=group_timedelta(timeout_s), **kwargs
     )
+    _GROUP_TIMEOUTS[dist.distributed_c10d._get_default_group()] = timeout_s
 
 
 def new_group(
@@ -104,7 +111,19 @@ def new_group(
     )
     if group is None:  # pragma: no cover - torch returns a placeholder, not None, today
         raise RuntimeError(f"new_group({list(ranks)}) returned no group")
+    if isinstance(group, dist.ProcessGroup):  # not the placeholder of a non-member
+        _GROUP_TIMEOUTS[group] = timeout_s
     return group
+
+
+def group_timeout_s(group: dist.ProcessGroup | None) -> float | None:
+    """The timeout ``group`` (``None``: the default group) was made with by
+    :func:`init_process_group` / :func:`new_group`; ``None`` for a group made elsewhere."""
+    if group is None or group is dist.group.WORLD:
+        if not dist.is_initialized():
+            return None
+        group = dist.distributed_c10d._get_default_group()
+    return _GROUP_TIMEOUTS.get(group)
 
 
 def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
@@ -127,8 +146,13 @@ def wait_work(
     operation: str,
     timeout_s: float,
     group: dist.ProcessGroup | None = None,
+    ranks: Sequence[int] | None = None,
 ) -> None:
     """Wait at most ``timeout_s`` seconds for an ``async_op=True`` collective to complete.
+
+    The backend ends the operation at the group's own timeout, so the wait is bounded by the
+    shorter of the two, and a failure at that point is a timeout, not a dead peer. ``ranks``:
+    the group's global ranks, if the caller has them (else looked up, for messages).
 
     Raises:
         CollectiveTimeout: it did not complete in time (a peer hung or never joined).
@@ -136,4 +160,9 @@ def wait_work(
             died: its connection closed). Both name ``operation`` and the group; the group
             should be considered broken afterwards.
     """
-    wait_collective([work], operation=operation, timeout_s=timeout_s, ranks=group_ranks(group))
+    limit = timeout_s
+    own = group_timeout_s(group)
+    if own is not None and own < limit:
+        limit = own
+    members = ranks if ranks is not None else group_ranks(group)
+    wait_collective([work], operation=operation, timeout_s=limit, ranks=members)

@@ -49,11 +49,13 @@ __all__ = [
     "MetricKeyCollisionError",
     "PauseTimeout",
     "PayloadBackpressureTimeout",
+    "PayloadPeerTimeout",
     "PayloadTimeout",
     "PayloadTransportError",
     "PayloadsExhausted",
     "RayUnavailableError",
     "RecoveryError",
+    "RecoveryTimeout",
     "RelayForwardError",
     "RolloutSyncError",
     "SchedulerTimeout",
@@ -61,6 +63,7 @@ __all__ = [
     "TornWeightsError",
     "VLLMUnavailableError",
     "WeightBroadcastError",
+    "WeightBroadcastTimeout",
     "WeightMismatchError",
     "WeightSyncThreadError",
     "WeightTransferError",
@@ -354,6 +357,19 @@ class ChildFailure:
     error: str
     """The process's formatted traceback, or what its launcher observed."""
 
+    @classmethod
+    def overstayed(
+        cls, rank: int, *, past_limit: bool, limit_s: float, grace_s: float, group: str
+    ) -> ChildFailure:
+        """A process killed while still running: past the ``group``'s limit, or ``grace_s``
+        after another process failed."""
+        why = (
+            f"killed after the {group}'s limit of {limit_s:.1f} s"
+            if past_limit
+            else f"killed {grace_s:.1f} s after another rank failed"
+        )
+        return cls(rank, None, f"still running: {why}")
+
 
 class GroupProcessError(RolloutSyncError, ChildProcessError):
     """One or more processes of a group failed, died or overstayed: children of
@@ -395,6 +411,11 @@ class PayloadTransportError(RolloutSyncError):
         self.cause = cause
 
 
+class PayloadPeerTimeout(PayloadTransportError, TimeoutError):
+    """A payload peer took nothing within the limit (``cause="timeout"``): it hung, or is not
+    serving its transport. On gloo the transport is unusable afterwards."""
+
+
 class PayloadsExhausted(PayloadTransportError):
     """Every payload sender has closed and every payload it sent was taken: the stream ended."""
 
@@ -424,11 +445,17 @@ class PayloadBackpressureTimeout(PayloadTimeout):
 
 
 class WeightBroadcastError(RolloutSyncError):
-    """A trainer-side weight broadcast or its command announcement failed or timed out.
+    """A trainer-side weight broadcast or its command announcement failed.
 
     Raised with the operation, the limit and the process group in the message; the cause (the
-    backend's own error) is chained.
+    backend's own error) is chained. A timeout is the subclass
+    :class:`WeightBroadcastTimeout`.
     """
+
+
+class WeightBroadcastTimeout(WeightBroadcastError, TimeoutError):
+    """A trainer-side weight broadcast, or a command announcement or receipt, did not complete
+    within its limit (a full command queue, a peer that never joined the broadcast)."""
 
 
 class MetricKeyCollisionError(RolloutSyncError, ValueError):
@@ -479,8 +506,12 @@ class EngineCallTimeout(RolloutSyncError, TimeoutError):
 
 
 class RecoveryError(RolloutSyncError):
-    """Recovering from a dead process could not proceed (a teardown that hangs, a call without
-    what its role needs); see :mod:`rollout_sync.recovery`."""
+    """Recovering from a dead process could not proceed (a call without what its role needs,
+    a failed teardown); see :mod:`rollout_sync.recovery`."""
+
+
+class RecoveryTimeout(RecoveryError, TimeoutError):
+    """Leaving the broken job, or meeting at the new rendezvous, did not finish in time."""
 
 
 class CommandTimeout(RolloutSyncError, TimeoutError):

@@ -253,44 +253,32 @@ class WeightSyncTimer:
         when it ran untimed) and the error propagates.
         """
         measurement = Measurement(tag=tag, nbytes=nbytes)
-        if self.clock is TimerClock.PERF_COUNTER:
-            start = time.perf_counter()
-            try:
-                yield measurement
-            except BaseException:
-                with self._lock:
-                    self._failed += 1
-                raise
-            elapsed_ms = (time.perf_counter() - start) * 1e3
-            with self._lock:
-                self._measured += 1
-                self._ready.append(TimedSample(tag, elapsed_ms, measurement.nbytes))
-            return
-
-        pair = self._acquire_pair()
-        if pair is None:
+        pair = None if self.clock is TimerClock.PERF_COUNTER else self._acquire_pair()
+        if self.clock is TimerClock.CUDA_EVENTS and pair is None:
             measurement.timed = False
-            try:
-                yield measurement
-            except BaseException:
-                with self._lock:
-                    self._failed += 1
-                raise
-            with self._lock:
-                self._skipped += 1
-            return
-        pair.start.record()
+        start = time.perf_counter()
+        if pair is not None:
+            pair.start.record()
         try:
             yield measurement
         except BaseException:
             with self._lock:
-                self._failed += 1
-                self._free.append(pair)
+                self._failed += 1  # timed or not, its sample is discarded
+                if pair is not None:
+                    self._free.append(pair)
             raise
-        pair.end.record()
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+        if pair is not None:
+            pair.end.record()
         with self._lock:
-            self._measured += 1
-            self._pending.append(_Pending(pair, tag, measurement.nbytes))
+            if pair is not None:
+                self._measured += 1
+                self._pending.append(_Pending(pair, tag, measurement.nbytes))
+            elif measurement.timed:
+                self._measured += 1
+                self._ready.append(TimedSample(tag, elapsed_ms, measurement.nbytes))
+            else:
+                self._skipped += 1
 
     def _acquire_pair(self) -> _EventPair | None:
         """A free event pair, a new one, or None when ``max_pending`` are outstanding."""

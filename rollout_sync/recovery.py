@@ -24,10 +24,10 @@ old job in place. Recovery forms a new one among the survivors and the restarted
     rejoin(rank, Rendezvous("tcp://10.0.0.1:29600", world_size=4, generation=1), timeout_s=30)
     groups = build_sync_groups(trainer=0, replicas=[1, 2, 3], timeout_s=30)
     if rank == 0:
-        plan = recover_weights(groups, weights=model_weights, version=last_pushed)
+        plan, stats = recover_weights(groups, weights=model_weights, version=last_pushed)
     else:
-        worker.use_groups(groups)
-        plan = recover_weights(groups, worker=worker)
+        worker.use_groups(groups, config=transfer_config)
+        plan, stats = recover_weights(groups, worker=worker, config=transfer_config)
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .distributed import DEFAULT_GROUP_TIMEOUT_S, init_process_group, new_group, wait_work
-from .errors import RecoveryError
+from .errors import RecoveryError, RecoveryTimeout
 from .transfer import TransferConfig, TransferStats, WeightTransfer
 
 if TYPE_CHECKING:
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "RecoveryError",
+    "RecoveryTimeout",
     "Rendezvous",
     "ReseedPlan",
     "WeightState",
@@ -78,7 +79,7 @@ class Rendezvous:
 def leave(timeout_s: float = 30.0) -> None:
     """Leave the default process group (and every group made from it), if this process is in
     one. Bounded: a teardown still blocked after ``timeout_s`` seconds is a
-    :class:`RecoveryError` (the process must then be restarted too).
+    :class:`~rollout_sync.errors.RecoveryTimeout` (the process must then be restarted too).
     """
     if not dist.is_initialized():
         return
@@ -94,7 +95,7 @@ def leave(timeout_s: float = 30.0) -> None:
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        raise RecoveryError(
+        raise RecoveryTimeout(
             f"leaving the broken process group did not finish within {timeout_s:.1f} s; "
             "restart this process as well"
         )
@@ -110,16 +111,27 @@ def rejoin(
     """Leave the broken default group (if any) and join the job at ``rendezvous`` as ``rank``.
 
     Every process of the new job calls this, survivors and restarted ones alike; it returns
-    when all ``rendezvous.world_size`` have arrived, bounded by ``timeout_s`` (torch raises
-    then). ``timeout_s`` is also the new default group's collective limit.
+    when all ``rendezvous.world_size`` have arrived. ``timeout_s`` bounds the teardown and the
+    rendezvous each, and is the new default group's collective limit.
+
+    Raises:
+        RecoveryTimeout: the teardown, or the rendezvous, did not finish within ``timeout_s``
+            (a process of the new job never arrived).
     """
     leave(timeout_s)
-    init_process_group(
-        rank=rank,
-        world_size=rendezvous.world_size,
-        init_method=rendezvous.init_method,
-        timeout_s=timeout_s,
-    )
+    try:
+        init_process_group(
+            rank=rank,
+            world_size=rendezvous.world_size,
+            init_method=rendezvous.init_method,
+            timeout_s=timeout_s,
+        )
+    except dist.DistStoreError as exc:
+        raise RecoveryTimeout(
+            f"generation {rendezvous.generation} of the job did not form at "
+            f"{rendezvous.init_method} within {timeout_s:.1f} s (rank {rank} of "
+            f"{rendezvous.world_size}): {exc}"
+        ) from exc
 
 
 @dataclass(frozen=True)
@@ -202,10 +214,14 @@ def recover_weights(
     """
     rank = dist.get_rank()
     is_trainer = rank == groups.trainer
-    if is_trainer and weights is None:
-        raise RecoveryError("recover_weights on the trainer needs its weights (and version)")
-    if not is_trainer and worker is None:
-        raise RecoveryError(f"recover_weights on replica rank {rank} needs its worker")
+    if is_trainer and (weights is None or worker is not None):
+        raise RecoveryError(
+            "recover_weights on the trainer needs its weights (and version), and no worker"
+        )
+    if not is_trainer and (worker is None or weights is not None):
+        raise RecoveryError(
+            f"recover_weights on replica rank {rank} needs its worker, and no weights"
+        )
     limit = (
         timeout_s
         if timeout_s is not None

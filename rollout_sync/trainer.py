@@ -42,7 +42,13 @@ import torch.distributed as dist
 
 from ._deadline import wait_collective
 from .distributed import group_ranks
-from .errors import CollectiveError, MetricKeyCollisionError, WeightBroadcastError
+from .errors import (
+    CollectiveError,
+    CollectiveTimeout,
+    MetricKeyCollisionError,
+    WeightBroadcastError,
+    WeightBroadcastTimeout,
+)
 from .metrics import TimedSample, WeightSyncTimer
 from .payload.receiver import PayloadReceiver
 from .transfer import TransferConfig, TransferStats, WeightTransfer
@@ -335,7 +341,7 @@ class QueueCommandChannel:
         try:
             return self._queue.get(timeout=timeout)
         except queue.Empty:
-            raise WeightBroadcastError(
+            raise WeightBroadcastTimeout(
                 f"no weight-sync command arrived within {timeout:.1f} s (is the trainer "
                 "running, and announcing on this channel?)"
             ) from None
@@ -584,7 +590,10 @@ def _broadcast_all(
             wait_collective(works, operation=operation, timeout_s=timeout, ranks=group_ranks(group))
     except (CollectiveError, RuntimeError) as exc:
         elapsed = time.monotonic() - start
-        raise WeightBroadcastError(
+        kind = (
+            WeightBroadcastTimeout if isinstance(exc, CollectiveTimeout) else WeightBroadcastError
+        )
+        raise kind(
             f"{operation} from rank {src} failed after {elapsed:.1f} s (limit {timeout:.1f} s): "
             f"{type(exc).__name__}: {exc}. A peer of the group did not take part in the "
             "broadcast (exited, or is waiting on a different collective)."

@@ -518,7 +518,10 @@ class _InFlight:
         self.version = version
         self.pending: deque[_Launched] = deque()
 
-    def launch(self, tensor: torch.Tensor, bucket: int, what: str = "bucket") -> None:
+    def launch(
+        self, tensor: torch.Tensor, bucket: int, what: str = "bucket", written: int = 0
+    ) -> None:
+        """Start one broadcast; ``written``: target tensors written so far (for the error)."""
         start_ns = time.monotonic_ns()
         try:
             work = dist.broadcast(
@@ -529,6 +532,7 @@ class _InFlight:
                 f"{self.op}: {what} {bucket + 1}/{self.buckets} could not be started: {exc}",
                 operation=self.op,
                 version=self.version,
+                tensors_written=written,
             ) from exc
         assert work is not None
         self.pending.append(_Launched(work, bucket, what, start_ns))
@@ -880,7 +884,9 @@ class WeightTransfer:
                 (:meth:`~rollout_sync.RolloutBase.flat_weight_storage`): buckets that are
                 spans of it are received straight into it (zero-copy; its padding bytes are
                 overwritten). With checksums and ``verify_before_write`` (the default) every
-                bucket is still staged and verified first.
+                bucket is still staged and verified first. A storage that is not a contiguous
+                1-D ``uint8`` tensor on this transfer's device is this rank's objection in the
+                manifest vote: ``ValueError`` here, ``ManifestRejected`` on the others.
 
         Raises:
             WeightMismatchError: this rank rejected the manifest; ``into`` is untouched.
@@ -892,11 +898,10 @@ class WeightTransfer:
         """
         if self.is_source:
             raise RuntimeError(f"receive() on the source rank {self.src}; call send()")
-        self._check_storage(storage)
         start = time.perf_counter()
         me = dist.get_rank()
         version, manifest, _, problem = self._receive_manifest(
-            f"receive from rank {self.src} on rank {me}", into, allow_subset
+            f"receive from rank {self.src} on rank {me}", into, allow_subset, storage
         )
         op = f"receive version {version} from rank {self.src} on rank {me}"
         self._manifest_vote(op, version, problem)
@@ -964,12 +969,11 @@ class WeightTransfer:
                 f"relay() passes buckets on as they arrive, so both hops need one device; "
                 f"got {self.device} and {forward.device}"
             )
-        self._check_storage(storage)
         start = time.perf_counter()
         me = dist.get_rank()
         try:
             version, manifest, data, problem = self._receive_manifest(
-                f"relay from rank {self.src} on rank {me}", into, allow_subset
+                f"relay from rank {self.src} on rank {me}", into, allow_subset, storage
             )
         except WeightTransferError as exc:
             reason = f"the relay's source failed: {type(exc).__name__}"
@@ -1118,10 +1122,14 @@ class WeightTransfer:
         )
 
     def _receive_manifest(
-        self, op: str, into: Mapping[str, torch.Tensor], allow_subset: bool
+        self,
+        op: str,
+        into: Mapping[str, torch.Tensor],
+        allow_subset: bool,
+        storage: torch.Tensor | None,
     ) -> tuple[int, WeightManifest | None, bytes, BaseException | None]:
-        """Receive and check the manifest; (version, manifest, its bytes, this rank's
-        objection)."""
+        """Receive and check the manifest (and this rank's ``storage``); (version, manifest,
+        its bytes, this rank's objection). An objection is voted, so every peer learns it."""
         header = torch.zeros(_HEADER_WORDS, dtype=torch.int64, device=self.device)
         self._collective(
             lambda: dist.broadcast(header, self.src, group=self.group, async_op=True),
@@ -1167,6 +1175,7 @@ class WeightTransfer:
                 require_all=manifest.require_all,
                 context=f"weights of version {version} from rank {self.src}",
             )
+            self._check_storage(storage)
         except (RolloutSyncError, ValueError) as exc:
             return version, manifest, data, exc
         return version, manifest, data, None
@@ -1208,9 +1217,9 @@ class WeightTransfer:
                 # The collective itself writes the targets (zero-copy).
                 outcome.tensors_written += len(manifest.buckets[k])
                 write_starts[k] = time.monotonic_ns()
-            in_flight.launch(flats[k], k)
+            in_flight.launch(flats[k], k, written=outcome.tensors_written)
             if sent_checksums is not None:
-                in_flight.launch(sent_checksums[k], k, "checksum")
+                in_flight.launch(sent_checksums[k], k, "checksum", outcome.tensors_written)
 
         post(0)
         with torch.no_grad():
@@ -1411,7 +1420,13 @@ class WeightTransfer:
 
     def _wait(self, work: dist.Work, op: str, version: int | None, written: int) -> None:
         try:
-            wait_work(work, operation=op, timeout_s=self.config.timeout_s, group=self.group)
+            wait_work(
+                work,
+                operation=op,
+                timeout_s=self.config.timeout_s,
+                group=self.group,
+                ranks=self.ranks,
+            )
         except CollectiveTimeout as exc:
             raise WeightTransferTimeout(
                 f"{exc} [{written} target tensor(s) written before it failed]",

@@ -52,8 +52,7 @@ from .errors import (
     CommandTimeout,
     InstallTimeout,
     RolloutSyncError,
-    TornWeightsError,
-    WeightBroadcastError,
+    WeightBroadcastTimeout,
 )
 from .guard import (
     SyncMode,
@@ -92,6 +91,9 @@ __all__ = [
 ]
 
 C = TypeVar("C")
+
+_RESEED_QUEUE_FACTOR = 4
+"""An async re-seed waits this many ``weight_sync_timeout`` s for the jobs queued before it."""
 
 
 # -- commands ----------------------------------------------------------------------------------
@@ -358,7 +360,7 @@ class WorkerCommandChannel:
             try:
                 self.queues[rank].put(worker_command, timeout=wait_arg(deadline))
             except queue.Full:
-                raise WeightBroadcastError(
+                raise WeightBroadcastTimeout(
                     f"the command queue of replica rank {rank} stayed full for {timeout:.1f} s "
                     f"announcing {command.kind.name} of step {command.step} (is its worker "
                     "taking commands?)"
@@ -634,10 +636,12 @@ class RolloutWorker:
             )
             # A re-seed receive queues like a P2R, a re-seed send like an R2R.
             future = self.sync_thread.submit("r2r" if transfer.is_source else "p2r", job)
-            limit = self.weight_sync_timeout * 4
+            # Queued jobs run first, each bounded by its own collectives' limits.
+            limit = self.weight_sync_timeout * _RESEED_QUEUE_FACTOR
             try:
                 result: TransferStats = future.result(timeout=limit)
             except concurrent.futures.TimeoutError:
+                future.cancel()  # not run later, on groups a next recovery has destroyed
                 raise WeightTransferTimeout(
                     f"the re-seed transfer on the weight-sync thread did not finish within "
                     f"{limit:.1f} s",
@@ -652,13 +656,7 @@ class RolloutWorker:
         return self._receive_in_place(transfer)
 
     def _send_reseed(self, transfer: WeightTransfer) -> TransferStats:
-        self.rollout.check_servable()
-        return self._send(
-            transfer,
-            self.rollout.served_weights(),
-            self.rollout.weight_version,
-            self.rollout.flat_weight_storage(),
-        )
+        return self._send(transfer, self._served_to_send)
 
     receive_reseed = weight_sync_handler(_receive_reseed)
     """A re-seed receive, guarded like P2R."""
@@ -764,15 +762,15 @@ class RolloutWorker:
 
     def _send_r2r(self, command: R2R) -> TransferStats:
         assert self.r2r is not None
-        try:
-            self.rollout.check_servable()
-        except TornWeightsError as exc:
-            # The receivers are waiting for a manifest: tell them none is coming.
-            self.r2r.abort(f"the R2R source's weights are torn: {exc}")
-            raise
-        weights = self.rollout.served_weights()
-        return self._send(
-            self.r2r, weights, self.rollout.weight_version, self.rollout.flat_weight_storage()
+        return self._send(self.r2r, self._served_to_send)
+
+    def _served_to_send(self) -> tuple[Mapping[str, torch.Tensor], int, torch.Tensor | None]:
+        """The served weights, their version and flat storage; refused while torn."""
+        self.rollout.check_servable()
+        return (
+            self.rollout.served_weights(),
+            self.rollout.weight_version,
+            self.rollout.flat_weight_storage(),
         )
 
     receive_weights_p2r = weight_sync_handler(_receive_p2r)
@@ -790,12 +788,7 @@ class RolloutWorker:
         served = self.rollout.served_weights()
         storage = self.rollout.flat_weight_storage()
         try:
-            if forward is None:
-                stats = transfer.receive(served, allow_subset=self.allow_subset, storage=storage)
-            else:
-                stats = transfer.relay(
-                    served, forward, allow_subset=self.allow_subset, storage=storage
-                )
+            stats = self._take(transfer, forward, served, storage=storage)
         except WeightTransferError as exc:
             if exc.complete and exc.version is not None:
                 # Every byte landed here intact; the failure was another rank's. These weights
@@ -814,6 +807,18 @@ class RolloutWorker:
         self._start_engine()
         return stats
 
+    def _take(
+        self,
+        transfer: WeightTransfer,
+        forward: WeightTransfer | None,
+        into: Mapping[str, torch.Tensor],
+        **kwargs: Any,
+    ) -> TransferStats:
+        """Receive ``transfer`` into ``into``, relaying it through ``forward`` if given."""
+        if forward is None:
+            return transfer.receive(into, allow_subset=self.allow_subset, **kwargs)
+        return transfer.relay(into, forward, allow_subset=self.allow_subset, **kwargs)
+
     def _reload(self, served: Mapping[str, torch.Tensor]) -> None:
         """Hand the received tensors to an engine that overrides ``load_weights`` (one that
         cannot serve the tensors it exposes). The default would find the same storage and copy
@@ -824,10 +829,16 @@ class RolloutWorker:
     def _send(
         self,
         transfer: WeightTransfer,
-        weights: Mapping[str, torch.Tensor],
-        version: int,
-        storage: torch.Tensor | None = None,
+        what: Callable[[], tuple[Mapping[str, torch.Tensor], int, torch.Tensor | None]],
     ) -> TransferStats:
+        """Send ``what()`` (weights, version, storage) as ``transfer``'s source. If this side
+        cannot (torn weights, nothing received yet), the receivers, who are waiting for a
+        manifest, are told at once (the abort header) before the error is raised."""
+        try:
+            weights, version, storage = what()
+        except Exception as exc:
+            transfer.abort(f"the source cannot send: {type(exc).__name__}: {exc}")
+            raise
         origin = (
             self._origin if self._origin is not None and self._origin.version == version else None
         )
@@ -941,17 +952,7 @@ class RolloutWorker:
         elsewhere: WeightTransferError | None = None
         with buffer.write(self.weight_sync_timeout) as handle:
             try:
-                if forward is None:
-                    stats = transfer.receive(
-                        handle.tensors, allow_subset=self.allow_subset, write_kind=BUFFER_WRITE
-                    )
-                else:
-                    stats = transfer.relay(
-                        handle.tensors,
-                        forward,
-                        allow_subset=self.allow_subset,
-                        write_kind=BUFFER_WRITE,
-                    )
+                stats = self._take(transfer, forward, handle.tensors, write_kind=BUFFER_WRITE)
             except WeightTransferError as exc:
                 if not (exc.complete and exc.version is not None):
                     raise
@@ -983,14 +984,19 @@ class RolloutWorker:
 
     def _async_send(self, transfer: WeightTransfer) -> TransferStats:
         """Send the newest complete buffer version (on the weight-sync thread)."""
-        buffer = self.weight_buffer
-        version = None if buffer is None else buffer.published_version
-        if buffer is None or version is None:
-            raise RolloutSyncError(
-                "R2R broadcast before this replica received any complete version (send P2R first)"
-            )
-        # This thread is the buffer's only writer, so it is stable while it is read here.
-        return self._send(transfer, buffer.tensors, version)
+
+        def newest() -> tuple[Mapping[str, torch.Tensor], int, torch.Tensor | None]:
+            buffer = self.weight_buffer
+            version = None if buffer is None else buffer.published_version
+            if buffer is None or version is None:
+                raise RolloutSyncError(
+                    "R2R broadcast before this replica received any complete version "
+                    "(send P2R first)"
+                )
+            # This thread is the buffer's only writer, so it is stable while it is read here.
+            return buffer.tensors, version, None
+
+        return self._send(transfer, newest)
 
     def _deliver_async_results(self) -> None:
         while True:

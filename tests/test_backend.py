@@ -157,8 +157,9 @@ def test_threaded_backend_pause_timeout_is_clear_and_serving_continues() -> None
     assert str(info.value) == "generation did not park within 0.2 s (1 serving step still running)"
     assert not backend.generation_gate.held
     backend.block_steps = False
+    backend.in_step.clear()
     backend.proceed.set()
-    wait_until(lambda: backend.statistics().steps_served >= 3)
+    assert backend.in_step.wait(10), "serving continues after the failed pause"
     backend.stop()
 
 
@@ -171,8 +172,8 @@ def test_threaded_backend_resumes_after_exception_in_pause() -> None:
             with backend.paused(timeout=10):  # re-entrant
                 raise ValueError("transfer failed")
     assert not backend.generation_gate.held
-    n = backend.statistics().steps_served
-    wait_until(lambda: backend.statistics().steps_served > n)
+    backend.in_step.clear()
+    assert backend.in_step.wait(10), "serving resumes after the pause that raised"
     backend.stop()
 
 

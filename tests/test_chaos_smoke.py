@@ -26,6 +26,10 @@ def test_a_short_chaos_run_recovers_from_every_kill() -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["rounds"] == 2 and sum(summary["kills"].values()) == 2
+    # Seed 5 kills the trainer mid-P2R at bucket 0 in round 2: the relay is torn then, so
+    # torn_served == 0 below means a torn replica was asked to serve and refused.
+    assert summary["kills"].get("trainer/mid_p2r") == 1
+    assert summary["refused_while_torn"] >= 1
     assert summary["torn_served"] == 0 and summary["acked_payloads_lost"] == 0
     assert summary["converged"] is True and summary["hangs"] == 0
     assert summary["payloads_acked"] > 0

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rollout_sync.distributed import init_process_group, wait_work
+from rollout_sync.distributed import group_timeout_s, init_process_group, new_group, wait_work
 from rollout_sync.errors import CollectiveError, CollectiveTimeout, GroupProcessError
 from rollout_sync.testing import find_free_port, run_processes
 
@@ -63,16 +63,23 @@ def test_an_expected_exit_is_not_a_failure() -> None:
     assert set(values) == {0}
 
 
-def _collective_child(rank: int, port: int, timed_out: Any) -> str:
+def _collective_child(
+    rank: int, port: int, timed_out: Any, wait_s: float, group_s: float | None
+) -> str:
+    """Rank 1 waits ``wait_s`` for a broadcast rank 0 never joins, on the default group or on
+    a group made with a timeout of ``group_s``."""
     init_process_group(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}", timeout_s=20)
-    t = torch.zeros(1)
+    group = None if group_s is None else new_group([0, 1], timeout_s=group_s)
+    assert group_timeout_s(group) == (20 if group_s is None else group_s)
     if rank == 1:
-        work = dist.broadcast(t, 0, async_op=True)  # rank 0 never joins this one
+        work = dist.broadcast(torch.zeros(1), 0, group=group, async_op=True)
         started = time.monotonic()
         try:
-            wait_work(work, operation="broadcast of the test tensor", timeout_s=0.5)
+            wait_work(work, operation="broadcast of the test tensor", timeout_s=wait_s, group=group)
         except CollectiveTimeout as exc:
-            return f"{exc.operation}|{exc.group}|{time.monotonic() - started:.1f}|{exc}"
+            return f"timeout|{exc.group}|{time.monotonic() - started:.1f}|{exc}"
+        except CollectiveError as exc:
+            return f"error|{exc.group}|{time.monotonic() - started:.1f}|{exc}"
         finally:
             timed_out.set()
         return "completed"
@@ -81,14 +88,21 @@ def _collective_child(rank: int, port: int, timed_out: Any) -> str:
     return "idle"
 
 
+def _wait_for_a_missing_peer(wait_s: float, group_s: float | None) -> list[str]:
+    timed_out = multiprocessing.get_context("spawn").Event()
+    values = run_processes(
+        _collective_child, 2, (find_free_port(), timed_out, wait_s, group_s), timeout_s=60
+    )
+    return values[1].split("|", 3)
+
+
 @pytest.mark.timeout(60)
 def test_wait_work_times_out_with_the_operation_and_group_named() -> None:
-    timed_out = multiprocessing.get_context("spawn").Event()
-    values = run_processes(_collective_child, 2, (find_free_port(), timed_out), timeout_s=60)
-    operation, group, seconds, text = values[1].split("|", 3)
-    assert operation == "broadcast of the test tensor" and group == "(0, 1)"
+    kind, group, seconds, text = _wait_for_a_missing_peer(0.5, None)
+    assert kind == "timeout" and group == "(0, 1)", text
     assert float(seconds) < 2.0
-    assert "did not complete within 0.5 s on the group of ranks [0, 1]" in text
+    assert "broadcast of the test tensor did not complete within 0.5 s" in text
+    assert "on the group of ranks [0, 1]" in text
 
 
 def _dead_peer_child(rank: int, port: int) -> str:
@@ -101,10 +115,19 @@ def _dead_peer_child(rank: int, port: int) -> str:
     try:
         wait_work(work, operation="broadcast from the dead rank", timeout_s=15)
     except CollectiveTimeout as exc:
-        return f"timeout after {time.monotonic() - started:.1f} s: {exc}"
+        return f"timeout|{exc.group}|{time.monotonic() - started:.1f}|{exc}"
     except CollectiveError as exc:
         return f"error|{exc.group}|{time.monotonic() - started:.1f}|{exc}"
     return "completed"
+
+
+@pytest.mark.timeout(60)
+def test_a_wait_longer_than_the_groups_own_timeout_still_reads_as_a_timeout() -> None:
+    """gloo ends the operation at the group's timeout (1 s); the caller waited with 10 s. That
+    early end is the group's timeout, not a dead peer."""
+    kind, _, seconds, text = _wait_for_a_missing_peer(10.0, 1.0)
+    assert kind == "timeout", text
+    assert float(seconds) < 5.0 and "within 1.0 s" in text
 
 
 @pytest.mark.timeout(60)

@@ -70,7 +70,8 @@ def test_held_sends_are_queued_in_order_and_launched_on_release(threads: ThreadR
     packer = RecordingPacker(capacity=64).start()
     try:
         packer.submit(0)
-        wait_until(lambda: packer.sent == [0])
+        packer.wait_sent(1, timeout=10)
+        assert packer.sent == [0]
         with payload_egress_held(packer) as report:
             assert report.held == 1
             for i in range(1, 11):
@@ -78,7 +79,7 @@ def test_held_sends_are_queued_in_order_and_launched_on_release(threads: ThreadR
             # The sender has taken the next payload and waits at the gate; nothing is sent.
             wait_until(lambda: packer.egress_gate.statistics().sections_waiting == 1)
             assert packer.sent == [0]
-        wait_until(lambda: len(packer.sent) == 11)
+        packer.wait_sent(11, timeout=10)
         assert packer.sent == list(range(11))
     finally:
         packer.stop()
@@ -103,6 +104,7 @@ def test_weight_sync_thread_and_main_loop_both_hold_egress(threads: ThreadRunner
             # The other holder left; this one still holds: nothing has been sent.
             assert packer.egress_gate.held and packer.sent == []
         assert not threads.join_all()
-        wait_until(lambda: packer.sent == ["during sync-thread hold"])
+        packer.wait_sent(1, timeout=10)
+        assert packer.sent == ["during sync-thread hold"]
     finally:
         packer.stop()

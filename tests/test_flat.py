@@ -68,7 +68,8 @@ def test_adopt_moves_a_tied_tensor_once() -> None:
     shared = torch.rand(10)
     flat = FlatWeights.adopt({"emb": shared, "head": shared, "bias": torch.rand(3)})
     assert flat.tensors["emb"] is flat.tensors["head"] is shared
-    assert flat.holds(shared)
+    assert flat.holds(shared) and shared.data_ptr() == flat.storage.data_ptr()
+    assert flat.storage.numel() == 2 * 64  # 40 + 12 bytes, each aligned: no second copy
 
 
 def test_flat_storage_refuses_mixed_devices_and_sparse_tensors() -> None:
@@ -76,6 +77,8 @@ def test_flat_storage_refuses_mixed_devices_and_sparse_tensors() -> None:
         FlatWeights.zeros_like({"s": torch.eye(3).to_sparse()})
     with pytest.raises(ValueError, match="at least one"):
         FlatWeights.zeros_like({})
+    with pytest.raises(ValueError, match="one device"):
+        FlatWeights.adopt({"a": torch.zeros(2), "b": torch.zeros(2, device="meta")})
 
 
 def test_the_torch_lm_declares_its_flat_storage_and_generates_from_it() -> None:

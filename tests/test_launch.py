@@ -81,6 +81,8 @@ def test_a_command_put_later_wakes_a_waiting_get() -> None:
     got: list[object] = []
     waiting = threading.Thread(target=lambda: got.append(consumer.get(timeout=10)))
     try:
+        with pytest.raises(queue.Empty):  # starts the reader on an empty queue: it blocks
+            consumer.get(timeout=0.05)
         waiting.start()
         StoreCommandQueue(server, 1).put(R2R(step=7))
         waiting.join(10)

@@ -7,6 +7,7 @@ clock the test owns.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,11 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollout_sync import NCCLRolloutMixin, SupportsHoldSends, SyncReport, weight_sync_handler
-from rollout_sync.errors import PayloadTransportError
+from rollout_sync.errors import EgressHoldTimeout, PayloadPeerTimeout, PayloadTransportError
 from rollout_sync.payload._wire import (
     COALESCE_BYTES,
     MAX_BATCH,
     FrameKind,
+    TransportEnd,
     coalesce,
     make_frame,
     pack_payload,
@@ -126,7 +128,7 @@ def test_a_deferred_offer_goes_back_in_order_and_waits_for_resume() -> None:
     state.add_request(1, credits=3, timeout_ns=1 * S, now_ns=0)
     offer = _offer(state.next_work(0))
     state.on_reply(offer.offer_id, FrameKind.DEFER, S // 2)
-    state.offer_deferred(offer)
+    state.offer_returned(offer)
     assert [e.seq for e in state.unsent] == [0, 1, 2]
     assert state.flushed(offer.ticket)
     assert state.next_work(60 * S) is None  # deferred: nothing launches, deadline stands still
@@ -141,7 +143,7 @@ def test_an_abandoned_offer_goes_back_at_the_head() -> None:
     _register(state, 3)
     state.add_request(1, credits=3, timeout_ns=S, now_ns=0)
     offer = _offer(state.next_work(0))
-    state.offer_abandoned(offer)
+    state.offer_returned(offer)
     assert [e.seq for e in state.unsent] == [0, 1, 2]
     assert state.in_flight is None and state.flushed(offer.ticket)
 
@@ -230,9 +232,9 @@ def test_random_schedules_keep_order_and_lose_nothing(
                     sent.extend(e.seq for e in work.entries)
                 elif op[1] == "defer":
                     state.on_reply(work.offer_id, FrameKind.DEFER, now)
-                    state.offer_deferred(work)
+                    state.offer_returned(work)
                 else:
-                    state.offer_abandoned(work)
+                    state.offer_returned(work)
         assert state.occupancy <= capacity
         assert sent == list(range(len(sent))), "sent out of order or twice"
         assert len(sent) + len(state.unsent) == registered, "a payload was lost"
@@ -344,6 +346,32 @@ def test_the_sender_keeps_what_is_not_acknowledged_to_send_it_again() -> None:
         PayloadTransportError, match="acknowledged 9 payloads, this sender launched 4"
     ):
         state.acknowledge(9)
+
+
+class _End(TransportEnd):
+    """A transport end with nothing but the shared failure handling."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            name="test",
+            default_timeout=1.0,
+            hold_timeout_error=EgressHoldTimeout,
+            failure_subject="the test end",
+        )
+        self._state = SimpleNamespace(error=None)
+        self._conditions = ()
+
+
+@pytest.mark.parametrize("kind", [PayloadTransportError, PayloadPeerTimeout])
+def test_every_call_after_a_peer_failure_names_the_peer_and_the_cause(kind: type) -> None:
+    end = _End()
+    cause = "timeout" if kind is PayloadPeerTimeout else "closed"
+    end._fail(kind("the connection to rank 3 failed", peer=3, cause=cause))
+    with pytest.raises(PayloadTransportError) as caught:
+        end._raise_if_failed("send a payload")
+    assert (caught.value.peer, caught.value.cause) == (3, cause)
+    assert isinstance(caught.value, TimeoutError) == (kind is PayloadPeerTimeout)
+    assert "cannot send a payload: the test end failed" in str(caught.value)
 
 
 # -- the wire ----------------------------------------------------------------------------------

@@ -93,14 +93,18 @@ def _combinations_child(rank: int, port: int) -> list[dict[str, Any]]:
     _init(rank, port)
     groups = build_sync_groups(0, [1, 2, 3], timeout_s=20)
     out: list[dict[str, Any]] = []
-    if rank >= 2:
-        # Storage that is not a flat byte buffer is refused before anything is received.
-        r2r = groups.r2r_transfer()
+    if rank >= 1:
+        # Storage that is not a flat byte buffer is the receivers' objection in the vote:
+        # nothing is written anywhere and the source learns it at once.
+        r2r = groups.r2r_transfer(config=TransferConfig(timeout_s=20))
         assert r2r is not None
         try:
-            r2r.receive(_mixed(0), storage=torch.zeros(4))
-        except ValueError as exc:
-            out.append({"refused": str(exc)})
+            if r2r.is_source:
+                r2r.send(_mixed(0), version=0)
+            else:
+                r2r.receive(_mixed(0), storage=torch.zeros(4))
+        except (ValueError, ManifestRejected) as exc:
+            out.append({"refused": f"{type(exc).__name__}: {exc}"})
     for version, (layout, pipelined, zero_copy, checksums) in enumerate(_CASES, start=1):
         make, bucket_bytes = _LAYOUTS[layout]
         on, before = _CHECKSUMS[checksums]
@@ -157,7 +161,8 @@ def test_every_combination_lands_bit_identically() -> None:
     results = _run(_combinations_child, timeout=150)
     for rank in (2, 3):
         refused = results[rank].pop(0)["refused"]
-        assert "storage must be a contiguous 1-D uint8 tensor" in refused
+        assert refused.startswith("ValueError: storage must be a contiguous 1-D uint8 tensor")
+    assert results[1].pop(0)["refused"].startswith("ManifestRejected: ")
     for i, (layout, pipelined, zero_copy, checksums) in enumerate(_CASES):
         trainer = results[0][i]
         assert trainer["case"] == (layout, pipelined, zero_copy, checksums)
@@ -223,17 +228,9 @@ def _outcome(result: Any, backend: TorchLMBackend | None) -> dict[str, Any]:
     return {
         "error": type(result.exception).__name__,
         "text": result.error,
-        "servable": _servable(backend),
+        "servable": (not backend.weights_torn),
         "version": backend.weight_version,
     }
-
-
-def _servable(backend: TorchLMBackend) -> bool:
-    try:
-        backend.check_servable()
-    except TornWeightsError:
-        return False
-    return True
 
 
 def _bad_bucket_child(rank: int, port: int, hop: str) -> dict[str, Any]:
@@ -261,7 +258,7 @@ def _bad_bucket_child(rank: int, port: int, hop: str) -> dict[str, Any]:
         result = _sync(rank, worker, p2r, 2)  # type: ignore[arg-type]
         if rank != 0:
             assert backend is not None
-            out["recovered"] = (result.ok, backend.weight_version, _servable(backend))
+            out["recovered"] = (result.ok, backend.weight_version, (not backend.weights_torn))
             out["digest"] = weights_digest(backend.served_weights())
         else:
             out["digest"] = weights_digest(_trainer_weights(2))
@@ -423,7 +420,7 @@ def _torn_source_child(rank: int, port: int, informed: bool) -> dict[str, Any]:
             "text": result.error,
             "elapsed": time.monotonic() - started,
             "version": backend.weight_version,
-            "servable": _servable(backend),
+            "servable": (not backend.weights_torn),
         }
         _linger(survivors)
         return out

@@ -14,7 +14,12 @@ import pytest
 import torch
 from conftest import wait_until
 
-from rollout_sync.errors import ChecksumMismatchError, TornWeightsError, WeightTransferError
+from rollout_sync.errors import (
+    ChecksumMismatchError,
+    TornWeightsError,
+    WeightTransferError,
+    WeightTransferTimeout,
+)
 from rollout_sync.guard import SyncMode
 from rollout_sync.testing import (
     AsyncTornReadBackend,
@@ -93,6 +98,10 @@ class FakeTransfer:
             self.log.add("send")
         self.sent.append(version)
         return TransferStats("send", version, len(weights), 1, 0, 0.0, 0.0, 0.0)
+
+    def abort(self, reason: str, *, version: int = 0) -> None:
+        if self.log is not None:
+            self.log.add("abort")
 
 
 def _stamped(model: VersionStampedModel, version: int) -> tuple[int, dict[str, torch.Tensor]]:
@@ -367,7 +376,7 @@ def test_async_syncs_run_on_the_sync_thread_and_install_at_safe_points() -> None
     worker.submit(Stop())
     try:
         results = worker.run(idle_timeout_s=10)
-        wait_until(lambda: backend.weight_version == 5, what="the install of the last version")
+        assert worker.wait_for_install(10) == 5
     finally:
         worker.close()
     assert [r.ok for r in results] == [True] * 6
@@ -401,10 +410,13 @@ def test_a_reseed_source_holds_egress_only_and_refuses_torn_weights() -> None:
     worker = RolloutWorker(rollout, data_packer=RecordingPacker(log=log))
     source = FakeTransfer(lambda: (0, {}), is_source=True, log=log)
     worker.reseed(source)  # type: ignore[arg-type]
-    assert source.sent == [3] and "pause:enter" not in log.events
+    assert source.sent == [3]
+    assert log.events == ["hold_sends:enter", "send", "hold_sends:exit"]  # held, not paused
     rollout.mark_weights_torn("torn")
     with pytest.raises(TornWeightsError):
         worker.reseed(source)  # type: ignore[arg-type]
+    assert source.sent == [3]  # refused before anything was sent
+    assert log.events[-2:] == ["abort", "hold_sends:exit"]  # its receivers were told at once
 
 
 @pytest.mark.timeout(30)
@@ -412,13 +424,40 @@ def test_an_async_reseed_writes_the_buffer_on_the_sync_thread() -> None:
     model = VersionStampedModel(4, 16)
     backend = AsyncTornReadBackend(model)
     worker = RolloutWorker(backend, mode=SyncMode.ASYNC_PER_FORWARD)
+    threads: list[int] = []
+
+    def source() -> tuple[int, dict[str, torch.Tensor]]:
+        threads.append(threading.get_ident())
+        return _stamped(model, 6)
+
     try:
-        stats = worker.reseed(FakeTransfer(lambda: _stamped(model, 6)))  # type: ignore[arg-type]
+        stats = worker.reseed(FakeTransfer(source))  # type: ignore[arg-type]
         assert stats.version == 6
+        assert threads and threads[0] != threading.get_ident()  # the weight-sync thread
         assert worker.weight_buffer is not None
         assert worker.weight_buffer.published_version == 6
         assert backend.weight_version == 6  # not generating yet: installed at once
     finally:
+        worker.close()
+
+
+@pytest.mark.timeout(30)
+def test_an_async_reseed_that_does_not_finish_in_time_is_a_transfer_timeout() -> None:
+    model = VersionStampedModel(4, 16)
+    worker = RolloutWorker(
+        AsyncTornReadBackend(model), mode=SyncMode.ASYNC_PER_FORWARD, weight_sync_timeout=0.05
+    )
+    release = threading.Event()
+
+    def stuck() -> tuple[int, dict[str, torch.Tensor]]:
+        assert release.wait(20)
+        return _stamped(model, 1)
+
+    try:
+        with pytest.raises(WeightTransferTimeout, match="re-seed transfer"):
+            worker.reseed(FakeTransfer(stuck))  # type: ignore[arg-type]
+    finally:
+        release.set()
         worker.close()
 
 

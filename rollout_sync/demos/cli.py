@@ -20,6 +20,7 @@ from .distributed import (
     LAUNCHED_AT_ENV,
     LAUNCHERS,
     DistributedDemoConfig,
+    check_demo_config,
     demo_limit_s,
     run_demo_under_torchrun,
     run_distributed_demo,
@@ -133,6 +134,32 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _distributed_config(args: argparse.Namespace, mode: SyncMode) -> DistributedDemoConfig:
+    """The multi-process demo's config from the command line, checked
+    (:func:`~rollout_sync.demos.distributed.check_demo_config`); a bad one exits."""
+    numel = max(1, int(args.model_mb * (1 << 20) / 4 / DistributedDemoConfig().num_tensors))
+    config = DistributedDemoConfig(
+        replicas=args.replicas,
+        steps=args.steps,
+        backend=args.backend,
+        mode=mode,
+        guarded=not args.unguarded,
+        numel=numel,
+        bucket_bytes=max(64, int(args.bucket_mb * (1 << 20))),
+        checksums=args.checksums,
+        pipelined_relay=args.pipelined_relay,
+    )
+    try:
+        check_demo_config(config)
+    except KeyError:
+        raise SystemExit(
+            f"unknown --backend {args.backend!r}; known: {sorted(DEMO_BACKENDS)}"
+        ) from None
+    except ValueError as exc:
+        raise SystemExit(f"{exc} (--replicas, --steps, --backend, --mode)") from None
+    return config
+
+
 def _format_report(report: dict[str, Any]) -> str:
     width = max(len(k) for k in report)
     lines = ["rollout-sync demo report", "-" * (width + 16)]
@@ -239,12 +266,11 @@ def _run_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
         )
     if args.ray_address is not None and args.launcher != "ray":
         raise SystemExit("--ray-address needs --launcher ray")
-    if args.launcher == "torchrun" and not _under_torchrun():
-        if args.replicas < 1 or args.steps < 1:
-            raise SystemExit("--replicas and --steps must be at least 1")
-        return _start_torchrun(args, argv)
     if args.backend is None:
         args.backend = "torch_lm" if mode is SyncMode.SYNC and not args.in_process else "torn_read"
+    if args.launcher == "torchrun" and not _under_torchrun():
+        _distributed_config(args, mode)  # refuse a bad config before starting torchrun
+        return _start_torchrun(args, argv)
     if args.stream and not (args.in_process and args.backend == "torch_lm"):
         raise SystemExit("--stream needs --backend torch_lm (with --in-process)")
     if args.backend == "vllm":
@@ -265,29 +291,7 @@ def _run_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 InProcessDemoConfig(syncs=args.syncs, guarded=not args.unguarded), timeline
             )
     else:
-        if args.replicas < 1 or args.steps < 1:
-            raise SystemExit("--replicas and --steps must be at least 1")
-        if args.backend not in DEMO_BACKENDS:
-            raise SystemExit(f"unknown --backend {args.backend!r}; known: {sorted(DEMO_BACKENDS)}")
-        modes = sorted(m.value for m in DEMO_BACKENDS[args.backend].modes)
-        if mode.value not in modes:
-            raise SystemExit(
-                f"--backend {args.backend} runs --mode {'/'.join(modes)}, not "
-                f"{mode.value}; use --backend torn_read for the async modes"
-            )
-        defaults = DistributedDemoConfig()
-        numel = max(1, int(args.model_mb * (1 << 20) / 4 / defaults.num_tensors))
-        config = DistributedDemoConfig(
-            replicas=args.replicas,
-            steps=args.steps,
-            backend=args.backend,
-            mode=mode,
-            guarded=not args.unguarded,
-            numel=numel,
-            bucket_bytes=max(64, int(args.bucket_mb * (1 << 20))),
-            checksums=args.checksums,
-            pipelined_relay=args.pipelined_relay,
-        )
+        config = _distributed_config(args, mode)
         if args.launcher == "torchrun":
             under_torchrun = run_demo_under_torchrun(config, timeline)
             if under_torchrun is None:

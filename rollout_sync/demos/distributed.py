@@ -768,10 +768,6 @@ def _span_key(span: Span) -> tuple[int, int, int, int]:
     return (span.pid, span.tid, span.start_ns, span.end_ns)
 
 
-def _p(values: Sequence[float], q: float) -> float:
-    return percentile(list(values), q)
-
-
 def _report(
     config: DistributedDemoConfig,
     trainer: dict[str, Any],
@@ -790,7 +786,7 @@ def _report(
     receives = [r for rep in replicas for r in rep["reports"] if "send" not in r["handler"]]
 
     def phase(key: str, q: float) -> float:
-        return _p([r[key] for r in receives], q)
+        return percentile([r[key] for r in receives], q)
 
     p2r_rates = [t["nbytes"] / 1e6 / t["total_s"] for t in trainer["transfers"]]
     r2r_rates = (
@@ -840,7 +836,7 @@ def _report(
         "payloads_invalid": trainer["payloads_invalid"],
         "payload_mb": trainer["payload_bytes"] / 1e6,
         "rollout_tokens": trainer["rollout_tokens"],
-        "rollout_staleness_p50": _p(trainer["staleness"], 50),
+        "rollout_staleness_p50": percentile(trainer["staleness"], 50),
         "rollout_staleness_max": max(trainer["staleness"], default=0),
         **{k: v for k, v in counters.items() if k not in core},
         "generation_pauses": counters.get("generation_pauses", 0),
@@ -856,12 +852,12 @@ def _report(
         "fence_ms_p99": phase("fence_ms", 99),
         "sync_ms_p50": phase("sync_total_ms", 50),
         "sync_ms_p99": phase("sync_total_ms", 99),
-        "weight_sync_time_ms_p50": _p(sync_ms, 50),
-        "weight_sync_time_ms_p99": _p(sync_ms, 99),
+        "weight_sync_time_ms_p50": percentile(sync_ms, 50),
+        "weight_sync_time_ms_p99": percentile(sync_ms, 99),
         "model_mb": trainer["nbytes"] / 1e6,
-        "transfer_mb_per_s": _p(p2r_rates + r2r_rates, 50),
-        "p2r_mb_per_s": _p(p2r_rates, 50),
-        "r2r_mb_per_s": _p(r2r_rates, 50),
+        "transfer_mb_per_s": percentile(p2r_rates + r2r_rates, 50),
+        "p2r_mb_per_s": percentile(p2r_rates, 50),
+        "r2r_mb_per_s": percentile(r2r_rates, 50),
         "final_versions": [rep["final_version"] for rep in replicas],
         "versions_checked": versions_checked,
         "step_mismatches": step_mismatches,

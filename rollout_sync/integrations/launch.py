@@ -38,7 +38,7 @@ from typing import Any, Protocol, cast
 import torch.distributed as dist
 
 from ..distributed import DEFAULT_GROUP_TIMEOUT_S, init_process_group
-from ..errors import CommandTimeout, RolloutSyncError
+from ..errors import RolloutSyncError, ShutdownTimeout
 from ..worker import P2R, R2R, Stop
 
 __all__ = [
@@ -268,7 +268,7 @@ class StoreCommandQueue:
         """Stop the reader thread (bounded by ``timeout``); commands not taken stay in the store.
 
         Raises:
-            CommandTimeout: the reader did not stop in time (the store stopped answering).
+            ShutdownTimeout: the reader did not stop in time (the store stopped answering).
         """
         reader = self._reader
         if reader is None or not reader.is_alive():
@@ -279,7 +279,7 @@ class StoreCommandQueue:
             return  # the store is gone, and with it the reader's pop
         reader.join(timeout)
         if reader.is_alive():
-            raise CommandTimeout(
+            raise ShutdownTimeout(
                 f"the command reader of replica {self.rank} did not stop within {timeout:.1f} s"
             )
 

@@ -248,14 +248,18 @@ class RayJob:
                     failures.append(ChildFailure(rank, None, str(value)))
                     give_up_at = min(give_up_at, time.monotonic() + self.grace_s)
             if pending and time.monotonic() >= give_up_at:
-                why = (
-                    f"killed {self.grace_s:.1f} s after another rank failed"
-                    if failures
-                    else f"killed after the job's limit of {self.timeout_s:.1f} s"
-                )
+                past_limit = not failures  # nothing failed before: the job's limit ran out
                 for rank in pending.values():
                     ray.kill(self._actors[rank])
-                    failures.append(ChildFailure(rank, None, f"still running: {why}"))
+                    failures.append(
+                        ChildFailure.overstayed(
+                            rank,
+                            past_limit=past_limit,
+                            limit_s=self.timeout_s,
+                            grace_s=self.grace_s,
+                            group="job",
+                        )
+                    )
                 pending.clear()
         if failures:
             raise GroupProcessError(failures, values, "RayJob")

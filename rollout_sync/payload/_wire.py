@@ -42,7 +42,13 @@ from .._deadline import (
     wait_collective,
     wait_device_idle,
 )
-from ..errors import CollectiveError, CollectiveTimeout, GateTimeout, PayloadTransportError
+from ..errors import (
+    CollectiveError,
+    CollectiveTimeout,
+    GateTimeout,
+    PayloadPeerTimeout,
+    PayloadTransportError,
+)
 from ..gate import Gate
 
 FRAME_WORDS = 64
@@ -291,21 +297,24 @@ def device_for_group(group: dist.ProcessGroup, device: torch.device | str | None
     return torch.device("cpu")
 
 
-def wait_works(
-    works: Sequence[dist.Work], device: torch.device, timeout: float, what: str, peer: int
+def transfer_p2p(
+    ops: Sequence[dist.P2POp], device: torch.device, timeout: float, what: str, peer: int
 ) -> None:
-    """Wait until ``works`` have *completed* (not merely been enqueued), within ``timeout`` s.
+    """Post ``ops`` (one transfer's sends or receives) and wait until they have *completed*
+    (not merely been enqueued), within ``timeout`` s.
 
     On gloo ``wait`` returns on completion. On NCCL it only makes the current stream wait, so
     an event recorded after it is polled: the transfer is complete when the event is.
 
     Raises:
-        PayloadTransportError: the work failed (the peer's connection closed) or did not
-            complete in time; the message names ``peer`` and which. The data group is unusable
-            afterwards (a timed-out gloo pair is closed; an NCCL op is stuck).
+        PayloadTransportError: posting or the work failed (the peer's connection closed,
+            ``cause="closed"``); :class:`~rollout_sync.errors.PayloadPeerTimeout`: it did not
+            complete in time. Both name ``peer``. The data group is unusable afterwards (a
+            timed-out gloo pair is closed; an NCCL op is stuck).
     """
     deadline = deadline_after(timeout)
     with _peer_failures(what, peer, timeout):
+        works = dist.batch_isend_irecv(list(ops))
         wait_collective(works, operation=what, timeout_s=timeout, ranks=(peer,))
         if device.type == "cuda":
             wait_device_idle(
@@ -326,7 +335,7 @@ def _peer_failures(what: str, peer: int, timeout: float) -> Iterator[None]:
     try:
         yield
     except CollectiveTimeout as exc:
-        raise PayloadTransportError(
+        raise PayloadPeerTimeout(
             f"{what} did not complete within {timeout:.1f} s: rank {peer} stopped serving its "
             "transport or hung; the transport is unusable now",
             peer=peer,
@@ -351,8 +360,16 @@ def use_device(device: torch.device) -> None:
 # -- what both ends share ----------------------------------------------------------------------
 
 
-class _FailureRecord(Protocol):
+class _EndState(Protocol):
+    """What an end's bookkeeping offers the shared machinery."""
+
     error: BaseException | None
+
+    def flush_target(self) -> int | None:
+        """The ticket a flush called now must see finish (None: nothing is in flight)."""
+        ...
+
+    def flushed(self, target: int) -> bool: ...
 
 
 class TransportEnd:
@@ -368,8 +385,10 @@ class TransportEnd:
     provides ``_begin_hold`` / ``_end_hold`` (its bookkeeping of a hold, see :meth:`_hold`).
     """
 
-    _state: _FailureRecord
+    _state: _EndState
     _conditions: tuple[threading.Condition, ...]
+    _progress: threading.Condition
+    """Flushes wait here for transfers to finish."""
 
     def __init__(
         self,
@@ -379,6 +398,8 @@ class TransportEnd:
         hold_timeout_error: type[GateTimeout],
         failure_subject: str,
     ) -> None:
+        if not default_timeout > 0:
+            raise ValueError(f"default_timeout must be > 0 seconds, got {default_timeout!r}")
         self.default_timeout = default_timeout
         # Private: the bookkeeping counts every hold, so a hold must come through _hold.
         self._gate = Gate.for_payloads(
@@ -447,6 +468,26 @@ class TransportEnd:
                 raise timed_out()
             condition.wait(wait_arg(deadline))
 
+    def _flush(
+        self,
+        timeout: float | None,
+        operation: str,
+        timed_out: Callable[[float], BaseException],
+    ) -> None:
+        """Return once the transfers in flight at the call have completed (``flush_pending_*``);
+        ``timed_out(limit)`` is raised if they did not within ``timeout``."""
+        limit, deadline = self._deadline(timeout)
+        with self._lock:
+            target = self._state.flush_target()
+            if target is not None:
+                self._wait_until(
+                    self._progress,
+                    lambda: self._state.flushed(target),
+                    deadline,
+                    operation,
+                    lambda: timed_out(limit),
+                )
+
     # -- failure -------------------------------------------------------------------------------
 
     def _fail(self, exc: BaseException) -> None:
@@ -460,7 +501,11 @@ class TransportEnd:
     def _raise_if_failed(self, operation: str) -> None:
         error = self._state.error
         if error is not None:
-            raise PayloadTransportError(
+            # The peer and cause of the failure travel on, for code that tells them apart.
+            kind = PayloadPeerTimeout if isinstance(error, PayloadPeerTimeout) else None
+            raise (kind or PayloadTransportError)(
                 f"cannot {operation}: {self._failure_subject} failed "
-                f"({type(error).__name__}: {error})"
+                f"({type(error).__name__}: {error})",
+                peer=getattr(error, "peer", None),
+                cause=getattr(error, "cause", None),
             ) from error

@@ -49,9 +49,9 @@ from ._wire import (
     read_frame,
     recv_frame,
     send_frame,
+    transfer_p2p,
     unpack_payload,
     use_device,
-    wait_works,
 )
 from .sender import PayloadGroups
 
@@ -108,8 +108,10 @@ class ReceiverStatistics:
     """Payloads acknowledged to their senders: taken by :meth:`PayloadReceiver.get`, which
     then was called again (the trainer moved on from them)."""
     failed_senders: dict[int, str] = field(default_factory=dict)
-    """Senders whose connection failed, by rank: ``"closed"`` (died) or ``"timeout"``
-    (hung). The receiver goes on with the others."""
+    """Senders whose connection closed (they died), by rank: ``"closed"``. The receiver goes
+    on with the others. A sender that hangs past the limit fails the whole receiver instead
+    (:class:`~rollout_sync.errors.PayloadPeerTimeout`): on gloo a timed-out wait closes every
+    pair of the group."""
 
 
 @dataclass
@@ -129,7 +131,7 @@ class _Peer:
     deferred: int = 0
     """Payloads of the offer deferred last (the sender holds them for the next offer)."""
     failed: str | None = None
-    """``"closed"`` or ``"timeout"`` once this sender's connection failed."""
+    """``"closed"`` once this sender's connection closed (it died)."""
     lost_in_flight: int = 0
 
     @property
@@ -385,8 +387,8 @@ class PayloadReceiver(TransportEnd):
             raise ValueError(f"sender_ranks {ranks} include this process's own rank")
         if window < 1:
             raise ValueError(f"window must be >= 1 payload, got {window}")
-        if not request_timeout > 0 or not default_timeout > 0:
-            raise ValueError("request_timeout and default_timeout must be > 0 seconds")
+        if not request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout!r}")
         super().__init__(
             name="payload ingress",
             default_timeout=default_timeout,
@@ -514,23 +516,17 @@ class PayloadReceiver(TransportEnd):
         Raises:
             IngressHoldTimeout: they did not complete within ``timeout`` seconds.
         """
-        limit, deadline = self._deadline(timeout)
-        with self._lock:
-            target = self._state.flush_target()
-            if target is not None:
-                self._wait_until(
-                    self._progress,
-                    lambda: self._state.flushed(target),
-                    deadline,
-                    "flush pending payload receives",
-                    lambda: IngressHoldTimeout(
-                        f"payload receives in flight did not complete within {limit:.1f} s "
-                        f"({len(self._state.in_flight)} transfers; a sender may have died)",
-                        operation="flush pending payload receives",
-                        timeout=limit,
-                        sections_running=len(self._state.in_flight),
-                    ),
-                )
+        self._flush(
+            timeout,
+            "flush pending payload receives",
+            lambda limit: IngressHoldTimeout(
+                f"payload receives in flight did not complete within {limit:.1f} s "
+                f"({len(self._state.in_flight)} transfers; a sender may have died)",
+                operation="flush pending payload receives",
+                timeout=limit,
+                sections_running=len(self._state.in_flight),
+            ),
+        )
 
     # -- closing -------------------------------------------------------------------------------
 
@@ -626,7 +622,7 @@ class PayloadReceiver(TransportEnd):
                 else:
                     raise PayloadTransportError(f"rank {rank} sent {kind.name} to a receiver")
         except BaseException as exc:  # kept: every later call re-raises it
-            self._fail_from(rank, exc)
+            self._fail_from(rank, exc, reader=True)
         finally:
             with self._lock:
                 self._state.closed_readers += 1
@@ -702,9 +698,8 @@ class PayloadReceiver(TransportEnd):
             ]
         with self._data_lock:
             ops = [dist.P2POp(dist.irecv, m, rank, group=self.groups.data) for m in messages]
-            works = dist.batch_isend_irecv(ops)
-            wait_works(
-                works,
+            transfer_p2p(
+                ops,
                 self.device,
                 self.default_timeout,
                 f"receiving {len(accepted.sizes)} payloads from rank {rank}",
@@ -743,18 +738,25 @@ class PayloadReceiver(TransportEnd):
                     ),
                 )
 
-    def _fail_from(self, rank: int, exc: BaseException) -> None:
-        """A failure talking to sender ``rank``: if its connection failed (it died or hung),
-        account for what it had in flight and go on with the others (a hold or a flush
-        waiting for its transfer is released); anything else fails the receiver."""
-        if isinstance(exc, PayloadTransportError) and exc.peer == rank and exc.cause is not None:
-            with self._lock:
-                if self._state.peers[rank].failed is None:
-                    self._state.on_peer_failed(rank, exc.cause)
-                self._progress.notify_all()
-                self._arrived.notify_all()
-        else:
+    def _fail_from(self, rank: int, exc: BaseException, *, reader: bool = False) -> None:
+        """A failure talking to sender ``rank``. If its connection closed (it died), that
+        sender is marked failed and the receiver goes on with the others; its reader thread,
+        the only one that receives from it, then counts what it had in flight as lost and
+        releases a hold or flush waiting for its transfer. Anything else, a timeout included
+        (on gloo a timed-out wait closes every pair of the group), fails the receiver."""
+        if not (
+            isinstance(exc, PayloadTransportError) and exc.peer == rank and exc.cause == "closed"
+        ):
             self._fail(exc)
+            return
+        with self._lock:
+            peer = self._state.peers[rank]
+            if peer.failed is None:
+                peer.failed = "closed"  # no more credit for it
+            if reader:
+                self._state.on_peer_failed(rank, "closed")
+            self._progress.notify_all()
+            self._arrived.notify_all()
 
     def _send_frame(self, rank: int, frame: torch.Tensor) -> None:
         """Send a control frame to ``rank``; the caller holds that rank's send lock."""

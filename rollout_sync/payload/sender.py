@@ -56,6 +56,7 @@ from .._deadline import deadline_after, expired, group_timedelta, remaining, wai
 from ..errors import (
     EgressHoldTimeout,
     PayloadBackpressureTimeout,
+    PayloadPeerTimeout,
     PayloadTimeout,
     PayloadTransportError,
     WouldBlock,
@@ -74,9 +75,9 @@ from ._wire import (
     read_frame,
     recv_frame,
     send_frame,
+    transfer_p2p,
     unpack_payload,
     use_device,
-    wait_works,
 )
 
 __all__ = [
@@ -379,13 +380,9 @@ class _SendPoolState:
             self.offers_deferred += 1
             self._retime(now_ns)
 
-    def offer_abandoned(self, offer: _Offer) -> None:
-        """The offer was never made (a hold closed the gate first): back at the head, in order."""
-        self.unsent.extendleft(reversed(offer.entries))
-        self._finish(offer)
-
-    def offer_deferred(self, offer: _Offer) -> None:
-        """The receiver deferred the offer: its payloads go back at the head, in order."""
+    def offer_returned(self, offer: _Offer) -> None:
+        """The offer was never made (a hold closed the gate first) or the receiver deferred
+        it: its payloads go back at the head, in order."""
         self.unsent.extendleft(reversed(offer.entries))
         self._finish(offer)
 
@@ -458,6 +455,10 @@ class SenderStatistics:
     """Payloads (the first ``acknowledged`` in order) the trainer took and moved on from, as
     its receiver said; the rest may be lost if a process dies (see
     :meth:`PayloadSender.unacknowledged`)."""
+    awaiting_acknowledgment: int
+    """Sent payloads whose buffers are kept until acknowledged (to be sent again after a
+    recovery). At most about the receiver's ``window`` beyond ``capacity``: the receiver grants
+    credit only for room it has, and acknowledges as the trainer takes."""
     bytes_sent: int
     transfers: int
     """Completed transfers (each carries up to ``max_in_flight`` payloads)."""
@@ -519,8 +520,6 @@ class PayloadSender(TransportEnd):
             raise ValueError(f"capacity must be >= 1 payload, got {capacity}")
         if not 1 <= max_in_flight <= MAX_BATCH:
             raise ValueError(f"max_in_flight must be within 1..{MAX_BATCH}, got {max_in_flight}")
-        if not default_timeout > 0:
-            raise ValueError(f"default_timeout must be > 0 seconds, got {default_timeout!r}")
         if receiver_rank == dist.get_rank():
             raise ValueError(f"receiver_rank {receiver_rank} is this process's own rank")
         super().__init__(
@@ -653,9 +652,8 @@ class PayloadSender(TransportEnd):
             EgressHoldTimeout: it did not complete within ``timeout`` seconds.
             PayloadTransportError: the transport failed meanwhile.
         """
-        limit, deadline = self._deadline(timeout)
 
-        def timed_out() -> EgressHoldTimeout:
+        def timed_out(limit: float) -> EgressHoldTimeout:
             in_flight = self._state.in_flight
             count = in_flight.count if in_flight is not None else 0
             return EgressHoldTimeout(
@@ -667,16 +665,7 @@ class PayloadSender(TransportEnd):
                 sections_running=1,
             )
 
-        with self._lock:
-            target = self._state.flush_target()
-            if target is not None:
-                self._wait_until(
-                    self._progress,
-                    lambda: self._state.flushed(target),
-                    deadline,
-                    "flush pending payload sends",
-                    timed_out,
-                )
+        self._flush(timeout, "flush pending payload sends", timed_out)
 
     # -- waiting for the pool ------------------------------------------------------------------
 
@@ -831,6 +820,7 @@ class PayloadSender(TransportEnd):
                 registered=s.registered,
                 sent=s.sent,
                 acknowledged=s.acknowledged,
+                awaiting_acknowledgment=len(s.unacknowledged),
                 bytes_sent=s.bytes_sent,
                 transfers=s.transfers,
                 unsent=len(s.unsent),
@@ -895,7 +885,7 @@ class PayloadSender(TransportEnd):
         except WouldBlock:
             # A hold began after the pick; the payloads wait at the head for its end.
             with self._lock:
-                self._state.offer_abandoned(offer)
+                self._state.offer_returned(offer)
                 self._progress.notify_all()
             return
         start = time.monotonic_ns()
@@ -915,16 +905,15 @@ class PayloadSender(TransportEnd):
             reply = self._await_reply(offer)
             if reply is FrameKind.DEFER:
                 with self._lock:
-                    self._state.offer_deferred(offer)
+                    self._state.offer_returned(offer)
                 return
             buffers = [e.buffer for e in offer.entries] if message is None else [message]
             ops = [
                 dist.P2POp(dist.isend, b, self.receiver_rank, group=self.groups.data)
                 for b in buffers
             ]
-            works = dist.batch_isend_irecv(ops)
-            wait_works(
-                works,
+            transfer_p2p(
+                ops,
                 self.device,
                 self.default_timeout,
                 f"sending {offer.count} payloads to rank {self.receiver_rank}",
@@ -955,10 +944,12 @@ class PayloadSender(TransportEnd):
                 lambda: self._state.reply is not None,
                 deadline,
                 "wait for an answer to a payload offer",
-                lambda: PayloadTransportError(
+                lambda: PayloadPeerTimeout(
                     f"rank {self.receiver_rank} did not answer an offer of {offer.count} "
                     f"payloads within {self.default_timeout:.1f} s; its receiver is not "
-                    "serving the transport"
+                    "serving the transport",
+                    peer=self.receiver_rank,
+                    cause="timeout",
                 ),
             )
             reply = self._state.reply

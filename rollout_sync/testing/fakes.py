@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .._deadline import deadline_after, expired
+from .._deadline import deadline_after, expired, limit_of, wait_arg
 from ..backend import RolloutBase, ThreadedRolloutBackend
 from ..buffer import WeightBuffer, install_inference_sync
 from ..errors import PayloadBackpressureTimeout, PayloadTimeout, ShutdownTimeout
@@ -297,6 +297,8 @@ class RecordingPacker:
         self._sent: list[Any] = []
         self._submitted = 0
         self._sent_lock = threading.Lock()
+        self._sent_changed = threading.Condition(self._sent_lock)
+        """Notified on every send and when the sender thread fails."""
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -306,9 +308,9 @@ class RecordingPacker:
     def submit(self, payload: Any, timeout: float | None = None) -> None:
         """Buffer ``payload`` for sending; raise :class:`PayloadBackpressureTimeout` if it stays
         full."""
-        limit = self.default_timeout if timeout is None else timeout
+        limit = limit_of(timeout, self.default_timeout)
         try:
-            self._buffer.put(payload, timeout=limit)
+            self._buffer.put(payload, timeout=wait_arg(deadline_after(limit)))
             with self._sent_lock:
                 self._submitted += 1
         except queue.Full:
@@ -360,22 +362,21 @@ class RecordingPacker:
             PayloadTimeout: fewer were sent within ``timeout`` seconds (held, or not started?).
             RuntimeError: the sender thread had failed (its error is chained).
         """
-        limit = self.default_timeout if timeout is None else timeout
+        limit = limit_of(timeout, self.default_timeout)
         deadline = deadline_after(limit)
-        if count is None:
-            with self._sent_lock:
-                count = self._submitted
-        while len(self.sent) < count:
-            if self._error is not None:
-                raise RuntimeError("packer sender failed") from self._error
-            if expired(deadline):
-                raise PayloadTimeout(
-                    f"the packer sent {len(self.sent)} of {count} payloads in {limit:.1f} s "
-                    "(are its sends held, or was it never started?)",
-                    operation="wait for payloads to be sent",
-                    timeout=limit,
-                )
-            time.sleep(0.001)  # the sender thread offers no event per send; poll the count
+        with self._sent_changed:
+            wanted = self._submitted if count is None else count
+            while len(self._sent) < wanted:
+                if self._error is not None:
+                    raise RuntimeError("packer sender failed") from self._error
+                if expired(deadline):
+                    raise PayloadTimeout(
+                        f"the packer sent {len(self._sent)} of {wanted} payloads in "
+                        f"{limit:.1f} s (are its sends held, or was it never started?)",
+                        operation="wait for payloads to be sent",
+                        timeout=limit,
+                    )
+                self._sent_changed.wait(wait_arg(deadline))
 
     def stop(self, timeout: float = 30.0) -> None:
         """Send what is buffered, then stop the sender thread (bounded by ``timeout``).
@@ -406,14 +407,17 @@ class RecordingPacker:
                 finally:
                     self.egress_gate.exit_section()
         except BaseException as exc:
-            self._error = exc
+            with self._sent_changed:
+                self._error = exc
+                self._sent_changed.notify_all()
 
     def _send(self, payload: Any) -> None:
         start = time.monotonic_ns()
         if self.send_s:
             time.sleep(self.send_s)
-        with self._sent_lock:
+        with self._sent_changed:
             self._sent.append(payload)
+            self._sent_changed.notify_all()
         if self.timeline is not None:
             self.timeline.add_span(SpanKind.PAYLOAD_SEND, "payload send", start)
 

@@ -163,12 +163,15 @@ def run_processes(
             )
             if give_up:
                 for rank in pending + unexpected_alive:
-                    why = (
-                        f"killed after the group's limit of {timeout_s:.1f} s"
-                        if now > deadline
-                        else f"killed {grace_s:.1f} s after another rank failed"
+                    failures.append(
+                        ChildFailure.overstayed(
+                            rank,
+                            past_limit=now > deadline,
+                            limit_s=timeout_s,
+                            grace_s=grace_s,
+                            group="group",
+                        )
                     )
-                    failures.append(ChildFailure(rank, None, f"still running: {why}"))
                 break
             if not pending:
                 # Only children expected to die are left; wait for them without a report.
