@@ -11,6 +11,11 @@ loopback and on several machines.
   seconds, turning a timeout into :class:`~rollout_sync.errors.CollectiveTimeout` and a dead
   peer into :class:`~rollout_sync.errors.CollectiveError`, both naming the operation.
 * :func:`group_ranks` - the global ranks of a group, for messages.
+* :class:`GroupCollectives` - broadcast and all-gather on either kind of group: one registered
+  with the default group (global ranks, ``torch.distributed`` calls) or a *standalone* one,
+  made outside it (vLLM's ``stateless_init_torch_distributed_process_group``: group ranks,
+  methods of the group object). :func:`standalone_group` makes one (gloo or NCCL, no default
+  group needed); :func:`adopt_group` gives one made elsewhere its timeout.
 * :func:`find_free_port` - a TCP port nothing listens on now, for a rendezvous a process hosts
   (a launcher's trainer, a loopback test).
 
@@ -25,7 +30,9 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import BroadcastOptions
 
 from ._deadline import group_timedelta, wait_collective
 from .errors import CollectiveError, CollectiveTimeout
@@ -33,11 +40,14 @@ from .errors import CollectiveError, CollectiveTimeout
 __all__ = [
     "CollectiveError",
     "CollectiveTimeout",
+    "GroupCollectives",
+    "adopt_group",
     "find_free_port",
     "group_ranks",
     "group_timeout_s",
     "init_process_group",
     "new_group",
+    "standalone_group",
     "wait_work",
 ]
 
@@ -46,6 +56,9 @@ DEFAULT_GROUP_TIMEOUT_S = 60.0
 _GROUP_TIMEOUTS: weakref.WeakKeyDictionary[dist.ProcessGroup, float] = weakref.WeakKeyDictionary()
 """The timeout each group was made with here: the backend ends an operation there, whatever
 longer limit a caller waits with."""
+
+
+_GROUP_STORES: weakref.WeakKeyDictionary[dist.ProcessGroup, Any] = weakref.WeakKeyDictionary()
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -124,6 +137,119 @@ def group_timeout_s(group: dist.ProcessGroup | None) -> float | None:
             return None
         group = dist.distributed_c10d._get_default_group()
     return _GROUP_TIMEOUTS.get(group)
+
+
+def standalone_group(
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    *,
+    backend: str = "gloo",
+    timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
+    prefix: str = "rollout_sync",
+) -> dist.ProcessGroup:
+    """A process group of its own, outside the default group (which may not exist, or belong
+    to someone else: vLLM's workers have one of world size 1): ranks ``0 .. world_size - 1``.
+
+    Rank 0 hosts the rendezvous store on ``host:port``; every member calls this with the same
+    address, world size and backend. ``timeout_s`` bounds the rendezvous and every collective.
+    Use it through :class:`GroupCollectives` (or a :class:`~rollout_sync.transfer.WeightTransfer`,
+    which does). ``backend``: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors).
+
+    Raises:
+        ValueError: an unknown backend.
+        RuntimeError / DistStoreError (from torch.distributed): the rendezvous did not complete
+        within ``timeout_s``.
+    """
+    timeout = group_timedelta(timeout_s)
+    rendezvous: Any = dist.rendezvous  # type: ignore[attr-defined]
+    store, _, _ = next(rendezvous(f"tcp://{host}:{port}", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    prefix_store = dist.PrefixStore(f"{prefix}/{host}:{port}", store)  # type: ignore[attr-defined]
+    group = dist.ProcessGroup(prefix_store, rank, world_size)
+    if backend == "gloo":
+        backend_type = dist.ProcessGroup.BackendType.GLOO
+        impl: Any = dist.ProcessGroupGloo(prefix_store, rank, world_size, timeout)
+        device = torch.device("cpu")
+    elif backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        backend_type = dist.ProcessGroup.BackendType.NCCL
+        impl = dist.ProcessGroupNCCL(prefix_store, rank, world_size, options)
+        device = torch.device("cuda")
+    else:
+        raise ValueError(f"standalone_group: backend must be 'gloo' or 'nccl', got {backend!r}")
+    group._set_default_backend(backend_type)
+    impl._set_sequence_number_for_group()
+    group._register_backend(device, backend_type, impl)
+    # Keep the store alive with the group: rank 0's hosts the rendezvous.
+    _GROUP_STORES[group] = store
+    return adopt_group(group, timeout_s)
+
+
+def adopt_group(group: dist.ProcessGroup, timeout_s: float) -> dist.ProcessGroup:
+    """Record ``timeout_s`` as the limit ``group``'s backend was made with (a group made
+    elsewhere, e.g. a standalone one), so :func:`wait_work` bounds its waits by it."""
+    _GROUP_TIMEOUTS[group] = timeout_s
+    return group
+
+
+def is_standalone(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` was made outside the default group (torch does not know its global
+    ranks): its collectives are methods of the group object, on group ranks."""
+    if group is None or group is dist.group.WORLD:
+        return False
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, RuntimeError, ValueError):
+        return True
+    return False
+
+
+class GroupCollectives:
+    """The collectives a transfer needs, on a registered or a standalone group.
+
+    Ranks are in the group's own numbering as :func:`group_ranks` gives it: global ranks for a
+    group registered with the default group, group ranks ``0 .. size - 1`` for a standalone
+    one (whose members need no default group at all, or are in a different one: inside a vLLM
+    worker the default group is vLLM's own). ``rank`` is this process's rank in that numbering.
+    Both operations start the collective and return its work handle (``async_op``).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.standalone = is_standalone(group)
+        self.ranks = group_ranks(group)
+        if self.standalone:
+            assert group is not None
+            self.rank = group.rank()
+            self.backend = str(group.name()).lower()
+        else:
+            self.rank = dist.get_rank()
+            self.backend = str(dist.get_backend(group)).lower()
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> dist.Work:
+        """Start broadcasting ``tensor`` from ``src`` (a rank in this group's numbering)."""
+        if self.standalone:
+            assert self.group is not None
+            options = BroadcastOptions()
+            options.rootRank = src
+            work: dist.Work = self.group.broadcast([tensor], options)
+            return work
+        launched: dist.Work | None = dist.broadcast(tensor, src, group=self.group, async_op=True)
+        assert launched is not None
+        return launched
+
+    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> dist.Work:
+        """Start gathering every member's ``tensor`` into ``outputs`` (in rank order)."""
+        if self.standalone:
+            assert self.group is not None
+            gathered: dist.Work = self.group.allgather([outputs], [tensor])
+            return gathered
+        work: dist.Work | None = dist.all_gather(outputs, tensor, group=self.group, async_op=True)
+        assert work is not None
+        return work
 
 
 def group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:

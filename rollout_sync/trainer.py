@@ -708,10 +708,10 @@ class WeightBroadcastCallback(TrainerCallback):
     ) -> dict[str, Any] | None:
         if update_successful:
             self.sync(step)
-        self._collect()
         if train_metrics is None and not self.report_every_step:
+            self._collect()
             return None
-        return self._report()
+        return self.report()
 
     def train_end(self, step: int) -> None:
         """Drain the timer (bounded by ``timeout``), keep the rest in ``final_metrics``, STOP."""
@@ -764,6 +764,12 @@ class WeightBroadcastCallback(TrainerCallback):
     def _add_samples(self, samples: list[TimedSample]) -> None:
         self._window_samples.extend(samples)
         self._timed += len(samples)
+
+    def report(self) -> dict[str, Any] | None:
+        """Harvest the timer (never blocks) and return what happened since the last report:
+        the keys ``step_end`` documents, or None when there is nothing to say."""
+        self._collect()
+        return self._report()
 
     def _report(self) -> dict[str, Any] | None:
         samples = self._window_samples

@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .distributed import group_ranks, wait_work
+from .distributed import GroupCollectives, wait_work
 from .errors import (
     ChecksumMismatchError,
     CollectiveError,
@@ -102,8 +102,9 @@ __all__ = [
 BUFFER_WRITE = "weight_buffer_write"
 """Span kind of a write into an async-mode weight buffer (not a served tensor)."""
 
-_MANIFEST_FORMAT = 2
-"""2: checksums travel as a broadcast of their own after each bucket (1: appended to it)."""
+_MANIFEST_FORMAT = 3
+"""3: checksums over 64-bit words (2: over 32-bit words; both: a broadcast of their own after
+each bucket; 1: appended to it)."""
 _CHECKSUM_COLS = 1024
 _CHECKSUM_PRIME = 2_147_483_629
 
@@ -429,25 +430,27 @@ class WeightManifest:
 def bucket_checksum(data: torch.Tensor) -> torch.Tensor:
     """A position-sensitive checksum of a flat ``uint8`` buffer, as two int64 values.
 
-    Computed on the buffer's device without a host sync: the plain sum of its 32-bit words, and
-    a sum weighted by row and column of those words laid out in rows of 1024 (reduced modulo a
-    prime so nothing overflows). Catches flipped bits and moved words; not cryptographic.
-    ``data.numel()`` must be a multiple of 4.
+    Computed on the buffer's device without a host sync, in two passes of native 64-bit sums
+    (an order of magnitude faster than widening 32-bit words; sums wrap around, the same way on
+    every rank): the plain sum of its 64-bit words, and a sum weighted by row and column of
+    those words laid out in rows of 1024 (each term reduced modulo a prime). Bytes past the
+    last whole row are summed as 32-bit words, weighted by position. Catches flipped bits and
+    moved words; not cryptographic. ``data.numel()`` must be a multiple of 4.
     """
-    words = data.view(torch.int32)
-    n = words.numel()
-    rows = n // _CHECKSUM_COLS
-    main = words[: rows * _CHECKSUM_COLS].view(rows, _CHECKSUM_COLS)
-    tail = words[rows * _CHECKSUM_COLS :]
+    n = data.numel()
+    row_bytes = _CHECKSUM_COLS * 8
+    rows = n // row_bytes
+    main = data[: rows * row_bytes].view(torch.int64).view(rows, _CHECKSUM_COLS)
+    tail = data[rows * row_bytes :].view(torch.int32)
     device = data.device
-    col_sum = main.sum(0, dtype=torch.int64)
-    row_sum = main.sum(1, dtype=torch.int64)
+    col_sum = main.sum(0)
+    row_sum = main.sum(1)
     col_w = torch.arange(1, _CHECKSUM_COLS + 1, dtype=torch.int64, device=device)
     row_w = torch.arange(1, rows + 1, dtype=torch.int64, device=device)
     tail_w = torch.arange(1, tail.numel() + 1, dtype=torch.int64, device=device)
     plain = col_sum.sum() + tail.sum(dtype=torch.int64)
-    # Every term is reduced below 2**31 before summing, so no sum can overflow int64 for any
-    # bucket up to 2**32 words.
+    # Every product is of two terms below 2**31, so no weighted sum can overflow int64 for any
+    # bucket up to 2**32 rows.
     p = _CHECKSUM_PRIME
     weighted = (
         ((col_sum.remainder(p) * col_w).remainder(p)).sum()
@@ -491,6 +494,8 @@ class _Outcome:
     tensors_written: int = 0
     failed_buckets: list[int] = field(default_factory=list)
     failure: str | None = None
+    cause: BaseException | None = None
+    """The exception behind ``failure`` when a consumer of the bytes raised (a stream's load)."""
     checksums_verified: int = 0
     source_checksums: list[tuple[int, int]] = field(default_factory=list)
     zero_copy_buckets: int = 0
@@ -524,9 +529,7 @@ class _InFlight:
         """Start one broadcast; ``written``: target tensors written so far (for the error)."""
         start_ns = time.monotonic_ns()
         try:
-            work = dist.broadcast(
-                tensor, self.transfer.src, group=self.transfer.group, async_op=True
-            )
+            work = self.transfer.collectives.broadcast(tensor, self.transfer.src)
         except RuntimeError as exc:  # a group already broken by a dead peer refuses new work
             raise WeightTransferError(
                 f"{self.op}: {what} {bucket + 1}/{self.buckets} could not be started: {exc}",
@@ -636,8 +639,11 @@ class WeightTransfer:
 
     Args:
         group: the process group (``None``: the default group). P2R: ``{trainer, replica}``;
-            R2R: the replicas.
-        src: the *global* rank of the source.
+            R2R: the replicas. A *standalone* group (made outside the default group, as vLLM's
+            ``stateless_init_torch_distributed_process_group`` does) works the same way, on
+            its group ranks (see :class:`~rollout_sync.distributed.GroupCollectives`).
+        src: the rank of the source: global for a registered group, the group rank for a
+            standalone one. ``rank`` is this process's rank in the same numbering.
         config: bucket size, checksums, collective timeout, zero-copy.
         timeline: records collective and write spans.
         device: where buckets live. Default: CUDA for an NCCL group, CPU otherwise.
@@ -659,11 +665,13 @@ class WeightTransfer:
         self.config = config if config is not None else TransferConfig()
         self.timeline = timeline
         self.hooks = hooks if hooks is not None else TransferHooks()
-        self.ranks = group_ranks(group)
+        self.collectives = GroupCollectives(group)
+        self.ranks = self.collectives.ranks
+        self.rank = self.collectives.rank
         if src not in self.ranks:
             raise ValueError(f"source rank {src} is not in the group of ranks {list(self.ranks)}")
         if device is None:
-            nccl = dist.get_backend(group) == "nccl"
+            nccl = self.collectives.backend == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
         self.device = torch.device(device)
         self._buffers: list[torch.Tensor] = []
@@ -680,7 +688,7 @@ class WeightTransfer:
 
     @property
     def is_source(self) -> bool:
-        return dist.get_rank() == self.src
+        return self.rank == self.src
 
     # -- the source ----------------------------------------------------------------------------
 
@@ -711,7 +719,7 @@ class WeightTransfer:
             WeightTransferTimeout / WeightTransferError: a collective timed out or failed.
         """
         if not self.is_source:
-            raise RuntimeError(f"send() on rank {dist.get_rank()}, but the source is {self.src}")
+            raise RuntimeError(f"send() on rank {self.rank}, but the source is {self.src}")
         start = time.perf_counter()
         op = f"send version {version} from rank {self.src} to ranks {list(self.ranks)}"
         try:
@@ -770,7 +778,7 @@ class WeightTransfer:
         header = torch.tensor([-1, version], dtype=torch.int64, device=self.device)
         try:
             self._collective(
-                lambda: dist.broadcast(header, self.src, group=self.group, async_op=True),
+                lambda: self.collectives.broadcast(header, self.src),
                 f"{op}: abort ({reason})",
                 version=version,
                 written=0,
@@ -847,14 +855,14 @@ class WeightTransfer:
     def _broadcast_manifest(self, data: bytes, version: int, op: str) -> None:
         header = torch.tensor([len(data), version], dtype=torch.int64, device=self.device)
         self._collective(
-            lambda: dist.broadcast(header, self.src, group=self.group, async_op=True),
+            lambda: self.collectives.broadcast(header, self.src),
             f"{op}: manifest header",
             version=version,
             written=0,
         )
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
         self._collective(
-            lambda: dist.broadcast(payload, self.src, group=self.group, async_op=True),
+            lambda: self.collectives.broadcast(payload, self.src),
             f"{op}: manifest",
             version=version,
             written=0,
@@ -899,7 +907,7 @@ class WeightTransfer:
         if self.is_source:
             raise RuntimeError(f"receive() on the source rank {self.src}; call send()")
         start = time.perf_counter()
-        me = dist.get_rank()
+        me = self.rank
         version, manifest, _, problem = self._receive_manifest(
             f"receive from rank {self.src} on rank {me}", into, allow_subset, storage
         )
@@ -909,14 +917,68 @@ class WeightTransfer:
         manifest_done = time.perf_counter()
         outcome = _Outcome()
         self._receive_buckets(manifest, into, storage, op, version, outcome, write_kind, None)
-        failed = self._vote_ranks(
-            ok=outcome.failure is None,
-            op=f"{op}: commit vote",
-            version=version,
-            written=outcome.tensors_written,
+        return self._commit("receive", op, version, manifest, outcome, start, manifest_done)
+
+    def stream(
+        self,
+        expected: Mapping[str, torch.Tensor],
+        load: Callable[[list[str], list[torch.Tensor]], None],
+        *,
+        accept: Callable[[WeightManifest], None] | None = None,
+        begin: Callable[[WeightManifest], None] | None = None,
+        allow_subset: bool = True,
+    ) -> TransferStats:
+        """Receive one broadcast and hand each bucket's tensors to ``load`` as it arrives.
+
+        For a receiver whose targets are not standing tensors: a loader that takes tensors by
+        name (vLLM's ``load_weights``). The manifest is checked against ``expected`` (names,
+        shapes and dtypes; meta tensors will do) and by ``accept`` (raise to object), then
+        voted on by every rank, as :meth:`receive` does; only after the vote passed does
+        ``begin`` run and the first bucket arrive. Every bucket lands in a buffer of its own,
+        allocated for it and never reused by the transfer (a loader may keep references to the
+        tensors it was given, as vLLM's layerwise reload does until a layer is complete); with
+        checksums, a bucket is verified before ``load`` sees it.
+
+        A ``begin`` or ``load`` that raises stops all further loading on this rank, which
+        keeps receiving (the group is not left hanging) and votes no at the commit.
+
+        Returns:
+            This rank's receive, as ``role="stream"``; ``tensors_written`` counts the tensors
+            handed to ``load``.
+
+        Raises:
+            WeightMismatchError / ManifestError / what ``accept`` raised: this rank rejected
+                the manifest; nothing was loaded (``begin`` did not run).
+            ManifestRejected: another rank rejected it; nothing was loaded.
+            WeightTransferError: ``begin`` or ``load`` raised (chained), or as for
+                :meth:`receive`; ``tensors_written`` says how much was loaded.
+        """
+        if self.is_source:
+            raise RuntimeError(f"stream() on the source rank {self.src}; call send()")
+        start = time.perf_counter()
+        me = self.rank
+        version, manifest, _, problem = self._receive_manifest(
+            f"stream from rank {self.src} on rank {me}", expected, allow_subset, None
         )
-        self._raise_failures(op, version, outcome, failed)
-        return self._receive_stats("receive", version, manifest, outcome, start, manifest_done)
+        if problem is None and manifest is not None and accept is not None:
+            try:
+                accept(manifest)
+            except Exception as exc:  # this rank's objection, voted below
+                problem = exc
+        op = f"stream version {version} from rank {self.src} on rank {me}"
+        self._manifest_vote(op, version, problem)
+        assert manifest is not None
+        manifest_done = time.perf_counter()
+        outcome = _Outcome()
+        if begin is not None:
+            try:
+                begin(manifest)
+            except Exception as exc:  # reported after the commit vote
+                outcome.failure, outcome.cause = f"starting to load failed: {exc}", exc
+        self._receive_buckets(
+            manifest, {}, None, op, version, outcome, SpanKind.WEIGHT_WRITE, None, load=load
+        )
+        return self._commit("stream", op, version, manifest, outcome, start, manifest_done)
 
     def relay(
         self,
@@ -961,7 +1023,7 @@ class WeightTransfer:
             raise RuntimeError(f"relay() on the source rank {self.src}; this rank must receive")
         if not forward.is_source:
             raise ValueError(
-                f"relay() forwards as the source of the next hop, but rank {dist.get_rank()} "
+                f"relay() forwards as the source of the next hop, but rank {forward.rank} "
                 f"is not the source of {forward!r}"
             )
         if forward.device != self.device:
@@ -970,7 +1032,7 @@ class WeightTransfer:
                 f"got {self.device} and {forward.device}"
             )
         start = time.perf_counter()
-        me = dist.get_rank()
+        me = self.rank
         try:
             version, manifest, data, problem = self._receive_manifest(
                 f"relay from rank {self.src} on rank {me}", into, allow_subset, storage
@@ -1062,8 +1124,36 @@ class WeightTransfer:
             own_error=problem,
         )
 
+    def _commit(
+        self,
+        role: str,
+        op: str,
+        version: int,
+        manifest: WeightManifest,
+        outcome: _Outcome,
+        start: float,
+        manifest_done: float,
+    ) -> TransferStats:
+        """A receiver's commit vote on ``outcome``; raise any rank's failure, else its stats."""
+        failed = self._vote_ranks(
+            ok=outcome.failure is None,
+            op=f"{op}: commit vote",
+            version=version,
+            written=outcome.tensors_written,
+        )
+        self._raise_failures(op, version, outcome, failed)
+        return self._receive_stats(role, version, manifest, outcome, start, manifest_done)
+
     def _raise_failures(self, op: str, version: int, outcome: _Outcome, failed: list[int]) -> None:
         """After the commit vote: raise for this rank's own failure or another rank's."""
+        if outcome.cause is not None:
+            raise WeightTransferError(
+                f"{op}: {outcome.failure}; {outcome.tensors_written} tensor(s) were handed to "
+                "the loader, so the targets are torn until the next complete sync",
+                operation=op,
+                version=version,
+                tensors_written=outcome.tensors_written,
+            ) from outcome.cause
         if outcome.failure is not None:
             raise ChecksumMismatchError(
                 f"{op}: {outcome.failure}; {outcome.tensors_written} target tensor(s) were "
@@ -1132,7 +1222,7 @@ class WeightTransfer:
         its bytes, this rank's objection). An objection is voted, so every peer learns it."""
         header = torch.zeros(_HEADER_WORDS, dtype=torch.int64, device=self.device)
         self._collective(
-            lambda: dist.broadcast(header, self.src, group=self.group, async_op=True),
+            lambda: self.collectives.broadcast(header, self.src),
             f"{op}: manifest header",
             version=None,
             written=0,
@@ -1148,7 +1238,7 @@ class WeightTransfer:
             )
         payload = torch.empty(size, dtype=torch.uint8, device=self.device)
         self._collective(
-            lambda: dist.broadcast(payload, self.src, group=self.group, async_op=True),
+            lambda: self.collectives.broadcast(payload, self.src),
             f"{op}: manifest",
             version=version,
             written=0,
@@ -1190,19 +1280,27 @@ class WeightTransfer:
         outcome: _Outcome,
         write_kind: str,
         forward: _Forward | None,
+        *,
+        load: Callable[[list[str], list[torch.Tensor]], None] | None = None,
     ) -> None:
         """Receive every bucket, two in flight, into its span of ``into`` or a staging buffer
-        (then verified and unpacked); pass each on through ``forward`` when relaying."""
-        spans = self._bucket_spans(manifest, into, storage, receiving=True)
-        # A relay keeps a third staging buffer: one receiving, one being forwarded and
-        # unpacked, one whose forward may still be finishing.
-        buffers = self._bucket_buffers(manifest, spans, 2 if forward is None else 3)
-        views = self._bucket_views(manifest, buffers, spans)
+        (then verified and unpacked); pass each on through ``forward`` when relaying. With
+        ``load`` (a stream), every bucket gets a fresh buffer and is handed to ``load``."""
         n = manifest.num_buckets
-        flats = [
-            span if span is not None else buffers[k % len(buffers)][: manifest.bucket_nbytes[k]]
-            for k, span in enumerate(spans)
-        ]
+        flats: list[torch.Tensor | None]
+        if load is None:
+            spans = self._bucket_spans(manifest, into, storage, receiving=True)
+            # A relay keeps a third staging buffer: one receiving, one being forwarded and
+            # unpacked, one whose forward may still be finishing.
+            buffers = self._bucket_buffers(manifest, spans, 2 if forward is None else 3)
+            views = self._bucket_views(manifest, buffers, spans)
+            flats = [
+                span if span is not None else buffers[k % len(buffers)][: manifest.bucket_nbytes[k]]
+                for k, span in enumerate(spans)
+            ]
+        else:
+            spans, views = (None,) * n, []
+            flats = [None] * n
         sent_checksums = (
             [torch.zeros(2, dtype=torch.int64, device=self.device) for _ in range(n)]
             if manifest.checksums
@@ -1213,11 +1311,15 @@ class WeightTransfer:
         write_starts: dict[int, int] = {}
 
         def post(k: int) -> None:
+            if flats[k] is None:  # a stream's bucket: a buffer of its own
+                flats[k] = torch.empty(
+                    manifest.bucket_nbytes[k], dtype=torch.uint8, device=self.device
+                )
             if spans[k] is not None:
                 # The collective itself writes the targets (zero-copy).
                 outcome.tensors_written += len(manifest.buckets[k])
                 write_starts[k] = time.monotonic_ns()
-            in_flight.launch(flats[k], k, written=outcome.tensors_written)
+            in_flight.launch(flats[k], k, written=outcome.tensors_written)  # type: ignore[arg-type]
             if sent_checksums is not None:
                 in_flight.launch(sent_checksums[k], k, "checksum", outcome.tensors_written)
 
@@ -1240,6 +1342,9 @@ class WeightTransfer:
                             write_starts[k],
                         )
                 flat = flats[k]
+                assert flat is not None
+                if load is not None:
+                    flats[k] = None  # the loader holds the only reference from here on
                 if self.hooks.after_receive is not None:
                     self.hooks.after_receive(k, flat)
                 if forward is not None:
@@ -1253,6 +1358,9 @@ class WeightTransfer:
                         continue
                 if spans[k] is not None:
                     continue
+                if load is not None:
+                    self._load_bucket(load, flat, k, manifest, outcome)
+                    continue
                 targets = [into[e.name] for e in manifest.buckets[k]]
                 # Counted before the copy: a copy that fails half-way has still written.
                 outcome.tensors_written += len(targets)
@@ -1261,6 +1369,35 @@ class WeightTransfer:
                 else:
                     with self.timeline.span(write_kind, f"write bucket {k + 1}/{n} v{version}"):
                         torch._foreach_copy_(targets, views[k])
+
+    def _load_bucket(
+        self,
+        load: Callable[[list[str], list[torch.Tensor]], None],
+        flat: torch.Tensor,
+        k: int,
+        manifest: WeightManifest,
+        outcome: _Outcome,
+    ) -> None:
+        """Hand bucket ``k`` (its own buffer) to a stream's loader, as typed, shaped views."""
+        entries = manifest.buckets[k]
+        names = [e.name for e in entries]
+        tensors = [
+            flat[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in entries
+        ]
+        # Counted before the call: a loader that fails half-way has still written.
+        outcome.tensors_written += len(entries)
+        try:
+            if self.timeline is None:
+                load(names, tensors)
+            else:
+                with self.timeline.span(
+                    SpanKind.WEIGHT_WRITE, f"load bucket {k + 1}/{manifest.num_buckets}"
+                ):
+                    load(names, tensors)
+        except Exception as exc:  # reported after the commit vote, chained
+            outcome.failure = f"loading bucket {k + 1}/{manifest.num_buckets} failed: {exc}"
+            outcome.cause = exc
+            outcome.failed_buckets.append(k)
 
     def _verify(
         self,
@@ -1455,7 +1592,7 @@ class WeightTransfer:
         mine = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
         flags = [torch.zeros(1, dtype=torch.int32, device=self.device) for _ in self.ranks]
         self._collective(
-            lambda: dist.all_gather(flags, mine, group=self.group, async_op=True),
+            lambda: self.collectives.all_gather(flags, mine),
             op,
             version=version,
             written=written,

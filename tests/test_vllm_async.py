@@ -272,14 +272,58 @@ def test_bad_weights_are_refused_and_outputs_stay_unchanged(world: World, damage
     assert after == before
 
 
+@pytest.mark.timeout(180)
+def test_a_native_write_corrupted_mid_load_is_torn_and_parked_until_a_good_sync(
+    world: World,
+) -> None:
+    """``load_weights`` goes through vLLM's native weight transfer (the default engine config):
+    a bucket corrupted in transit fails the engine's checksum after the reload started, so the
+    layers are not servable; the backend says torn and stays parked until a complete sync."""
+    from rollout_sync.transfer import TransferHooks
+
+    backend = world.backend
+    world.sync()
+    assert backend.native_writes and backend._native is not None
+    transfer = backend._native.transfer
+
+    def corrupt(bucket: int, flat: torch.Tensor) -> None:
+        flat[:8] ^= 0x11  # after the checksum: "in transit"
+
+    transfer.hooks = TransferHooks(after_pack=corrupt)
+    try:
+        with pytest.raises(WeightsNotLandedError, match="mid-load") as caught, backend.paused(30):
+            backend.load_weights(world.weights_of(world.version + 1))
+    finally:
+        transfer.hooks = TransferHooks()
+    assert caught.value.torn and backend.weights_torn and backend.parked
+    recovered = world.sync()
+    assert not backend.weights_torn and not backend.parked
+    result = backend.generate([[8, 9]], greedy_params(12), timeout=60)[0]
+    assert list(result.token_ids) == world.reference(world.weights_of(recovered), [8, 9], 12)
+    assert result.weight_versions == ((str(recovered), 0, 12),)
+
+
 @pytest.mark.timeout(120)
 def test_file_transport_writes_and_cleans_up(world: World, tmp_path: Path) -> None:
     backend = world.backend
     backend.payload_transport, backend.payload_dir = "file", tmp_path
+    backend.write_path = "rpc"  # the older write (the engine's default path is native)
+    seen: list[str] = []
+    encode = backend._encode
+
+    def recording_encode(weights: object) -> object:
+        payload, cleanup = encode(weights)  # type: ignore[arg-type]
+        seen.append(str(payload))
+        return payload, cleanup
+
+    backend._encode = recording_encode  # type: ignore[assignment,method-assign]
     try:
         version = world.sync()
     finally:
+        del backend._encode
         backend.payload_transport, backend.payload_dir = "bytes", None
+        backend.write_path = "auto"
+    assert len(seen) == 1 and seen[0].startswith(str(tmp_path))
     assert list(tmp_path.iterdir()) == []
     result = backend.generate([[7, 7]], greedy_params(10), timeout=60)[0]
     assert list(result.token_ids) == world.reference(world.weights_of(version), [7, 7], 10)

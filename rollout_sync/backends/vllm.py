@@ -65,6 +65,7 @@ from ..backend import KVCachePolicy, RolloutBase
 from ..errors import (
     EngineCallTimeout,
     GenerationTimeout,
+    ManifestRejected,
     PauseTimeout,
     VLLMUnavailableError,
     WeightMismatchError,
@@ -72,7 +73,8 @@ from ..errors import (
 )
 from ..trace import Span, SpanKind, Timeline
 from ..weights import WeightSpec, check_weights_match, specs_of
-from .vllm_worker import WORKER_EXTENSION
+from .vllm_plugin import ENGINE_NAME as NATIVE_ENGINE
+from .vllm_worker import WORKER_EXTENSION, partial_load_groups
 
 __all__ = [
     "EngineCallTimeout",
@@ -87,6 +89,7 @@ __all__ = [
     "VLLMUnavailableError",
     "WeightsNotLandedError",
     "greedy_params",
+    "park_engine",
     "require_vllm",
 ]
 
@@ -154,6 +157,14 @@ class VLLMEngineConfig:
     """Prompts are token ids; no tokenizer needed."""
     kv_cache_memory_bytes: int | None = None
     """An explicit KV cache size; vLLM for CPU on small machines needs one (e.g. 64 MiB)."""
+    weight_transfer_config: Mapping[str, Any] | None = field(
+        default_factory=lambda: {"backend": NATIVE_ENGINE}
+    )
+    """vLLM's ``weight_transfer_config``. The default, ``{"backend": "rollout_sync"}``, runs
+    this package's validated engine (:mod:`rollout_sync.backends.vllm_engine`) and
+    :meth:`~_VLLMBackendBase.load_weights` writes through it. ``None`` (no weight-transfer
+    engine) keeps the older write: one safetensors blob through ``collective_rpc``. Another
+    backend (``{"backend": "nccl"}``) is for a trainer that drives the engine itself."""
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def to_engine_kwargs(self) -> dict[str, Any]:
@@ -172,6 +183,8 @@ class VLLMEngineConfig:
             kwargs["max_model_len"] = self.max_model_len
         if self.kv_cache_memory_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
+        if self.weight_transfer_config is not None:
+            kwargs["weight_transfer_config"] = dict(self.weight_transfer_config)
         kwargs.update(self.engine_kwargs)
         return kwargs
 
@@ -199,6 +212,10 @@ class VLLMGeneration:
     admitted_version: int
     completed_version: int
     error: str | None = None
+    weight_versions: tuple[tuple[str, int, int], ...] | None = None
+    """vLLM's own labels: ``(version, start, end)`` spans over the output tokens, one per
+    weight version that sampled them (``finish_weight_update(version)`` sets the label);
+    ``None`` when vLLM reported none (no version was ever set)."""
 
     @property
     def straddled(self) -> bool:
@@ -248,6 +265,7 @@ class VLLMRequest:
         self._finish_reason: str | None = None
         self._scheduled_ts = 0.0
         self._last_token_ts = 0.0
+        self._weight_versions: tuple[tuple[str, int, int], ...] | None = None
         self._result: VLLMGeneration | None = None
         self.submitted_at = time.monotonic()
 
@@ -263,6 +281,11 @@ class VLLMRequest:
             if completion is not None:
                 self._tokens = tuple(completion.token_ids)
                 self._finish_reason = completion.finish_reason
+                spans = getattr(completion, "weight_versions", None)
+                if spans:
+                    self._weight_versions = tuple(
+                        (str(span.version), int(span.start), int(span.end)) for span in spans
+                    )
             if metrics is not None:
                 self._scheduled_ts = float(getattr(metrics, "scheduled_ts", 0.0) or 0.0)
                 self._last_token_ts = float(getattr(metrics, "last_token_ts", 0.0) or 0.0)
@@ -283,6 +306,7 @@ class VLLMRequest:
                 admitted_version=self._versions.at(admitted),
                 completed_version=self._versions.at(completed),
                 error=error,
+                weight_versions=self._weight_versions,
             )
             self._cond.notify_all()
 
@@ -343,6 +367,7 @@ class _VLLMBackendBase(RolloutBase):
         *,
         kv_cache_policy: KVCachePolicy = KVCachePolicy.RECOMPUTE,
         write_method: Literal["reload", "copy"] = "reload",
+        write_path: Literal["auto", "native", "rpc"] = "auto",
         verify_columns: int = 16,
         payload_transport: Literal["bytes", "file"] = "bytes",
         payload_dir: str | os.PathLike[str] | None = None,
@@ -358,6 +383,11 @@ class _VLLMBackendBase(RolloutBase):
             write_method: ``"reload"`` (vLLM's in-place ``reload_weights``; right everywhere)
                 or ``"copy"`` (``param.data.copy_``: only where the platform serves its
                 parameters as they are; on vLLM for CPU it does not land and raises).
+            write_path: how :meth:`load_weights` reaches the engine. ``"native"``: vLLM's
+                native weight transfer with the ``"rollout_sync"`` engine (the engine must run
+                it: ``VLLMEngineConfig.weight_transfer_config``, the default); ``"rpc"``: one
+                safetensors blob through ``collective_rpc`` (the only path for
+                ``write_method="copy"``); ``"auto"``: native where the engine runs it.
             verify_columns: input columns read back per weight after each write.
             payload_transport: ship the safetensors blob as bytes through ``collective_rpc``,
                 or as a file in ``payload_dir`` (large models, engine on the same host).
@@ -373,11 +403,14 @@ class _VLLMBackendBase(RolloutBase):
             raise ValueError(
                 f"payload_transport must be 'bytes' or 'file', got {payload_transport!r}"
             )
+        if write_path not in ("auto", "native", "rpc"):
+            raise ValueError(f"write_path must be 'auto', 'native' or 'rpc', got {write_path!r}")
         if verify_columns < 1:
             raise ValueError(f"verify_columns must be at least 1, got {verify_columns}")
         self.config = config
         self.kv_cache_policy = kv_cache_policy
         self.write_method = write_method
+        self.write_path = write_path
         self.verify_columns = verify_columns
         self.payload_transport = payload_transport
         self.payload_dir = payload_dir
@@ -391,6 +424,7 @@ class _VLLMBackendBase(RolloutBase):
         self._buffers: dict[str, torch.Tensor] | None = None
         self._writes = 0
         self._last_write: Mapping[str, Any] = {}
+        self._native: Any = None
         self._ids = itertools.count()
         self._requests_lock = threading.Lock()
         self._in_flight: dict[str, VLLMRequest] = {}
@@ -502,8 +536,12 @@ class _VLLMBackendBase(RolloutBase):
         )
         if not require_all:
             self._check_whole_groups(weights.keys(), context)
-        payload, cleanup = self._encode(weights)
         self._writes += 1
+        if self.native_writes:
+            self._native_write(weights, require_all, context)
+            self._after_write()
+            return
+        payload, cleanup = self._encode(weights)
         try:
             report = self._rpc(
                 "rollout_sync_write",
@@ -535,18 +573,105 @@ class _VLLMBackendBase(RolloutBase):
             )
         self._after_write()
 
-    def _check_whole_groups(self, names: Any, context: str) -> None:
-        sent = set(names)
-        members: dict[str, list[str]] = {}
-        for name, group in self._groups.items():
-            members.setdefault(group, []).append(name)
-        problems = []
-        for group in sorted({self._groups[n] for n in sent}):
-            missing = [n for n in members[group] if n not in sent]
-            if missing:
-                problems.append(
-                    f"{group}: a subset must send all of its parts; missing {', '.join(missing)}"
+    @property
+    def native_writes(self) -> bool:
+        """Whether :meth:`load_weights` goes through vLLM's native weight transfer (see
+        ``write_path``) rather than the older safetensors blob through ``collective_rpc``."""
+        runs_engine = (self.config.weight_transfer_config or {}).get("backend") == NATIVE_ENGINE
+        if self.write_path == "native" and not runs_engine:
+            raise ValueError(
+                'write_path="native" needs the engine to run the "rollout_sync" weight-transfer '
+                "engine: VLLMEngineConfig(weight_transfer_config={'backend': 'rollout_sync'})"
+            )
+        if self.write_path == "native" and self.write_method != "reload":
+            raise ValueError(
+                'write_path="native" writes through vLLM\'s reload: write_method="reload"'
+            )
+        return self.write_path != "rpc" and runs_engine and self.write_method == "reload"
+
+    def _weight_sync_client(self) -> Any:
+        """vLLM's client protocol over this backend's engine (no pause: the caller's)."""
+        raise NotImplementedError
+
+    def _native_write(
+        self, weights: Mapping[str, torch.Tensor], require_all: bool, context: str
+    ) -> None:
+        """One native update: this process sends, the engine's ``"rollout_sync"`` weight-transfer
+        engine receives, loads and reads back (over a gloo group of the two, on this host)."""
+        from ..distributed import find_free_port
+        from .vllm_trainer import (
+            MappingSource,
+            RolloutSyncTrainerEngine,
+            RolloutSyncTrainerInitInfo,
+        )
+
+        try:
+            if self._native is None:
+                info = RolloutSyncTrainerInitInfo(
+                    master_address="127.0.0.1",
+                    master_port=find_free_port(),
+                    world_size=2,
+                    rank=0,
+                    group_backend="gloo",  # the receive buffers here are CPU tensors
+                    timeout_s=self.rpc_timeout,
+                    verify_columns=self.verify_columns,
                 )
+                self._native = RolloutSyncTrainerEngine.trainer_init(
+                    info, client=self._weight_sync_client(), source=MappingSource({})
+                )
+            self._native.init_info.require_all = require_all
+            stats = self._native.push(
+                weights, version=self._writes, label=None, timeout=self.rpc_timeout
+            )
+        except BaseException as exc:
+            # Leave the group: after a failure it may be out of step; the next write joins anew.
+            self._close_native()
+            if isinstance(exc, (ManifestRejected, WeightMismatchError)):
+                # The manifest vote failed: no rank started loading.
+                raise WeightsNotLandedError(
+                    [f"{type(exc).__name__}: {exc}"],
+                    torn=False,
+                    context=f"{context}: the engine refused the update; nothing was loaded",
+                ) from exc
+            torn = self._native_torn() or f"{type(exc).__name__}: {exc}"
+            self.mark_weights_torn(f"the engine's native weight update failed: {torn}")
+            if isinstance(exc, (TimeoutError, KeyboardInterrupt)):
+                raise
+            raise WeightsNotLandedError(
+                [torn],
+                torn=True,
+                context=f"{context}: the native update did not land in the weights the engine "
+                "computes with",
+            ) from exc
+        state = self.native_transfer_state() or {}
+        self._last_write = {
+            "write_ms": (stats.total_s * 1e3) if stats is not None else math.nan,
+            "verify_ms": float(state.get("last_verify_s", math.nan)) * 1e3,
+        }
+
+    def _close_native(self) -> None:
+        """Leave the native transfer group (after a failure, or before the engine shuts down)."""
+        native, self._native = self._native, None
+        if native is not None:
+            try:
+                native.shutdown()
+            except Exception:  # a group broken by the failure that brought us here
+                pass
+
+    def _native_torn(self) -> str | None:
+        """The engine's reason its weights are torn (``None``: untouched); an engine that cannot
+        answer counts as torn."""
+        try:
+            state = self.native_transfer_state()
+        except Exception as exc:  # no answer: assume the worst
+            return f"the engine did not report its state ({type(exc).__name__}: {exc})"
+        if state is None:
+            return "the engine runs no rollout_sync weight-transfer engine"
+        torn: str | None = state.get("torn")
+        return torn
+
+    def _check_whole_groups(self, names: Any, context: str) -> None:
+        problems = partial_load_groups(names, self._groups)
         if problems:
             raise WeightMismatchError(problems, context=context)
 
@@ -573,8 +698,24 @@ class _VLLMBackendBase(RolloutBase):
         return path, lambda: Path(path).unlink(missing_ok=True)
 
     def commit_weight_version(self, version: int) -> None:
+        """Record a complete sync; with native writes vLLM's own label (per-token
+        ``weight_versions``, ``get_weight_version()``) becomes ``str(version)`` too."""
+        if self._native is not None:
+            self._set_engine_version(str(version))
         self._versions.commit(version, time.monotonic())
         super().commit_weight_version(version)
+
+    def _set_engine_version(self, label: str) -> None:
+        """Set vLLM's weight-version label (the subclass reaches the engine)."""
+
+    def native_transfer_state(self) -> dict[str, Any] | None:
+        """The engine's ``"rollout_sync"`` weight-transfer engine state (``torn``: why it must
+        not serve, or ``None``; ``updates``; the last transfer), or ``None`` when the engine
+        runs another weight-transfer backend or none."""
+        state: dict[str, Any] | None = self._rpc(
+            "rollout_sync_native_state", timeout=self.rpc_timeout
+        )
+        return state
 
     # -- tracing -----------------------------------------------------------------------------
 
@@ -652,6 +793,28 @@ class _VLLMBackendBase(RolloutBase):
 
 
 # -- the event loop the async backend owns -----------------------------------------------------
+
+
+async def park_engine(engine: Any, mode: str, clear_cache: bool) -> bool:
+    """Pause an ``AsyncLLM`` at a step boundary and confirm it; whether it reports paused.
+
+    vLLM's ``pause_generation`` ends with a fixed 20 ms sleep, "not required for correctness":
+    this asks the engine core's scheduler directly (the same call, the same cache clearing)
+    and confirms with ``is_paused``. The scheduler's pause completes once the engine is idle,
+    and outputs and utility replies share one ordered channel: when the confirmation is in,
+    every output produced before the pause has reached its request. Falls back to
+    ``pause_generation`` on an engine without that scheduler call.
+    """
+    core = getattr(engine, "engine_core", None)
+    pause_scheduler = getattr(core, "pause_scheduler_async", None)
+    if pause_scheduler is None:
+        await engine.pause_generation(mode=mode, clear_cache=clear_cache)
+    else:
+        renderer = getattr(engine, "renderer", None)
+        if clear_cache and renderer is not None:
+            await renderer.clear_mm_cache_async()
+        await pause_scheduler(mode=mode, clear_cache=clear_cache)
+    return bool(await engine.is_paused())
 
 
 class _LoopThread:
@@ -797,6 +960,7 @@ class VLLMAsyncBackend(_VLLMBackendBase):
 
     def shutdown(self, timeout: float = 60.0) -> None:
         """End requests in flight (as failed results), shut the engine down, stop the loop."""
+        self._close_native()
         engine, loop = self._engine, self._loop
         self._engine = self._loop = None
         if engine is not None and loop is not None:
@@ -927,14 +1091,8 @@ class VLLMAsyncBackend(_VLLMBackendBase):
             return
         mode, clear_cache = self.pause_mode.value, self.kv_cache_policy.clear_cache
 
-        async def park() -> bool:
-            await engine.pause_generation(mode=mode, clear_cache=clear_cache)
-            # Outputs and utility replies share one ordered channel: once this reply is in,
-            # every output produced before the pause has reached its request.
-            return bool(await engine.is_paused())
-
         try:
-            confirmed = loop.run(park(), limit, "pause generation")
+            confirmed = loop.run(park_engine(engine, mode, clear_cache), limit, "pause generation")
         except EngineCallTimeout:
             # The pause may still land in the engine later; the resume queued behind it makes
             # sure the engine is not left paused by a caller that has given up.
@@ -1007,6 +1165,29 @@ class VLLMAsyncBackend(_VLLMBackendBase):
         """The ``AsyncLLM`` (``None`` before start); use it on :meth:`run_on_loop` only."""
         return self._engine
 
+    def weight_sync_client(self, timeout_s: float | None = None) -> Any:
+        """vLLM's weight-sync client protocol over this backend's engine, on its loop (an
+        :class:`~rollout_sync.backends.vllm_client.AsyncLLMWeightSyncClient`; each call
+        bounded by ``timeout_s``, default ``rpc_timeout``). Wrap it in
+        :class:`~rollout_sync.backends.vllm_client.GuardedWeightSyncClient` with
+        ``rollout=`` this backend, so every update is paused and versioned here."""
+        from .vllm_client import AsyncLLMWeightSyncClient
+
+        self.ensure_initialized()
+        return AsyncLLMWeightSyncClient(
+            self._engine,
+            run=self.run_on_loop,
+            timeout_s=self.rpc_timeout if timeout_s is None else timeout_s,
+        )
+
+    def _weight_sync_client(self) -> Any:
+        return self.weight_sync_client()
+
+    def _set_engine_version(self, label: str) -> None:
+        engine = self._engine
+        if engine is not None:
+            self.run_on_loop(engine.update_weight_version(label), self.rpc_timeout, "set version")
+
 
 # -- blocking generation on LLM ----------------------------------------------------------------
 
@@ -1063,6 +1244,7 @@ class VLLMBlockingBackend(_VLLMBackendBase):
 
     def shutdown(self) -> None:
         """Shut the engine core down (``LLM`` has no ``shutdown()`` of its own)."""
+        self._close_native()
         llm, self._llm = self._llm, None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
@@ -1071,6 +1253,24 @@ class VLLMBlockingBackend(_VLLMBackendBase):
     def llm(self) -> Any:
         """The ``vllm.LLM`` (``None`` before start)."""
         return self._llm
+
+    def weight_sync_client(self, timeout_s: float | None = None) -> Any:
+        """vLLM's weight-sync client protocol over this backend's ``LLM`` (an
+        :class:`~rollout_sync.backends.vllm_client.LLMWeightSyncClient`; each call bounded by
+        ``timeout_s``, default ``rpc_timeout``)."""
+        from .vllm_client import LLMWeightSyncClient
+
+        self.ensure_initialized()
+        return LLMWeightSyncClient(
+            self._llm, timeout_s=self.rpc_timeout if timeout_s is None else timeout_s
+        )
+
+    def _weight_sync_client(self) -> Any:
+        return self.weight_sync_client()
+
+    def _set_engine_version(self, label: str) -> None:
+        if self._llm is not None:
+            self._llm.llm_engine.set_weight_version(label)
 
     def generate(
         self,

@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+import zlib
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,12 +48,17 @@ __all__ = [
     "Probe",
     "ProbePlan",
     "RolloutSyncWorkerExtension",
+    "Witness",
     "WriteRefused",
     "build_probe_plan",
     "checkpoint_specs",
     "copy_in_place",
     "decode_payload",
+    "partial_load_groups",
+    "probe_columns",
+    "verify_witnesses",
     "verify_written",
+    "witness_of",
 ]
 
 WORKER_EXTENSION = "rollout_sync.backends.vllm_worker.RolloutSyncWorkerExtension"
@@ -239,6 +246,25 @@ def build_probe_plan(
     return plan
 
 
+def partial_load_groups(names: Collection[str], groups: Mapping[str, str]) -> list[str]:
+    """One line per load group (a fused module: ``qkv_proj``) that ``names`` touch without
+    naming all of its parts; ``groups`` maps each checkpoint name to its group
+    (:attr:`ProbePlan.groups`). vLLM rebuilds a fused module from all of its parts, so a part
+    sent alone leaves the others uninitialized."""
+    members: dict[str, list[str]] = {}
+    for name, group in groups.items():
+        members.setdefault(group, []).append(name)
+    sent = set(names)
+    problems = []
+    for group in sorted({groups[n] for n in sent if n in groups}):
+        missing = [n for n in members[group] if n not in sent]
+        if missing:
+            problems.append(
+                f"{group}: a fused module must be sent whole; missing {', '.join(missing)}"
+            )
+    return problems
+
+
 def _holds_rows(served: object, shape: Sequence[int], row_offset: int, rows: int) -> bool:
     """Whether ``served`` is a plain tensor with rows ``row_offset : row_offset + rows`` of a
     tensor of ``shape`` (not repacked by the platform into another layout, or to nothing)."""
@@ -311,7 +337,107 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
+@dataclass(frozen=True)
+class Witness:
+    """What the read-back compares one checkpoint tensor with, kept instead of the tensor.
+
+    A receiver that loads tensors as they arrive (vLLM's native weight transfer) cannot keep
+    the whole model to compare after the load; it keeps this: for each ``"op"`` probe the
+    sampled input columns and the tensor's values there (``rows x columns``), for each
+    ``"param"`` probe a checksum of the whole tensor's bytes.
+    """
+
+    name: str
+    width: int
+    """The tensor's input width (its second dimension; 0 for a 1-D tensor)."""
+    op_columns: tuple[tuple[Probe, torch.Tensor, torch.Tensor], ...]
+    """``(probe, columns, tensor[:, columns])`` per ``"op"`` probe."""
+    param_checksums: tuple[tuple[Probe, tuple[int, int]], ...]
+
+
+def probe_columns(module: str, width: int, columns: int, seed: int) -> torch.Tensor:
+    """The sorted input columns read back from ``module``: ``columns`` of ``width`` (all when
+    narrower), a function of the module's name and ``seed`` only, so a witness taken when a
+    tensor arrives and the read-back after the load agree."""
+    count = min(columns, width)
+    generator = torch.Generator().manual_seed(
+        (seed * 1_000_003 + zlib.crc32(module.encode())) % 2**63
+    )
+    return torch.randperm(width, generator=generator)[:count].sort().values
+
+
+def _bytes_checksum(tensor: torch.Tensor) -> tuple[int, int]:
+    from ..transfer import bucket_checksum
+
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    first, second = (int(x) for x in bucket_checksum(flat).tolist())
+    return first, second
+
+
 @torch.no_grad()
+def witness_of(
+    name: str, tensor: torch.Tensor, plan: ProbePlan, *, columns: int, seed: int
+) -> Witness:
+    """The witness of checkpoint tensor ``name`` (``tensor``), for :func:`verify_witnesses`."""
+    ops: list[tuple[Probe, torch.Tensor, torch.Tensor]] = []
+    params: list[tuple[Probe, tuple[int, int]]] = []
+    for probe in plan.probes[name]:
+        if probe.kind == "op":
+            cols = probe_columns(probe.module, tensor.shape[1], columns, seed)
+            ops.append((probe, cols, tensor[:, cols.to(tensor.device)].clone()))
+        else:
+            params.append((probe, _bytes_checksum(tensor)))
+    width = int(tensor.shape[1]) if tensor.dim() == 2 else 0
+    return Witness(name, width, tuple(ops), tuple(params))
+
+
+@torch.no_grad()
+def verify_witnesses(model: torch.nn.Module, witnesses: Sequence[Witness]) -> list[str]:
+    """Every way the served model differs from what the ``witnesses`` saw; empty when the
+    load landed.
+
+    ``"op"`` probes multiply one-hot rows of the witnessed columns through the module's
+    ``quant_method.apply``: the result is those columns of the weight the kernel uses,
+    bit-exact. ``"param"`` probes compare a checksum of the served rows' bytes.
+    """
+    problems: list[str] = []
+    by_module: dict[str, list[tuple[Probe, torch.Tensor, torch.Tensor]]] = {}
+    widths: dict[str, int] = {}
+    for witness in witnesses:
+        for probe, cols, values in witness.op_columns:
+            by_module.setdefault(probe.module, []).append((probe, cols, values))
+            widths[probe.module] = witness.width
+        for probe, checksum in witness.param_checksums:
+            served = getattr(model.get_submodule(probe.module), probe.param)
+            got = served.data[probe.row_offset : probe.row_offset + probe.rows]
+            if _bytes_checksum(got) != checksum:
+                problems.append(
+                    f"{probe.name}: served {probe.module}.{probe.param} differs from what was "
+                    "written"
+                )
+    for module_name, entries in by_module.items():
+        module = model.get_submodule(module_name)
+        cols = entries[0][1]
+        in_width = widths[module_name]
+        dtype = entries[0][2].dtype
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        count = cols.numel()
+        one_hot = torch.zeros(count, in_width, dtype=dtype, device=device)
+        one_hot[torch.arange(count), cols.to(device)] = 1
+        quant_method: Any = getattr(module, "quant_method")  # noqa: B009 - typed as Any
+        out: torch.Tensor = quant_method.apply(module, one_hot)
+        for probe, _cols, values in entries:
+            got = out[:, probe.row_offset : probe.row_offset + probe.rows]
+            want = values.T.to(got.device)
+            if not _same(got, want):
+                problems.append(
+                    f"{probe.name}: the kernel of {module_name} still computes with other weights "
+                    f"(read back {count} of {in_width} input columns; max |diff| "
+                    f"{(got.float() - want.float()).abs().max().item():.3g})"
+                )
+    return problems
+
+
 def verify_written(
     model: torch.nn.Module,
     tensors: Mapping[str, torch.Tensor],
@@ -322,44 +448,15 @@ def verify_written(
 ) -> list[str]:
     """Every way the served model differs from ``tensors``; empty when the write landed.
 
-    ``"op"`` probes multiply ``columns`` one-hot rows (random input columns, all of them when
-    the input is narrower) through the module's ``quant_method.apply``: the result is those
-    columns of the weight the kernel uses, bit-exact. ``"param"`` probes compare whole tensors.
+    :func:`witness_of` every tensor (``columns`` input columns per module, chosen with
+    ``generator``), then :func:`verify_witnesses`.
     """
-    problems: list[str] = []
-    by_module: dict[str, list[tuple[Probe, torch.Tensor]]] = {}
-    for name, tensor in tensors.items():
-        for probe in plan.probes[name]:
-            if probe.kind == "op":
-                by_module.setdefault(probe.module, []).append((probe, tensor))
-            else:
-                served = getattr(model.get_submodule(probe.module), probe.param)
-                got = served.data[probe.row_offset : probe.row_offset + probe.rows]
-                if not _same(got, tensor.to(got.device)):
-                    problems.append(
-                        f"{name}: served {probe.module}.{probe.param} differs from what was written"
-                    )
-    for module_name, entries in by_module.items():
-        module = model.get_submodule(module_name)
-        width = entries[0][1].shape[1]
-        dtype = entries[0][1].dtype
-        count = min(columns, width)
-        cols = torch.randperm(width, generator=generator)[:count].sort().values
-        device = next((p.device for p in module.parameters()), torch.device("cpu"))
-        one_hot = torch.zeros(count, width, dtype=dtype, device=device)
-        one_hot[torch.arange(count), cols.to(device)] = 1
-        quant_method: Any = getattr(module, "quant_method")  # noqa: B009 - typed as Any
-        out: torch.Tensor = quant_method.apply(module, one_hot)
-        for probe, tensor in entries:
-            got = out[:, probe.row_offset : probe.row_offset + probe.rows]
-            want = tensor[:, cols].T.to(got.device)
-            if not _same(got, want):
-                problems.append(
-                    f"{probe.name}: the kernel of {module_name} still computes with other weights "
-                    f"(read back {count} of {width} input columns; max |diff| "
-                    f"{(got.float() - want.float()).abs().max().item():.3g})"
-                )
-    return problems
+    seed = int(torch.randint(2**31, (1,), generator=generator).item())
+    witnesses = [
+        witness_of(name, tensor, plan, columns=columns, seed=seed)
+        for name, tensor in tensors.items()
+    ]
+    return verify_witnesses(model, witnesses)
 
 
 # -- the extension -----------------------------------------------------------------------------
@@ -482,6 +579,7 @@ class RolloutSyncWorkerExtension:
             handle.remove()
         state.hooks.clear()
         if not enabled:
+            self._rollout_sync_attach_engine_timeline()
             return False
         model = self.model_runner.get_model()
         modules: list[tuple[str, torch.nn.Module]] = [("forward", model)]
@@ -506,7 +604,16 @@ class RolloutSyncWorkerExtension:
         for label, module in modules:
             state.hooks.append(module.register_forward_pre_hook(pre_hook))
             state.hooks.append(module.register_forward_hook(make_post_hook(label)))
+        self._rollout_sync_attach_engine_timeline()
         return True
+
+    def _rollout_sync_attach_engine_timeline(self) -> None:
+        """Let a ``"rollout_sync"`` weight-transfer engine record its loads on this timeline
+        (while tracing is on)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is not None and hasattr(engine, "timeline"):
+            state = self._rollout_sync_state()
+            engine.timeline = state.timeline if state.hooks else None
 
     def rollout_sync_spans(self, clear: bool = True) -> list[dict[str, Any]]:
         """The spans recorded since the last collection (``Timeline.to_records`` form)."""
@@ -514,8 +621,25 @@ class RolloutSyncWorkerExtension:
         records = state.timeline.to_records()
         if clear:
             state.timeline = Timeline()
+            self._rollout_sync_attach_engine_timeline()
         return records
 
     def rollout_sync_forward_count(self) -> int:
         """Forwards traced so far (counts also spans already collected)."""
         return self._rollout_sync_state().forwards
+
+    def rollout_sync_native_state(self) -> dict[str, Any] | None:
+        """The ``"rollout_sync"`` weight-transfer engine's state (torn or not, updates landed,
+        the last transfer), or ``None`` when the engine runs another weight-transfer backend
+        or none."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        state = getattr(engine, "state", None)
+        return state() if callable(state) else None
+
+
+if "vllm" in sys.modules:
+    # Imported by vLLM inside a worker (as the worker extension): make the "rollout_sync"
+    # weight-transfer engines available there even where the entry point is not visible.
+    from .vllm_plugin import register_engines
+
+    register_engines()

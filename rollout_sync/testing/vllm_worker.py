@@ -7,6 +7,7 @@ production :class:`~rollout_sync.backends.vllm_worker.RolloutSyncWorkerExtension
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -35,3 +36,22 @@ class StallingWorkerExtension(RolloutSyncWorkerExtension):
                 return False
             time.sleep(0.005)  # polling a file from another process; nothing to wait on
         return True
+
+
+def _register_flawed_engine() -> None:
+    """Make the flawed engines of :mod:`rollout_sync.testing.vllm_engines` available in this
+    worker (vLLM imports this module there before it builds the weight-transfer engine)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from .vllm_engines import FLAWED_ENGINE_NAME
+
+    if FLAWED_ENGINE_NAME not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            FLAWED_ENGINE_NAME,
+            "rollout_sync.testing.vllm_engines",
+            "FlawedWeightTransferEngine",
+        )
+
+
+if "vllm" in sys.modules:
+    _register_flawed_engine()

@@ -1,0 +1,215 @@
+"""vLLM's native weight update with the ``"rollout_sync"`` engine, against the alternatives.
+
+For a tiny Llama and a ~100 MB random Llama served by vLLM (CPU build works), side by side on
+one engine, alternating so the ratios are fair on a noisy machine:
+
+* **guarded native**: the trainer engine (``WeightTransferTrainerFactory``) pushes through a
+  ``GuardedWeightSyncClient``: pause, hold, start, the transfer (manifest, buckets,
+  checksums, votes) loaded by vLLM's layerwise reload, finish with the read-back, resume;
+* **unguarded native**: the same push through vLLM's plain client protocol (no pause): the
+  bracket's overhead is guarded over unguarded;
+* **safetensors RPC**: the backend's older write, the model serialized through
+  ``collective_rpc`` (the backend's ``write_path="rpc"``; the default where the engine has no
+  weight-transfer config);
+* **raw broadcast**: one gloo broadcast of the same bytes between this process and another,
+  the wire's speed.
+
+The engine runs in its own process (vLLM's engine core), so every row crosses a process
+boundary. Ratios are of bytes/s (higher is better for ``*_over_raw``). The last line is one JSON
+object: ``native_over_raw``, ``rpc_over_raw``, ``bracket_overhead`` (all for the larger model),
+``model_mb``, and every row.
+
+Run: ``python benchmarks/vllm_native.py`` (``--iterations``, ``--skip-large``).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+import argparse
+import json
+import multiprocessing
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollout_sync.backends.vllm import VLLMAsyncBackend, VLLMEngineConfig
+from rollout_sync.distributed import find_free_port, standalone_group
+from rollout_sync.errors import VLLMUnavailableError
+from rollout_sync.testing.tiny_llama import build_tiny_llama, random_llama_weights
+
+LARGE = {
+    "vocab_size": 8192,
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+}
+"""~24M parameters: ~95 MB in float32."""
+
+
+def _raw_receiver(port: int, nbytes: int, iterations: int) -> None:
+    torch.set_num_threads(1)
+    group = standalone_group("127.0.0.1", port, 1, 2, timeout_s=120)
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    for _ in range(iterations):
+        group.broadcast([buffer]).wait()
+    group.shutdown()
+
+
+def _raw_broadcast_s(nbytes: int, iterations: int) -> list[float]:
+    """Seconds per broadcast of ``nbytes`` from this process to another, over gloo."""
+    port = find_free_port()
+    child = multiprocessing.get_context("spawn").Process(
+        target=_raw_receiver, args=(port, nbytes, iterations + 1)
+    )
+    child.start()
+    group = standalone_group("127.0.0.1", port, 0, 2, timeout_s=120)
+    buffer = torch.ones(nbytes, dtype=torch.uint8)
+    times = []
+    for i in range(iterations + 1):
+        start = time.perf_counter()
+        group.broadcast([buffer]).wait()
+        if i:  # the first one warms the connection up
+            times.append(time.perf_counter() - start)
+    group.shutdown()
+    child.join(60)
+    return times
+
+
+def _bench_model(model_dir: Path, iterations: int, bucket_bytes: int) -> dict[str, Any]:
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from rollout_sync.backends.vllm_client import GuardedWeightSyncClient
+    from rollout_sync.backends.vllm_trainer import MappingSource, RolloutSyncTrainerInitInfo
+
+    backend = VLLMAsyncBackend(
+        VLLMEngineConfig(
+            model_dir,
+            dtype="float32",
+            kv_cache_memory_bytes=64 << 20,
+            weight_transfer_config={"backend": "rollout_sync"},
+        ),
+        rpc_timeout=600.0,
+        # The older write, for its row: the native path would take the engine's one transfer
+        # slot away from the trainer engine below.
+        write_path="rpc",
+    )
+    with backend:
+        shapes = {s.name: s.shape for s in backend.weight_specs()}
+        current: dict[str, torch.Tensor] = {}
+        plain = backend.weight_sync_client(timeout_s=600.0)
+        guarded = GuardedWeightSyncClient(plain, rollout=backend, timeout=600.0)
+        engine = WeightTransferTrainerFactory.trainer_init(
+            RolloutSyncTrainerInitInfo(
+                master_address="127.0.0.1",
+                master_port=find_free_port(),
+                world_size=2,
+                rank=0,
+                bucket_bytes=bucket_bytes,
+                timeout_s=600.0,
+            ),
+            client=guarded,
+            source=MappingSource(current),
+        )
+        weights = [random_llama_weights(shapes, seed=s) for s in (1, 2)]
+        nbytes = sum(t.numel() * t.element_size() for t in weights[0].values())
+        rows: dict[str, list[float]] = {"guarded native": [], "unguarded native": [], "rpc": []}
+        overheads: list[float] = []
+        for i in range(iterations + 1):
+            current.clear()
+            current.update(weights[i % 2])
+            pair = {}
+            for name, client in (("guarded native", guarded), ("unguarded native", plain)):
+                engine.client = client
+                start = time.perf_counter()
+                engine.send_weights()
+                pair[name] = time.perf_counter() - start
+            start = time.perf_counter()
+            with backend.paused():
+                backend.load_weights(weights[i % 2])
+                backend.commit_weight_version(backend.weight_version + 1)
+            pair["rpc"] = time.perf_counter() - start
+            if i:  # the first round warms up
+                for name, seconds in pair.items():
+                    rows[name].append(seconds)
+                overheads.append(pair["guarded native"] / pair["unguarded native"] - 1.0)
+        state = backend.native_transfer_state()
+        engine.shutdown()
+    raw = _raw_broadcast_s(nbytes, iterations)
+    medians = {name: statistics.median(times) for name, times in rows.items()}
+    medians["raw broadcast"] = statistics.median(raw)
+    return {
+        "model_mb": nbytes / 1e6,
+        "median_s": medians,
+        "mb_per_s": {name: nbytes / 1e6 / s for name, s in medians.items()},
+        "native_over_raw": medians["raw broadcast"] / medians["guarded native"],
+        "rpc_over_raw": medians["raw broadcast"] / medians["rpc"],
+        "bracket_overhead": statistics.median(overheads),
+        "engine_s": {
+            "transfer": state["last_transfer_s"],
+            "of which vllm load": state["last_load_s"],
+            "finalize": state["last_finalize_s"],
+            "read-back": state["last_verify_s"],
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("--skip-large", action="store_true", help="the tiny model only")
+    parser.add_argument("--bucket-mb", type=float, default=8.0, help="the transfer's bucket size")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="rollout_sync_bench_") as tmp:
+        models = {"tiny": {}} if args.skip_large else {"tiny": {}, "large": LARGE}
+        for label, overrides in models.items():
+            model_dir = Path(tmp) / label
+            build_tiny_llama(model_dir, seed=0, **overrides)
+            try:
+                results[label] = _bench_model(
+                    model_dir, args.iterations, int(args.bucket_mb * (1 << 20))
+                )
+            except VLLMUnavailableError as exc:
+                print(exc, file=sys.stderr)
+                return 2
+    print(f"{'model':<8}{'MB':>8}  " + "".join(f"{n:>18}" for n in results["tiny"]["median_s"]))
+    for label, r in results.items():
+        cells = "".join(f"{s * 1e3:>15.1f} ms" for s in r["median_s"].values())
+        print(f"{label:<8}{r['model_mb']:>8.1f}  {cells}")
+    print()
+    for label, r in results.items():
+        print(
+            f"{label}: native/raw {r['native_over_raw']:.3f}  rpc/raw {r['rpc_over_raw']:.3f}  "
+            f"bracket overhead {r['bracket_overhead'] * 100:+.1f}%  "
+            "\n  in the engine, last update: "
+            + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["engine_s"].items())
+        )
+    main_row = results.get("large", results["tiny"])
+    print(
+        json.dumps(
+            {
+                "native_over_raw": main_row["native_over_raw"],
+                "rpc_over_raw": main_row["rpc_over_raw"],
+                "bracket_overhead": main_row["bracket_overhead"],
+                "model_mb": main_row["model_mb"],
+                "models": results,
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

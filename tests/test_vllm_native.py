@@ -1,0 +1,476 @@
+"""vLLM's native weight-transfer API with the ``"rollout_sync"`` engines, guarded (vLLM for CPU).
+
+One engine for the module (``AsyncLLM`` behind a ``VLLMAsyncBackend``, a tiny random Llama in
+float32), updated by the trainer engine through vLLM's own factory and a
+``GuardedWeightSyncClient``. Greedy float32 decoding makes every claim exact: tokens are
+compared with a plain transformers forward of the same weights.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from vllm_helpers import NO_FORWARD_DURING  # first: it sets the environment vLLM reads
+
+pytest.importorskip("vllm")
+pytest.importorskip("transformers")
+
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+from rollout_sync import SpanKind, Timeline, TornWeightsError
+from rollout_sync.backends.vllm import VLLMAsyncBackend, VLLMEngineConfig, greedy_params
+from rollout_sync.backends.vllm_client import GuardedWeightSyncClient
+from rollout_sync.backends.vllm_trainer import (
+    MappingSource,
+    RolloutSyncTrainerEngine,
+    RolloutSyncTrainerInitInfo,
+)
+from rollout_sync.errors import ChecksumMismatchError, ManifestRejected
+from rollout_sync.testing import (
+    STALLING_WORKER_EXTENSION,
+    build_tiny_llama,
+    find_free_port,
+    find_sync_split,
+    greedy_reference,
+    random_llama_weights,
+)
+from rollout_sync.trace import Span, find_overlaps
+from rollout_sync.transfer import TransferHooks
+
+pytestmark = pytest.mark.vllm
+
+PROMPT = [1, 5, 9, 33, 7]
+
+
+@dataclass
+class Native:
+    backend: VLLMAsyncBackend
+    client: GuardedWeightSyncClient
+    engine: RolloutSyncTrainerEngine
+    timeline: Timeline
+    reference: greedy_reference
+    shapes: dict[str, tuple[int, ...]]
+    current: dict[str, torch.Tensor]
+    weights: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    def weights_of(self, version: int) -> dict[str, torch.Tensor]:
+        if version not in self.weights:
+            self.weights[version] = random_llama_weights(self.shapes, seed=500 + version)
+        return self.weights[version]
+
+    def push(self, weights: Mapping[str, torch.Tensor] | None = None) -> int:
+        """Push the next version (its random weights, or ``weights``) natively; returns it."""
+        version = self.engine.version + 1
+        self.current.clear()
+        self.current.update(self.weights_of(version) if weights is None else weights)
+        self.engine.send_weights(version)
+        return version
+
+    def greedy(self, version: int, prompt: list[int], n: int) -> list[int]:
+        return self.reference(self.weights_of(version), prompt, n)
+
+    def spans_since(self, start_ns: int) -> list[Span]:
+        self.backend.collect_engine_spans()
+        return [s for s in self.timeline.spans() if s.start_ns >= start_ns]
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Native]:
+    model_dir = tmp_path_factory.mktemp("tiny_llama_native")
+    initial = build_tiny_llama(model_dir, seed=21)
+    timeline = Timeline()
+    backend = VLLMAsyncBackend(
+        VLLMEngineConfig(
+            model_dir,
+            dtype="float32",
+            kv_cache_memory_bytes=64 << 20,
+            weight_transfer_config={"backend": "rollout_sync"},
+            engine_kwargs={"worker_extension_cls": STALLING_WORKER_EXTENSION},
+        ),
+        timeline=timeline,
+        pause_timeout=30.0,
+        rpc_timeout=60.0,
+    )
+    backend.ensure_initialized()
+    client = GuardedWeightSyncClient(
+        backend.weight_sync_client(), rollout=backend, timeline=timeline
+    )
+    current: dict[str, torch.Tensor] = dict(initial)
+    # 64 KiB buckets: layers span several buckets, as they do in a real model.
+    info = RolloutSyncTrainerInitInfo(
+        master_address="127.0.0.1",
+        master_port=find_free_port(),
+        world_size=2,
+        rank=0,
+        bucket_bytes=64 << 10,
+        timeout_s=30.0,
+    )
+    engine = WeightTransferTrainerFactory.trainer_init(
+        info, client=client, source=MappingSource(current)
+    )
+    assert isinstance(engine, RolloutSyncTrainerEngine)
+    world = Native(
+        backend,
+        client,
+        engine,
+        timeline,
+        greedy_reference(model_dir),
+        {n: tuple(t.shape) for n, t in initial.items()},
+        current,
+        weights={0: initial},
+    )
+    try:
+        world.push()
+        yield world
+    finally:
+        engine.shutdown()
+        backend.shutdown()
+
+
+def _served_version(world: Native) -> str:
+    version: str = world.backend.run_on_loop(
+        world.backend.engine.get_weight_version(), 30, "get_weight_version"
+    )
+    return version
+
+
+@pytest.mark.timeout(240)
+def test_a_guarded_native_update_mid_generation_splits_old_then_exactly_new(
+    native: Native,
+) -> None:
+    old = native.engine.version
+    start_ns = time.monotonic_ns()
+    request = native.backend.submit(PROMPT, greedy_params(300))
+    request.wait_for_tokens(12, timeout=60)
+    new = native.push()
+    result = request.result(timeout=120)
+    assert result.ok and len(result.token_ids) == 300
+    tokens = list(result.token_ids)
+    split = find_sync_split(
+        tokens,
+        native.greedy(old, PROMPT, len(tokens)),
+        lambda k: native.greedy(new, PROMPT + tokens[:k], len(tokens) - k),
+        at_least=12,
+    )
+    # Old weights' tokens up to the pause, then exactly the new weights' continuation.
+    assert split is not None and 12 <= split < len(tokens), "the update did not split the request"
+    # vLLM's own per-token labels agree, and so does the served version.
+    assert result.weight_versions == ((str(old), 0, split), (str(new), split, len(tokens)))
+    assert (result.admitted_version, result.completed_version) == (old, new)
+    assert _served_version(native) == str(new)
+    # No forward ran while the update was open (start .. finish).
+    spans = native.spans_since(start_ns)
+    assert [s for s in spans if s.kind == SpanKind.SYNC]
+    assert len([s for s in spans if s.kind == SpanKind.FORWARD]) > 50
+    assert find_overlaps(spans, NO_FORWARD_DURING) == []
+    report = native.client.reports[-1]
+    assert report.error is None and report.paused and report.park_s < 30
+
+
+@pytest.mark.timeout(180)
+def test_a_wrong_manifest_is_refused_and_the_model_keeps_serving_the_old_weights(
+    native: Native,
+) -> None:
+    served = native.engine.version
+    bad = dict(native.weights_of(served + 1))
+    name = "model.layers.0.mlp.down_proj.weight"
+    bad[name] = bad[name][:, :-1].contiguous()  # a wrong shape
+    with pytest.raises(ManifestRejected) as caught:
+        native.push(bad)
+    assert caught.value.rejected_by == (1,)
+    assert "does not match served" in str(caught.value.__cause__)  # the worker's reason
+    # Nothing was loaded: the reload never started; the engine says so, so the guard resumed
+    # generation on the version it served, which it still generates exactly.
+    assert native.backend.native_transfer_state()["torn"] is None
+    assert native.client.torn is None and native.client.reports[-1].error
+    assert not native.backend.weights_torn and not native.backend.parked
+    result = native.backend.generate([PROMPT], greedy_params(16), timeout=60)[0]
+    assert list(result.token_ids) == native.greedy(served, PROMPT, 16)
+    assert _served_version(native) == str(served)
+    # A complete update lands after it, exactly.
+    version = native.push()
+    assert not native.backend.weights_torn and not native.backend.parked
+    result = native.backend.generate([PROMPT], greedy_params(16), timeout=60)[0]
+    assert list(result.token_ids) == native.greedy(version, PROMPT, 16)
+
+
+@pytest.mark.timeout(180)
+def test_part_of_a_fused_module_is_refused_before_anything_is_loaded(native: Native) -> None:
+    served = native.engine.version
+    partial = {
+        "model.layers.0.self_attn.q_proj.weight": native.weights_of(served + 1)[
+            "model.layers.0.self_attn.q_proj.weight"
+        ]
+    }
+    native.engine.init_info.require_all = False
+    try:
+        with pytest.raises(ManifestRejected):
+            native.push(partial)
+    finally:
+        native.engine.init_info.require_all = True
+    assert native.backend.native_transfer_state()["torn"] is None
+    assert not native.backend.parked  # refused before anything was loaded: still serving
+    result = native.backend.generate([PROMPT], greedy_params(16), timeout=60)[0]
+    assert list(result.token_ids) == native.greedy(served, PROMPT, 16)
+    version = native.push()
+    result = native.backend.generate([PROMPT], greedy_params(16), timeout=60)[0]
+    assert list(result.token_ids) == native.greedy(version, PROMPT, 16)
+
+
+@pytest.mark.timeout(240)
+def test_a_bucket_failing_mid_update_leaves_the_replica_parked_and_torn_then_recovers(
+    native: Native,
+) -> None:
+    transfer = native.engine.transfer
+    assert transfer is not None
+
+    def corrupt(bucket: int, flat: torch.Tensor) -> None:
+        if bucket == 3:
+            flat[:64] ^= 0x5A  # flipped in transit, after the checksum
+
+    transfer.hooks = TransferHooks(after_pack=corrupt)
+    try:
+        with pytest.raises(ChecksumMismatchError):
+            native.push()
+    finally:
+        transfer.hooks = TransferHooks()
+    # Parked and torn: the engine's layers were on the meta device when it failed.
+    state = native.backend.native_transfer_state()
+    assert state["torn"] and "mid-load" in state["torn"]
+    assert native.backend.parked and native.backend.weights_torn and native.client.torn
+    with pytest.raises(TornWeightsError):
+        native.backend.submit(PROMPT, greedy_params(4))
+    # The next complete update recovers bit-exactly.
+    version = native.push()
+    assert native.backend.native_transfer_state()["torn"] is None
+    assert not native.backend.parked and native.client.torn is None
+    result = native.backend.generate([PROMPT, [3, 4, 5]], greedy_params(20), timeout=60)
+    assert list(result[0].token_ids) == native.greedy(version, PROMPT, 20)
+    assert list(result[1].token_ids) == native.greedy(version, [3, 4, 5], 20)
+
+
+@pytest.mark.timeout(120)
+def test_each_push_is_timed_into_weight_sync_time_ms(native: Native) -> None:
+    native.engine.metrics()  # drop what earlier tests left
+    native.push()
+    native.push()
+    metrics = native.engine.metrics()
+    assert metrics is not None and metrics["weight_sync_count"] == 2
+    assert metrics["weight_sync_time_ms"] > 0
+    assert metrics["weight_sync_version"] == native.engine.version
+    assert metrics["weight_sync_bytes"] == 2 * sum(
+        t.numel() * t.element_size() for t in native.current.values()
+    )
+
+
+@pytest.mark.timeout(240)
+def test_payload_sends_are_held_for_each_update_and_released_after_a_failed_one(
+    native: Native,
+) -> None:
+    """A payload packer sends all along (a thread feeding it); the guarded update holds its
+    egress from start to finish: no send overlaps an update. The packer's hold is bound to the
+    thread that took it, and a failed update fails on the trainer's side thread: egress must
+    still be released (sends go on), with the weights torn."""
+    from rollout_sync.testing import RecordingPacker
+
+    timeline = native.timeline
+    packer = RecordingPacker(capacity=4, send_s=0.002, timeline=timeline).start()
+    guarded = GuardedWeightSyncClient(
+        native.client.inner, rollout=native.backend, egress=[packer], timeline=timeline
+    )
+    native.engine.client = guarded
+    stop = threading.Event()
+
+    def produce() -> None:
+        n = 0
+        while not stop.is_set():
+            packer.submit(n, timeout=60)
+            n += 1
+
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
+    start_ns = time.monotonic_ns()
+    transfer = native.engine.transfer
+    assert transfer is not None
+    try:
+        packer.wait_sent(20, timeout=60)
+        native.push()
+        native.push()
+
+        def corrupt(bucket: int, flat: torch.Tensor) -> None:
+            if bucket == 2:
+                flat[:16] ^= 0x3C
+
+        transfer.hooks = TransferHooks(after_pack=corrupt)
+        try:
+            with pytest.raises(ChecksumMismatchError):
+                native.push()
+        finally:
+            transfer.hooks = TransferHooks()
+        assert guarded.torn and native.backend.parked
+        sent = len(packer.sent)
+        packer.wait_sent(sent + 20, timeout=60)  # egress released: sends go on while torn
+        native.push()
+        assert guarded.torn is None and not native.backend.parked
+    finally:
+        stop.set()
+        producer.join(60)
+        packer.stop(30)
+        native.engine.client = native.client
+    spans = [s for s in timeline.spans() if s.start_ns >= start_ns]
+    assert len([s for s in spans if s.kind == SpanKind.PAYLOAD_SEND]) > 40
+    assert len([s for s in spans if s.kind == SpanKind.SYNC]) == 3  # the failed one has none
+    assert find_overlaps(spans, [(SpanKind.PAYLOAD_SEND, SpanKind.SYNC)]) == []
+    assert [r.egress_held for r in guarded.reports] == [1, 1, 1, 1]
+    assert [r.error is None for r in guarded.reports] == [True, True, False, True]
+
+
+# -- the trainer in a process of its own -------------------------------------------------------
+
+
+class _BridgeClient:
+    """vLLM's client protocol, forwarded to the process that hosts the engine (the parent)."""
+
+    def __init__(self, address: tuple[str, int], authkey: bytes) -> None:
+        from multiprocessing.connection import Client
+
+        self._conn = Client(address, authkey=authkey)
+
+    def _call(self, method: str, *args: Any) -> None:
+        self._conn.send((method, args))
+        if not self._conn.poll(120):
+            raise TimeoutError(f"the engine host did not answer {method} within 120 s")
+        error = self._conn.recv()
+        if error is not None:
+            raise RuntimeError(f"{method} failed in the engine host: {error}")
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._call("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update")
+
+    def update_weights(self, update_info: Any) -> None:
+        self._call("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call("finish_weight_update", weight_version)
+
+    def close(self) -> None:
+        self._conn.send(("close", ()))
+
+
+def _serve_bridge(listener: Any, client: GuardedWeightSyncClient) -> None:
+    """Answer one trainer's calls on the guarded client (the update_weights call comes on a
+    second connection, so it can run beside the trainer's send)."""
+
+    def serve(conn: Any) -> None:
+        while True:
+            method, args = conn.recv()
+            if method == "close":
+                return
+            try:
+                getattr(client, method)(*args)
+                conn.send(None)
+            except Exception as exc:  # sent back to the trainer, which raises it
+                conn.send(f"{type(exc).__name__}: {exc}")
+
+    threads = []
+    for _ in range(2):  # the trainer's main connection, and its update_weights connection
+        conn = listener.accept()
+        thread = threading.Thread(target=serve, args=(conn,), daemon=True)
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join(300)
+
+
+class _TwoConnectionClient:
+    """The trainer's client: update_weights on a connection of its own (it runs in a thread
+    beside the send, while the main connection waits for nothing)."""
+
+    def __init__(self, address: tuple[str, int], authkey: bytes) -> None:
+        self.main = _BridgeClient(address, authkey)
+        self.updates = _BridgeClient(address, authkey)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.main.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        self.main.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        self.updates.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.main.finish_weight_update(weight_version)
+
+    def close(self) -> None:
+        self.main.close()
+        self.updates.close()
+
+
+def _trainer_process(
+    rank: int, address: tuple[str, int], authkey: bytes, port: int, model_dir: str, seeds: list[int]
+) -> dict[str, Any]:
+    import transformers
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    model = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    shapes = {n: tuple(p.shape) for n, p in model.state_dict().items()}
+    client = _TwoConnectionClient(address, authkey)
+    info = RolloutSyncTrainerInitInfo(
+        master_address="127.0.0.1", master_port=port, world_size=2, rank=0, timeout_s=30.0
+    )
+    engine = WeightTransferTrainerFactory.trainer_init(
+        info, client=client, source=ModuleSource(model)
+    )
+    for version, seed in enumerate(seeds, start=100):
+        model.load_state_dict(random_llama_weights(shapes, seed=seed))
+        engine.send_weights(version)
+    metrics = engine.metrics()
+    engine.shutdown()
+    client.close()
+    return {"engine": type(engine).__name__, "metrics": metrics}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_the_trainer_engine_in_a_second_process_through_vllms_factory(
+    native: Native, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from multiprocessing.connection import Listener
+
+    from rollout_sync.testing import run_processes
+
+    authkey = b"rollout_sync-test"
+    listener = Listener(("127.0.0.1", 0), authkey=authkey)
+    server = threading.Thread(target=_serve_bridge, args=(listener, native.client), daemon=True)
+    server.start()
+    model_dir = str(native.backend.config.model)
+    native.engine.shutdown()  # the host's own trainer leaves; the engine joins the new group
+    try:
+        result = run_processes(
+            _trainer_process,
+            1,
+            (listener.address, authkey, find_free_port(), model_dir, [701, 702]),
+            timeout_s=240,
+        )[0]
+    finally:
+        server.join(30)
+        listener.close()
+    assert result["engine"] == "RolloutSyncTrainerEngine"
+    assert result["metrics"]["weight_sync_count"] == 2
+    assert result["metrics"]["weight_sync_time_ms"] > 0
+    assert _served_version(native) == "101"
+    assert native.backend.weight_version == 101
+    expected = random_llama_weights(native.shapes, seed=702)
+    out = native.backend.generate([PROMPT], greedy_params(16), timeout=60)[0]
+    assert list(out.token_ids) == native.reference(expected, PROMPT, 16)
+    assert native.client.reports[-1].error is None

@@ -1,0 +1,268 @@
+"""What vLLM's native weight update does wrong, shown on a real engine, and caught.
+
+One engine runs ``rollout_sync.testing.vllm_engines.FlawedWeightTransferEngine``: the
+production ``"rollout_sync"`` engine with one step done as vLLM's built-in engines may do it
+(a reused receive buffer; a load outside the layerwise reload). The read-back after ``finish``
+must catch each, on the same harness where the correct engine lands bit-exactly. Last, the
+update without the guard: a forward between ``update_weights`` and ``finish_weight_update``
+meets layers on the meta device and kills the engine (bounded, not a hang), while the same
+steps through the guard keep a request in flight intact. That test kills the module's engine,
+so it runs last.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import asdict
+from typing import Any
+
+import pytest
+import torch
+from vllm_helpers import NO_FORWARD_DURING  # noqa: F401 - first: sets vLLM's environment
+
+pytest.importorskip("vllm")
+pytest.importorskip("transformers")
+
+from rollout_sync.backends.vllm import VLLMAsyncBackend, VLLMEngineConfig, greedy_params
+from rollout_sync.backends.vllm_client import GuardedWeightSyncClient
+from rollout_sync.backends.vllm_engine import RolloutSyncUpdateInfo
+from rollout_sync.backends.vllm_trainer import (
+    MappingSource,
+    RolloutSyncTrainerEngine,
+    RolloutSyncTrainerInitInfo,
+)
+from rollout_sync.testing import (
+    STALLING_WORKER_EXTENSION,
+    build_tiny_llama,
+    find_free_port,
+    greedy_reference,
+    random_llama_weights,
+)
+from rollout_sync.testing.vllm_engines import FLAWED_ENGINE_NAME
+
+pytestmark = pytest.mark.vllm
+
+PROMPT = [1, 5, 9, 33, 7]
+SMALL_BUCKETS = 16 << 10
+"""Every 64 x 64 projection a bucket of its own: each layer spans many buckets."""
+
+
+class _WithFlaw:
+    """vLLM's client protocol, adding the test engine's ``flaw`` to the init info."""
+
+    def __init__(self, inner: Any, flaw: str) -> None:
+        self.inner, self.flaw = inner, flaw
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.inner.init_weight_transfer_engine({**init_info, "flaw": self.flaw})
+
+    def start_weight_update(self) -> None:
+        self.inner.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        self.inner.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.inner.finish_weight_update(weight_version)
+
+    def native_transfer_state(self) -> Any:
+        return None  # the guard then takes every failure as torn
+
+
+class Harness:
+    def __init__(self, backend: VLLMAsyncBackend, model_dir: Any, initial: dict[str, Any]):
+        self.backend = backend
+        self.reference = greedy_reference(model_dir)
+        self.shapes = {n: tuple(t.shape) for n, t in initial.items()}
+        self.current: dict[str, torch.Tensor] = dict(initial)
+        self.version = 0
+
+    def weights_of(self, version: int) -> dict[str, torch.Tensor]:
+        return random_llama_weights(self.shapes, seed=900 + version)
+
+    def trainer(
+        self, flaw: str, *, guarded: bool = True, timeout_s: float = 30.0
+    ) -> tuple[RolloutSyncTrainerEngine, Any]:
+        inner = _WithFlaw(self.backend.weight_sync_client(), flaw)
+        client: Any = GuardedWeightSyncClient(inner, rollout=self.backend) if guarded else inner
+        info = RolloutSyncTrainerInitInfo(
+            master_address="127.0.0.1",
+            master_port=find_free_port(),
+            world_size=2,
+            rank=0,
+            bucket_bytes=SMALL_BUCKETS,
+            timeout_s=timeout_s,
+        )
+        engine = RolloutSyncTrainerEngine.trainer_init(
+            info, client=client, source=MappingSource(self.current)
+        )
+        return engine, client
+
+    def push(self, engine: RolloutSyncTrainerEngine) -> int:
+        self.version += 1
+        self.current.clear()
+        self.current.update(self.weights_of(self.version))
+        engine.send_weights(self.version)
+        return self.version
+
+    def greedy_is(self, version: int, n: int = 16) -> bool:
+        result = self.backend.generate([PROMPT], greedy_params(n), timeout=60)[0]
+        return list(result.token_ids) == self.reference(self.weights_of(version), PROMPT, n)
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
+    model_dir = tmp_path_factory.mktemp("tiny_llama_flawed")
+    initial = build_tiny_llama(model_dir, seed=31)
+    backend = VLLMAsyncBackend(
+        VLLMEngineConfig(
+            model_dir,
+            dtype="float32",
+            kv_cache_memory_bytes=64 << 20,
+            weight_transfer_config={"backend": FLAWED_ENGINE_NAME},
+            engine_kwargs={"worker_extension_cls": STALLING_WORKER_EXTENSION},
+        ),
+        pause_timeout=30.0,
+        rpc_timeout=60.0,
+    )
+    backend.ensure_initialized()
+    try:
+        yield Harness(backend, model_dir, initial)
+    finally:
+        try:
+            backend.shutdown(timeout=30.0)
+        except Exception:  # the last test kills the engine on purpose
+            pass
+
+
+def _recovers_with_the_correct_engine(harness: Harness) -> None:
+    engine, client = harness.trainer("")
+    try:
+        version = harness.push(engine)
+        assert client.torn is None and not harness.backend.parked
+        assert harness.greedy_is(version)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.timeout(240)
+def test_a_reused_receive_buffer_corrupts_silently_and_the_read_back_catches_it(
+    harness: Harness,
+) -> None:
+    engine, client = harness.trainer("reuse_buffer")
+    try:
+        with pytest.raises(Exception, match="still computes with other weights"):
+            harness.push(engine)
+    finally:
+        engine.shutdown()
+    # The flawed load "succeeded" in vLLM's eyes; only the read-back saw the wrong weights.
+    assert client.torn and "update_weights" in client.torn
+    assert harness.backend.parked and harness.backend.weights_torn
+    # Same bucket size, the production engine (a buffer per bucket): bit-exact.
+    _recovers_with_the_correct_engine(harness)
+
+
+@pytest.mark.timeout(240)
+def test_a_load_outside_the_layerwise_reload_is_refused_or_caught(harness: Harness) -> None:
+    engine, client = harness.trainer("no_reload")
+    try:
+        with pytest.raises(Exception):  # noqa: B017 - the engine's own error, from an RPC
+            harness.push(engine)
+    finally:
+        engine.shutdown()
+    assert client.torn is not None
+    assert harness.backend.parked and harness.backend.weights_torn
+    _recovers_with_the_correct_engine(harness)
+
+
+@pytest.mark.timeout(240)
+def test_a_trainer_whose_group_was_replaced_is_refused_at_once_and_told_why(
+    harness: Harness,
+) -> None:
+    """An engine serves one trainer: a second ``init_weight_transfer_engine`` replaces the
+    group. The first trainer's next update is refused by the engine at once (its send still
+    waits out its own timeout: the engine left that group), naming why."""
+    first, _ = harness.trainer("", guarded=False, timeout_s=5.0)
+    second, _ = harness.trainer("", guarded=False)
+    try:
+        with pytest.raises(Exception) as caught:  # noqa: B017 - the send's own error type
+            harness.push(first)
+        assert "replaced the group" in str(caught.value.__cause__)
+        version = harness.push(second)
+        assert harness.greedy_is(version)
+    finally:
+        first.shutdown()
+        second.shutdown()
+
+
+def _open_update(harness: Harness, engine: RolloutSyncTrainerEngine, client: Any) -> None:
+    """``start_weight_update`` and one whole ``update_weights`` chunk, not finished: the
+    window in which vLLM's layers are on the meta device."""
+    harness.version += 1
+    weights = harness.weights_of(harness.version)
+    client.start_weight_update()
+    update = asdict(RolloutSyncUpdateInfo())
+    failure: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            client.update_weights(update)
+        except BaseException as exc:  # reported by the assertion below
+            failure.append(exc)
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    assert engine.transfer is not None
+    engine.transfer.send(weights, version=harness.version)
+    thread.join(60)
+    assert not thread.is_alive() and not failure
+
+
+@pytest.mark.timeout(240)
+def test_a_read_back_failing_in_finish_leaves_vllm_ready_for_the_next_update(
+    harness: Harness,
+) -> None:
+    """Chunks not marked final are read back in ``finish_weight_update``; vLLM's worker keeps
+    an update whose finish raised open. The guard closes it, so the next update can start."""
+    engine, client = harness.trainer("reuse_buffer")
+    try:
+        _open_update(harness, engine, client)  # one chunk, final=False: loaded, not verified
+        with pytest.raises(Exception, match="still computes with other weights"):
+            client.finish_weight_update(str(harness.version))
+    finally:
+        engine.shutdown()
+    assert client.torn and "finish_weight_update" in client.torn
+    assert harness.backend.parked and harness.backend.weights_torn
+    _recovers_with_the_correct_engine(harness)
+
+
+@pytest.mark.timeout(300)
+def test_without_the_guard_a_forward_mid_update_kills_the_engine_with_it_none_does(
+    harness: Harness,
+) -> None:
+    # Guarded: a request in flight across start .. update .. finish continues intact.
+    engine, client = harness.trainer("")
+    try:
+        request = harness.backend.submit(PROMPT, greedy_params(400))
+        request.wait_for_tokens(8, timeout=60)
+        _open_update(harness, engine, client)
+        assert harness.backend.parked  # nothing steps while the layers are on meta
+        client.finish_weight_update(str(harness.version))
+        result = request.result(timeout=120)
+        assert result.ok and len(result.token_ids) == 400
+    finally:
+        engine.shutdown()
+    assert harness.greedy_is(harness.version)
+
+    # The same steps through vLLM's plain client: the engine keeps stepping the request in
+    # flight, onto layers on the meta device. The failure is bounded: the request ends with
+    # an error, and the engine refuses what follows.
+    engine, plain = harness.trainer("", guarded=False)
+    request = harness.backend.submit(PROMPT, greedy_params(400))
+    request.wait_for_tokens(8, timeout=60)
+    _open_update(harness, engine, plain)
+    result = request.result(timeout=120)
+    assert not result.ok, "a forward on meta-device layers should have failed"
+    with pytest.raises(Exception):  # noqa: B017 - vLLM's EngineDeadError or an RPC error
+        plain.finish_weight_update(str(harness.version))
