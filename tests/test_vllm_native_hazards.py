@@ -244,13 +244,13 @@ def test_without_the_guard_a_forward_mid_update_kills_the_engine_with_it_none_do
     # Guarded: a request in flight across start .. update .. finish continues intact.
     engine, client = harness.trainer("")
     try:
-        request = harness.backend.submit(PROMPT, greedy_params(400))
+        request = harness.backend.submit(PROMPT, greedy_params(1500))
         request.wait_for_tokens(8, timeout=60)
         _open_update(harness, engine, client)
         assert harness.backend.parked  # nothing steps while the layers are on meta
         client.finish_weight_update(str(harness.version))
         result = request.result(timeout=120)
-        assert result.ok and len(result.token_ids) == 400
+        assert result.ok and len(result.token_ids) == 1500
     finally:
         engine.shutdown()
     assert harness.greedy_is(harness.version)
@@ -259,7 +259,7 @@ def test_without_the_guard_a_forward_mid_update_kills_the_engine_with_it_none_do
     # flight, onto layers on the meta device. The failure is bounded: the request ends with
     # an error, and the engine refuses what follows.
     engine, plain = harness.trainer("", guarded=False)
-    request = harness.backend.submit(PROMPT, greedy_params(400))
+    request = harness.backend.submit(PROMPT, greedy_params(1500))
     request.wait_for_tokens(8, timeout=60)
     _open_update(harness, engine, plain)
     result = request.result(timeout=120)
