@@ -110,14 +110,7 @@ def _bench_model(model_dir: Path, iterations: int, bucket_bytes: int) -> dict[st
         plain = backend.weight_sync_client(timeout_s=600.0)
         guarded = GuardedWeightSyncClient(plain, rollout=backend, timeout=600.0)
         engine = WeightTransferTrainerFactory.trainer_init(
-            RolloutSyncTrainerInitInfo(
-                master_address="127.0.0.1",
-                master_port=find_free_port(),
-                world_size=2,
-                rank=0,
-                bucket_bytes=bucket_bytes,
-                timeout_s=600.0,
-            ),
+            RolloutSyncTrainerInitInfo.on_this_host(bucket_bytes=bucket_bytes, timeout_s=600.0),
             client=guarded,
             source=MappingSource(current),
         )

@@ -126,7 +126,9 @@ def rejoin(
             init_method=rendezvous.init_method,
             timeout_s=timeout_s,
         )
-    except dist.DistStoreError as exc:
+    except dist.DistError as exc:
+        # The host of the store waits for the others (DistStoreError); the others wait to
+        # reach a store nobody hosts (DistNetworkError, a connect timeout): both time out.
         raise RecoveryTimeout(
             f"generation {rendezvous.generation} of the job did not form at "
             f"{rendezvous.init_method} within {timeout_s:.1f} s (rank {rank} of "

@@ -423,3 +423,27 @@ def test_a_sender_killed_mid_payload_loses_nothing_acknowledged(tmp_path: Any) -
     ]
     assert {f"2-new{i}" for i in range(5)} <= set(received)
     assert trainer["gen1"].lost == 0 and trainer["gen1"].failed_senders == {}
+
+
+def _rejoin_alone(child: int, rank: int, port: int) -> str:
+    """Rejoin a job of two whose other process never comes; the error's type name."""
+    from rollout_sync.errors import RecoveryTimeout
+    from rollout_sync.recovery import Rendezvous, rejoin
+
+    try:
+        rejoin(rank, Rendezvous(f"tcp://127.0.0.1:{port}", 2, generation=1), timeout_s=3.0)
+    except RecoveryTimeout as exc:
+        return f"RecoveryTimeout: {exc}"
+    except BaseException as exc:  # the test asserts on the type, so report any other
+        return f"{type(exc).__name__}: {exc}"
+    return "joined"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rank", [0, 1], ids=["hosting-the-store", "reaching-for-it"])
+def test_rejoin_whose_peer_never_comes_is_a_recovery_timeout(rank: int) -> None:
+    """Rank 0 hosts the rendezvous store and waits for the others; rank 1 waits to reach a
+    store nobody hosts. Torch raises different errors for the two; both are the job not
+    forming in time."""
+    result = run_processes(_rejoin_alone, 1, (rank, find_free_port()), timeout_s=90)
+    assert result[0].startswith("RecoveryTimeout"), result[0]

@@ -18,6 +18,7 @@ from vllm_helpers import (  # first: it sets the environment vLLM reads at impor
     NO_FORWARD_DURING,
     World,
     check_greedy_output_equals_transformers,
+    corrupted_in_transit,
     running_world,
 )
 
@@ -279,22 +280,15 @@ def test_a_native_write_corrupted_mid_load_is_torn_and_parked_until_a_good_sync(
     """``load_weights`` goes through vLLM's native weight transfer (the default engine config):
     a bucket corrupted in transit fails the engine's checksum after the reload started, so the
     layers are not servable; the backend says torn and stays parked until a complete sync."""
-    from rollout_sync.transfer import TransferHooks
-
     backend = world.backend
     world.sync()
     assert backend.native_writes and backend._native is not None
-    transfer = backend._native.transfer
-
-    def corrupt(bucket: int, flat: torch.Tensor) -> None:
-        flat[:8] ^= 0x11  # after the checksum: "in transit"
-
-    transfer.hooks = TransferHooks(after_pack=corrupt)
-    try:
-        with pytest.raises(WeightsNotLandedError, match="mid-load") as caught, backend.paused(30):
-            backend.load_weights(world.weights_of(world.version + 1))
-    finally:
-        transfer.hooks = TransferHooks()
+    with (
+        corrupted_in_transit(backend._native.transfer),
+        pytest.raises(WeightsNotLandedError, match="mid-load") as caught,
+        backend.paused(30),
+    ):
+        backend.load_weights(world.weights_of(world.version + 1))
     assert caught.value.torn and backend.weights_torn and backend.parked
     recovered = world.sync()
     assert not backend.weights_torn and not backend.parked

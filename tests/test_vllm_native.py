@@ -16,7 +16,10 @@ from typing import Any
 
 import pytest
 import torch
-from vllm_helpers import NO_FORWARD_DURING  # first: it sets the environment vLLM reads
+from vllm_helpers import (  # first: it sets the environment vLLM reads
+    NO_FORWARD_DURING,
+    corrupted_in_transit,
+)
 
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
@@ -41,7 +44,6 @@ from rollout_sync.testing import (
     random_llama_weights,
 )
 from rollout_sync.trace import Span, find_overlaps
-from rollout_sync.transfer import TransferHooks
 
 pytestmark = pytest.mark.vllm
 
@@ -103,14 +105,7 @@ def native(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Native]:
     )
     current: dict[str, torch.Tensor] = dict(initial)
     # 64 KiB buckets: layers span several buckets, as they do in a real model.
-    info = RolloutSyncTrainerInitInfo(
-        master_address="127.0.0.1",
-        master_port=find_free_port(),
-        world_size=2,
-        rank=0,
-        bucket_bytes=64 << 10,
-        timeout_s=30.0,
-    )
+    info = RolloutSyncTrainerInitInfo.on_this_host(bucket_bytes=64 << 10, timeout_s=30.0)
     engine = WeightTransferTrainerFactory.trainer_init(
         info, client=client, source=MappingSource(current)
     )
@@ -229,17 +224,8 @@ def test_a_bucket_failing_mid_update_leaves_the_replica_parked_and_torn_then_rec
 ) -> None:
     transfer = native.engine.transfer
     assert transfer is not None
-
-    def corrupt(bucket: int, flat: torch.Tensor) -> None:
-        if bucket == 3:
-            flat[:64] ^= 0x5A  # flipped in transit, after the checksum
-
-    transfer.hooks = TransferHooks(after_pack=corrupt)
-    try:
-        with pytest.raises(ChecksumMismatchError):
-            native.push()
-    finally:
-        transfer.hooks = TransferHooks()
+    with corrupted_in_transit(transfer, bucket=3), pytest.raises(ChecksumMismatchError):
+        native.push()
     # Parked and torn: the engine's layers were on the meta device when it failed.
     state = native.backend.native_transfer_state()
     assert state["torn"] and "mid-load" in state["torn"]
@@ -302,17 +288,8 @@ def test_payload_sends_are_held_for_each_update_and_released_after_a_failed_one(
         packer.wait_sent(20, timeout=60)
         native.push()
         native.push()
-
-        def corrupt(bucket: int, flat: torch.Tensor) -> None:
-            if bucket == 2:
-                flat[:16] ^= 0x3C
-
-        transfer.hooks = TransferHooks(after_pack=corrupt)
-        try:
-            with pytest.raises(ChecksumMismatchError):
-                native.push()
-        finally:
-            transfer.hooks = TransferHooks()
+        with corrupted_in_transit(transfer, bucket=2), pytest.raises(ChecksumMismatchError):
+            native.push()
         assert guarded.torn and native.backend.parked
         sent = len(packer.sent)
         packer.wait_sent(sent + 20, timeout=60)  # egress released: sends go on while torn

@@ -35,7 +35,6 @@ from rollout_sync.backends.vllm_trainer import (
 from rollout_sync.testing import (
     STALLING_WORKER_EXTENSION,
     build_tiny_llama,
-    find_free_port,
     greedy_reference,
     random_llama_weights,
 )
@@ -86,13 +85,8 @@ class Harness:
     ) -> tuple[RolloutSyncTrainerEngine, Any]:
         inner = _WithFlaw(self.backend.weight_sync_client(), flaw)
         client: Any = GuardedWeightSyncClient(inner, rollout=self.backend) if guarded else inner
-        info = RolloutSyncTrainerInitInfo(
-            master_address="127.0.0.1",
-            master_port=find_free_port(),
-            world_size=2,
-            rank=0,
-            bucket_bytes=SMALL_BUCKETS,
-            timeout_s=timeout_s,
+        info = RolloutSyncTrainerInitInfo.on_this_host(
+            bucket_bytes=SMALL_BUCKETS, timeout_s=timeout_s
         )
         engine = RolloutSyncTrainerEngine.trainer_init(
             info, client=client, source=MappingSource(self.current)
@@ -136,7 +130,11 @@ def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
             pass
 
 
-def _recovers_with_the_correct_engine(harness: Harness) -> None:
+def _torn_then_recovers(harness: Harness, failed: GuardedWeightSyncClient, where: str) -> None:
+    """The failed update left the guard torn (failing in ``where``) and generation parked;
+    an update through the production engine lands bit-exactly and resumes it."""
+    assert failed.torn is not None and where in failed.torn
+    assert harness.backend.parked and harness.backend.weights_torn
     engine, client = harness.trainer("")
     try:
         version = harness.push(engine)
@@ -157,10 +155,8 @@ def test_a_reused_receive_buffer_corrupts_silently_and_the_read_back_catches_it(
     finally:
         engine.shutdown()
     # The flawed load "succeeded" in vLLM's eyes; only the read-back saw the wrong weights.
-    assert client.torn and "update_weights" in client.torn
-    assert harness.backend.parked and harness.backend.weights_torn
-    # Same bucket size, the production engine (a buffer per bucket): bit-exact.
-    _recovers_with_the_correct_engine(harness)
+    # Then, same bucket size, the production engine (a buffer per bucket): bit-exact.
+    _torn_then_recovers(harness, client, "update_weights")
 
 
 @pytest.mark.timeout(240)
@@ -171,9 +167,7 @@ def test_a_load_outside_the_layerwise_reload_is_refused_or_caught(harness: Harne
             harness.push(engine)
     finally:
         engine.shutdown()
-    assert client.torn is not None
-    assert harness.backend.parked and harness.backend.weights_torn
-    _recovers_with_the_correct_engine(harness)
+    _torn_then_recovers(harness, client, "update_weights")
 
 
 @pytest.mark.timeout(240)
@@ -232,9 +226,7 @@ def test_a_read_back_failing_in_finish_leaves_vllm_ready_for_the_next_update(
             client.finish_weight_update(str(harness.version))
     finally:
         engine.shutdown()
-    assert client.torn and "finish_weight_update" in client.torn
-    assert harness.backend.parked and harness.backend.weights_torn
-    _recovers_with_the_correct_engine(harness)
+    _torn_then_recovers(harness, client, "finish_weight_update")
 
 
 @pytest.mark.timeout(300)

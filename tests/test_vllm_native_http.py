@@ -124,13 +124,7 @@ def test_a_served_engine_takes_guarded_native_updates_over_http(server: dict[str
     client = GuardedWeightSyncClient(HTTPVLLMWeightSyncClient(base, timeout=120))
     assert isinstance(client.pauser, HTTPGenerationPauser)
     engine = WeightTransferTrainerFactory.trainer_init(
-        RolloutSyncTrainerInitInfo(
-            master_address="127.0.0.1",
-            master_port=find_free_port(),
-            world_size=2,
-            rank=0,
-            timeout_s=60.0,
-        ),
+        RolloutSyncTrainerInitInfo.on_this_host(timeout_s=60.0),
         client=client,
         source=MappingSource(current),
     )

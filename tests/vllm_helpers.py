@@ -37,6 +37,7 @@ from rollout_sync.testing.tiny_llama import (
     random_llama_weights,
 )
 from rollout_sync.trace import Span
+from rollout_sync.transfer import TransferHooks, WeightTransfer
 
 Weights = Mapping[str, torch.Tensor]
 B = TypeVar("B", VLLMAsyncBackend, VLLMBlockingBackend)
@@ -172,6 +173,22 @@ def running_world(
         yield world
     finally:
         backend.shutdown()
+
+
+@contextmanager
+def corrupted_in_transit(transfer: WeightTransfer, bucket: int = 0) -> Iterator[None]:
+    """For the ``with`` body, flip bytes of ``bucket`` after its source checksummed it: a bucket
+    damaged in transit, which every receiver's checksum catches (after the reload started)."""
+
+    def corrupt(index: int, flat: torch.Tensor) -> None:
+        if index == bucket:
+            flat[:16] ^= 0x5A
+
+    transfer.hooks = TransferHooks(after_pack=corrupt)
+    try:
+        yield
+    finally:
+        transfer.hooks = TransferHooks()
 
 
 def check_greedy_output_equals_transformers(world: World[Any]) -> None:

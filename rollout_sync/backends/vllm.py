@@ -91,6 +91,7 @@ __all__ = [
     "greedy_params",
     "park_engine",
     "require_vllm",
+    "run_coroutine",
 ]
 
 T = TypeVar("T")
@@ -536,8 +537,9 @@ class _VLLMBackendBase(RolloutBase):
         )
         if not require_all:
             self._check_whole_groups(weights.keys(), context)
+        native = self.native_writes  # raises for a write_path it cannot take: nothing sent
         self._writes += 1
-        if self.native_writes:
+        if native:
             self._native_write(weights, require_all, context)
             self._after_write()
             return
@@ -598,7 +600,6 @@ class _VLLMBackendBase(RolloutBase):
     ) -> None:
         """One native update: this process sends, the engine's ``"rollout_sync"`` weight-transfer
         engine receives, loads and reads back (over a gloo group of the two, on this host)."""
-        from ..distributed import find_free_port
         from .vllm_trainer import (
             MappingSource,
             RolloutSyncTrainerEngine,
@@ -607,11 +608,7 @@ class _VLLMBackendBase(RolloutBase):
 
         try:
             if self._native is None:
-                info = RolloutSyncTrainerInitInfo(
-                    master_address="127.0.0.1",
-                    master_port=find_free_port(),
-                    world_size=2,
-                    rank=0,
+                info = RolloutSyncTrainerInitInfo.on_this_host(
                     group_backend="gloo",  # the receive buffers here are CPU tensors
                     timeout_s=self.rpc_timeout,
                     verify_columns=self.verify_columns,
@@ -643,11 +640,8 @@ class _VLLMBackendBase(RolloutBase):
                 context=f"{context}: the native update did not land in the weights the engine "
                 "computes with",
             ) from exc
-        state = self.native_transfer_state() or {}
-        self._last_write = {
-            "write_ms": (stats.total_s * 1e3) if stats is not None else math.nan,
-            "verify_ms": float(state.get("last_verify_s", math.nan)) * 1e3,
-        }
+        # The read-back's time is the engine's; asked for only when statistics are.
+        self._last_write = {"write_ms": (stats.total_s * 1e3) if stats is not None else math.nan}
 
     def _close_native(self) -> None:
         """Leave the native transfer group (after a failure, or before the engine shuts down)."""
@@ -778,6 +772,10 @@ class _VLLMBackendBase(RolloutBase):
     def _statistics(self, parked: bool, pauses: int) -> VLLMBackendStatistics:
         with self._requests_lock:
             in_flight, finished = len(self._in_flight), self._finished
+        verify_ms = self._last_write.get("verify_ms")
+        if verify_ms is None and self._native is not None:
+            state = self.native_transfer_state() or {}
+            verify_ms = float(state.get("last_verify_s", math.nan)) * 1e3
         return VLLMBackendStatistics(
             initialized=self.is_initialized,
             parked=parked,
@@ -786,7 +784,7 @@ class _VLLMBackendBase(RolloutBase):
             requests_finished=finished,
             writes=self._writes,
             last_write_ms=float(self._last_write.get("write_ms", math.nan)),
-            last_verify_ms=float(self._last_write.get("verify_ms", math.nan)),
+            last_verify_ms=math.nan if verify_ms is None else float(verify_ms),
             weight_version=self.weight_version,
             weights_torn=self.weights_torn,
         )
@@ -795,8 +793,8 @@ class _VLLMBackendBase(RolloutBase):
 # -- the event loop the async backend owns -----------------------------------------------------
 
 
-async def park_engine(engine: Any, mode: str, clear_cache: bool) -> bool:
-    """Pause an ``AsyncLLM`` at a step boundary and confirm it; whether it reports paused.
+async def park_engine(engine: Any, mode: str, clear_cache: bool) -> None:
+    """Pause an ``AsyncLLM`` at a step boundary and confirm it.
 
     vLLM's ``pause_generation`` ends with a fixed 20 ms sleep, "not required for correctness":
     this asks the engine core's scheduler directly (the same call, the same cache clearing)
@@ -804,6 +802,10 @@ async def park_engine(engine: Any, mode: str, clear_cache: bool) -> bool:
     and outputs and utility replies share one ordered channel: when the confirmation is in,
     every output produced before the pause has reached its request. Falls back to
     ``pause_generation`` on an engine without that scheduler call.
+
+    Raises:
+        RuntimeError: the engine reported itself not paused right after (another client
+        resumed it); a resume is queued, so the engine is not left half-paused.
     """
     core = getattr(engine, "engine_core", None)
     pause_scheduler = getattr(core, "pause_scheduler_async", None)
@@ -814,7 +816,35 @@ async def park_engine(engine: Any, mode: str, clear_cache: bool) -> bool:
         if clear_cache and renderer is not None:
             await renderer.clear_mm_cache_async()
         await pause_scheduler(mode=mode, clear_cache=clear_cache)
-    return bool(await engine.is_paused())
+    if not await engine.is_paused():
+        await engine.resume_generation()
+        raise RuntimeError(
+            "vLLM reported the engine not paused right after pausing it; another client resumed it"
+        )
+
+
+def run_coroutine(
+    loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T], timeout: float, operation: str
+) -> T:
+    """Run ``coro`` on ``loop`` (running on another thread) and wait for it; raise
+    :class:`EngineCallTimeout` after ``timeout`` seconds (the coroutine is cancelled), and
+    :class:`RuntimeError` when called on the loop's own thread, where waiting would deadlock."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        coro.close()
+        raise RuntimeError(
+            f"{operation} was called on the engine's own event loop thread, "
+            "where waiting for it would deadlock"
+        )
+    future = asyncio.run_coroutine_threadsafe(coro, loop)
+    try:
+        return future.result(timeout)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise EngineCallTimeout(f"{operation} did not complete within {timeout:.1f} s") from None
 
 
 class _LoopThread:
@@ -833,22 +863,8 @@ class _LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float, operation: str) -> T:
-        """Run ``coro`` on the loop and wait for it; raise :class:`EngineCallTimeout` after
-        ``timeout`` seconds (the coroutine is cancelled)."""
-        if threading.current_thread() is self._thread:
-            coro.close()
-            raise RuntimeError(
-                f"{operation} was called on the engine's own event loop thread, "
-                "where waiting for it would deadlock"
-            )
-        future = self.submit(coro)
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise EngineCallTimeout(
-                f"{operation} did not complete within {timeout:.1f} s"
-            ) from None
+        """:func:`run_coroutine` on this loop."""
+        return run_coroutine(self.loop, coro, timeout, operation)
 
     def stop(self, timeout: float) -> None:
         """Cancel the tasks still on the loop, stop it and join its thread."""
@@ -1092,7 +1108,7 @@ class VLLMAsyncBackend(_VLLMBackendBase):
         mode, clear_cache = self.pause_mode.value, self.kv_cache_policy.clear_cache
 
         try:
-            confirmed = loop.run(park_engine(engine, mode, clear_cache), limit, "pause generation")
+            loop.run(park_engine(engine, mode, clear_cache), limit, "pause generation")
         except EngineCallTimeout:
             # The pause may still land in the engine later; the resume queued behind it makes
             # sure the engine is not left paused by a caller that has given up.
@@ -1105,12 +1121,6 @@ class VLLMAsyncBackend(_VLLMBackendBase):
                 timeout=limit,
                 sections_running=self.requests_in_flight,
             ) from None
-        if not confirmed:
-            loop.submit(engine.resume_generation())
-            raise RuntimeError(
-                "vLLM reported the engine not paused right after "
-                "pause_generation(); another client resumed it"
-            )
         self._parked = True
         self._pauses += 1
 

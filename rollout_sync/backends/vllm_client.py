@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -102,26 +103,21 @@ class AsyncLLMWeightSyncClient:
         run: Callable[[Coroutine[Any, Any, Any], float, str], Any] | None = None,
         timeout_s: float = 300.0,
     ) -> None:
-        if (loop is None) == (run is None):
-            raise ValueError("pass exactly one of loop= and run=")
+        from .vllm import run_coroutine
+
+        if run is None:
+            if loop is None:
+                raise ValueError("pass loop= (the engine's event loop) or run=")
+            run = functools.partial(run_coroutine, loop)
+        elif loop is not None:
+            raise ValueError("pass loop= or run=, not both")
         self.engine = engine
         self.timeout_s = timeout_s
-        self._loop = loop
         self._run = run
 
     def _call(self, coro: Coroutine[Any, Any, T], what: str) -> T:
-        if self._run is not None:
-            result: T = self._run(coro, self.timeout_s, what)
-            return result
-        assert self._loop is not None
-        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return future.result(self.timeout_s)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise EngineCallTimeout(
-                f"{what} did not complete within {self.timeout_s:.1f} s"
-            ) from None
+        result: T = self._run(coro, self.timeout_s, what)
+        return result
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
@@ -158,10 +154,7 @@ class AsyncLLMWeightSyncClient:
 
         from .vllm import park_engine
 
-        if not self._call(
-            park_engine(self.engine, mode, clear_cache), f"pause_generation(mode={mode!r})"
-        ):
-            raise RuntimeError("vLLM reported the engine not paused right after the pause")
+        self._call(park_engine(self.engine, mode, clear_cache), f"pause_generation(mode={mode!r})")
 
     def resume_generation(self) -> None:
         self._call(self.engine.resume_generation(), "resume_generation")
@@ -423,7 +416,8 @@ class GuardedWeightSyncClient:
         self.updates = 0
         self._lock = threading.Lock()
         self._open = False
-        self._parked = False
+        self._paused = False
+        """Whether this client paused through ``pauser`` (not resumed yet)."""
         self._held: _HeldBracket | None = None
         self._egress = EgressHoldReport()
         self._engine_updates: int | None = None
@@ -433,7 +427,9 @@ class GuardedWeightSyncClient:
     @property
     def parked(self) -> bool:
         """Whether this client holds generation parked (during an update, or after a failure)."""
-        return self._parked
+        if self.rollout is not None:
+            return bool(getattr(self.rollout, "parked", self._held is not None))
+        return self._paused
 
     # -- the protocol ------------------------------------------------------------------------------
 
@@ -456,8 +452,9 @@ class GuardedWeightSyncClient:
             start = time.perf_counter()
             self._times = {"start": start, "parked": start, "drained": start}
             try:
-                self._engine_updates = self._engine_update_count()
-                if self.rollout is None and not self._parked:
+                if self._engine_updates is None:
+                    self._engine_updates = self._engine_update_count()
+                if self.rollout is None and not self._paused:
                     self._pause_engine()
                 self._times["parked"] = time.perf_counter()
                 self._hold()
@@ -506,6 +503,8 @@ class GuardedWeightSyncClient:
                 raise
             self.torn = None
             self.updates += 1
+            if self._engine_updates is not None:
+                self._engine_updates += 1  # kept here: no engine call per update to learn it
             self._open = False
             self._report(body_done, fenced, None)
 
@@ -543,7 +542,7 @@ class GuardedWeightSyncClient:
                     sections_running=0,
                 ) from exc
             raise
-        self._parked = True
+        self._paused = True
 
     def _hold(self) -> None:
         """The backend's pause (with ``rollout``) and the egress holds, on a helper thread."""
@@ -557,7 +556,6 @@ class GuardedWeightSyncClient:
         )
         self._held = held
         held.start()
-        self._parked = self._parked or rollout is not None
         self._egress = held.values[-1]
 
     def _expire(self) -> None:
@@ -573,12 +571,10 @@ class GuardedWeightSyncClient:
         held, self._held = self._held, None
         if held is not None:
             held.release()
-        if self.rollout is not None:
-            self._parked = bool(getattr(self.rollout, "parked", False))
-        elif self._parked:
+        if self.rollout is None and self._paused:
             assert self.pauser is not None
             self.pauser.resume_generation()
-            self._parked = False
+            self._paused = False
 
     def _fail(self, exc: BaseException, where: str) -> None:
         """Release egress; resume only if the engine is known untouched, else mark torn and
@@ -600,6 +596,7 @@ class GuardedWeightSyncClient:
         except Exception:  # releasing failed too; the update's own error is the one raised
             pass
         finally:
+            self._engine_updates = None  # asked afresh at the next start
             self._report(None, None, exc)
 
     def _close_failed_update(self) -> None:
@@ -611,7 +608,9 @@ class GuardedWeightSyncClient:
             pass
 
     def _engine_update_count(self) -> int | None:
-        """How many updates the engine has landed (``None``: it cannot say)."""
+        """How many updates the engine has landed (``None``: it cannot say). Asked at the first
+        start and after a failure; counted here after each update that lands (an update by
+        another trainer meanwhile only makes a later failure count as torn: the safe side)."""
         if self.engine_state is None:
             return None
         try:

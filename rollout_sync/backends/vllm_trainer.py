@@ -111,6 +111,21 @@ class RolloutSyncTrainerInitInfo(TrainerInitInfo):
     require_all: bool = True
     timer: WeightSyncTimer | None = field(default=None, compare=False, repr=False)
 
+    @classmethod
+    def on_this_host(cls, world_size: int = 2, **fields: Any) -> Self:
+        """Init info for a trainer and its inference workers on this machine: the rendezvous on
+        ``127.0.0.1`` at a port nothing listens on now, this process rank 0 (unless ``rank=``
+        says otherwise); ``fields``: any other field."""
+        from ..distributed import find_free_port
+
+        fields.setdefault("rank", 0)
+        return cls(
+            master_address="127.0.0.1",
+            master_port=find_free_port(),
+            world_size=world_size,
+            **fields,
+        )
+
     def resolved_group_backend(self) -> str:
         if self.group_backend is not None:
             return self.group_backend
