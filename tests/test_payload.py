@@ -631,7 +631,8 @@ def _timeouts_rank(rank: int, world_size: int) -> dict[str, Any]:
         payload = receiver.get(timeout=20)
         out["intact"] = payload_intact(payload)
         out["empty_get"] = _bounded(lambda: receiver.get(timeout=0.3), PayloadTimeout)
-        dist.barrier(group=coord)  # 3: the sender may close now
+        dist.barrier(group=coord)  # 3: the empty get is over; the sender may send again
+        dist.barrier(group=coord)  # 4: the sender may close now
         receiver.close(20)
         out["stats"] = receiver.statistics()
         return out
@@ -643,11 +644,13 @@ def _timeouts_rank(rank: int, world_size: int) -> dict[str, Any]:
     out["after_failed_hold"] = sender.statistics()
     dist.barrier(group=coord)  # 2
     sender.wait_all_sent(20)
+    # Not before the receiver's empty get is over: payload 1 is sent once the hold below ends.
+    dist.barrier(group=coord)  # 3
     # A close that cannot drain (sends held) says so in bounded time, and drops nothing.
     with sender.hold_sends(timeout=10):
         sender.register_payload(*make_payload(rank, 1))
         out["close"] = _bounded(lambda: sender.close(timeout=0.3), PayloadTimeout)
-    dist.barrier(group=coord)  # 3
+    dist.barrier(group=coord)  # 4
     sender.close(20)
     out["stats"] = sender.statistics()
     return out
