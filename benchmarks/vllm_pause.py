@@ -1,5 +1,11 @@
 """vLLM pause modes and the backend's overhead, on a tiny Llama served by vLLM (CPU build works).
 
+0. Park in decode steps: ``--streams`` requests decoding, ``--parks`` keep-mode pauses at
+   random points, each timed from the call to the parked engine; the decode step is the
+   interval between consecutive engine forwards of the same run (pauses left out). Two rows
+   side by side, alternating: the backend's park flag (the engine's scheduler parks at the next
+   step boundary) and vLLM's pause message alone (``park_flag=False``). Reported as multiples
+   of the decode step: ``park_steps_p50`` and ``park_steps_p99`` (targets 1 and 2).
 1. Time to park and total sync time (pause + weight write + resume) with a long request in
    flight, for vLLM's three pause modes through :class:`VLLMAsyncBackend`:
    ``keep`` (park at the next step boundary; the request continues after the sync),
@@ -32,6 +38,7 @@ from rollout_sync.backends.vllm import PauseMode, VLLMAsyncBackend, VLLMEngineCo
 from rollout_sync.errors import VLLMUnavailableError
 from rollout_sync.metrics import percentile
 from rollout_sync.testing.tiny_llama import build_tiny_llama, random_llama_weights
+from rollout_sync.trace import SpanKind, step_intervals_ms
 
 
 def _pause_modes(backend: VLLMAsyncBackend, runs: int, long_tokens: int) -> dict[str, Any]:
@@ -69,6 +76,49 @@ def _pause_modes(backend: VLLMAsyncBackend, runs: int, long_tokens: int) -> dict
             "request_end": statistics.mode(endings),
         }
     backend.pause_mode = PauseMode.KEEP
+    return rows
+
+
+def _park_in_steps(backend: VLLMAsyncBackend, parks: int, streams: int) -> dict[str, Any]:
+    """Keep-mode parks while ``streams`` requests decode, with and without the park flag
+    (alternating); the decode step from the engine's forwards of the same window."""
+    assert backend.timeline is not None
+    backend.pause_mode = PauseMode.KEEP
+    requests = [backend.submit([9 + i, 8, 7, 6], greedy_params(100_000)) for i in range(streams)]
+    park_ms: dict[bool, list[float]] = {True: [], False: []}
+    lead = requests[0]
+    try:
+        lead.wait_for_tokens(8, timeout=120)
+        backend.collect_engine_spans()
+        started_ns = time.monotonic_ns()
+        for i in range(2 * parks):
+            flagged = i % 2 == 0
+            backend.park_flag = flagged
+            # A few steps of free decoding, then a park at an unsynchronized moment.
+            lead.wait_for_tokens(len(lead.tokens()) + 3 + i % 4, timeout=120)
+            start = time.perf_counter()
+            with backend.paused(timeout=120):
+                park_ms[flagged].append((time.perf_counter() - start) * 1e3)
+        backend.collect_engine_spans()
+    finally:
+        backend.park_flag = True
+        for request in requests:
+            backend.abort(request)
+    spans = [s for s in backend.timeline.spans() if s.start_ns >= started_ns]
+    forwards = [s for s in spans if s.kind == SpanKind.FORWARD and s.name == "forward"]
+    pauses = [s for s in spans if s.kind == SpanKind.PAUSE]
+    step = percentile(step_intervals_ms(forwards, gaps=pauses), 50)
+    rows: dict[str, Any] = {"decode_step_ms_p50": step}
+    for flagged, prefix in ((True, "keep"), (False, "vllm_message")):
+        p50, p99 = percentile(park_ms[flagged], 50), percentile(park_ms[flagged], 99)
+        rows.update(
+            {
+                f"{prefix}_park_ms_p50": p50,
+                f"{prefix}_park_ms_p99": p99,
+                f"{prefix}_park_steps_p50": p50 / step,
+                f"{prefix}_park_steps_p99": p99 / step,
+            }
+        )
     return rows
 
 
@@ -140,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--streams", type=int, default=4, help="concurrent requests, tokens/s")
     parser.add_argument("--tokens", type=int, default=256, help="tokens per request, tokens/s")
+    parser.add_argument(
+        "--parks", type=int, default=60, help="keep-mode parks per row, park in steps (default 60)"
+    )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON too")
     args = parser.parse_args(argv)
 
@@ -157,9 +210,23 @@ def main(argv: list[str] | None = None) -> int:
             print(exc, file=sys.stderr)
             return 2
         with backend:
+            steps = _park_in_steps(backend, args.parks, args.streams)
             modes = _pause_modes(backend, args.runs, args.long_tokens)
             rates = _throughput(backend, args.runs, args.streams, args.tokens)
 
+    step = steps["decode_step_ms_p50"]
+    print(
+        f"Keep-mode park, {args.streams} requests decoding, {args.parks} parks per row "
+        f"(decode step p50 {step:.2f} ms)"
+    )
+    print(f"{'park by':<14}{'p50 ms':>9}{'p99 ms':>9}{'p50 steps':>11}{'p99 steps':>11}")
+    for prefix, label in (("keep", "flag+message"), ("vllm_message", "message only")):
+        print(
+            f"{label:<14}{steps[prefix + '_park_ms_p50']:>9.2f}"
+            f"{steps[prefix + '_park_ms_p99']:>9.2f}"
+            f"{steps[prefix + '_park_steps_p50']:>11.2f}{steps[prefix + '_park_steps_p99']:>11.2f}"
+        )
+    print()
     print(
         f"Pause modes, a {args.long_tokens}-token request in flight, {args.runs} runs "
         "(ms; sync = pause + verified weight write + resume)"
@@ -191,8 +258,23 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for name, value in ratios.items():
         print(f"{name:<40}{value:>8.3f}")
+    summary = {
+        "keep_park_ms_p50": steps["keep_park_ms_p50"],
+        "keep_park_ms_p99": steps["keep_park_ms_p99"],
+        "decode_step_ms_p50": step,
+        "park_steps_p50": steps["keep_park_steps_p50"],
+        "park_steps_p99": steps["keep_park_steps_p99"],
+    }
+    print(
+        f"park_steps_p50 {summary['park_steps_p50']:.2f} (target <= 1), park_steps_p99 "
+        f"{summary['park_steps_p99']:.2f} (target <= 2)"
+    )
     if args.json:
-        print(json.dumps({"modes": modes, "tokens_per_s": rates, "ratios": ratios}))
+        print(
+            json.dumps(
+                {**summary, "park": steps, "modes": modes, "tokens_per_s": rates, "ratios": ratios}
+            )
+        )
     return 0
 
 

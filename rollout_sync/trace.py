@@ -12,6 +12,7 @@ it is ``None``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import threading
@@ -22,7 +23,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FORBIDDEN_OVERLAPS", "Overlap", "Span", "SpanKind", "Timeline", "find_overlaps"]
+__all__ = [
+    "FORBIDDEN_OVERLAPS",
+    "Overlap",
+    "Span",
+    "SpanKind",
+    "Timeline",
+    "find_overlaps",
+    "step_intervals_ms",
+]
 
 
 class SpanKind:
@@ -191,3 +200,23 @@ def _intersections(a: list[Span], b: list[Span]) -> Iterator[Overlap]:
             if b[j].end_ns > x.start_ns:
                 yield Overlap(x, b[j])
             j += 1
+
+
+def step_intervals_ms(forwards: Iterable[Span], *, gaps: Iterable[Span] = ()) -> list[float]:
+    """An engine's decode step, sampled: the time between the starts of consecutive
+    ``forwards`` of one process, in milliseconds, leaving out every interval that contains a
+    ``gaps`` span of the same process (a pause: the engine was held, not stepping)."""
+    starts: dict[int, list[int]] = {}
+    for span in forwards:
+        starts.setdefault(span.pid, []).append(span.start_ns)
+    held: dict[int, list[tuple[int, int]]] = {}
+    for gap in gaps:
+        held.setdefault(gap.pid, []).append((gap.start_ns, gap.end_ns))
+    intervals: list[float] = []
+    for pid, times in starts.items():
+        times.sort()
+        gaps_here = held.get(pid, [])
+        for a, b in itertools.pairwise(times):
+            if not any(lo < b and a < hi for lo, hi in gaps_here):
+                intervals.append((b - a) / 1e6)
+    return intervals

@@ -218,6 +218,7 @@ def test_backends_holds_engines_only() -> None:
         "vllm",
         "vllm_client",
         "vllm_engine",
+        "vllm_park",
         "vllm_plugin",
         "vllm_trainer",
         "vllm_worker",

@@ -9,7 +9,7 @@ import pytest
 
 from rollout_sync import SpanKind, Timeline
 from rollout_sync.demos.in_process import InProcessDemoConfig, run_in_process_demo
-from rollout_sync.trace import Span, find_overlaps
+from rollout_sync.trace import Span, find_overlaps, step_intervals_ms
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -65,3 +65,15 @@ def test_demo_trace_exports_valid_chrome_json(tmp_path: Path) -> None:
     } <= kinds
     assert all(e["ph"] == "X" and e["dur"] >= 0 and e["ts"] >= 0 for e in events)
     assert sum(e["cat"] == SpanKind.SYNC for e in events) == 10
+
+
+def test_step_intervals_leave_out_the_intervals_that_hold_a_pause() -> None:
+    ms = 1_000_000
+
+    def forward(pid: int, at_ms: int) -> Span:
+        return Span(SpanKind.FORWARD, "forward", at_ms * ms, at_ms * ms + ms // 2, pid, 1)
+
+    forwards = [forward(1, t) for t in (0, 2, 4, 30, 32)] + [forward(2, t) for t in (0, 5, 10)]
+    pause = Span(SpanKind.PAUSE, "generation paused", 5 * ms, 29 * ms, 1, 1)
+    assert sorted(step_intervals_ms(forwards, gaps=[pause])) == [2.0, 2.0, 2.0, 5.0, 5.0]
+    assert 26.0 in step_intervals_ms(forwards)

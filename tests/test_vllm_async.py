@@ -123,6 +123,75 @@ def test_long_request_continues_with_the_new_weights_after_a_keep_mode_sync(worl
     assert (late.admitted_version, late.completed_version, late.straddled) == (new_v, new_v, False)
 
 
+@pytest.mark.timeout(240)
+def test_a_fast_park_delivers_every_earlier_output_and_versions_every_token(world: World) -> None:
+    """Two parks (by the park flag) while one long request decodes: when each sync's body
+    starts, every token the engine produced under the old weights has reached the request
+    (vLLM's own version labels end exactly there), nothing is lost or reordered, the tokens
+    are the old weights' up to the first park and each new version's exact continuation after,
+    and each token's version is the one that produced it."""
+    backend = world.backend
+    assert backend.park_flag and backend._flag is not None  # the flag parks this engine
+    prompt = [1, 23, 45, 67, 89]
+    request = backend.submit(prompt, greedy_params(160))
+    versions = [world.version]
+    seen_in_body: list[int] = []
+
+    def during() -> None:
+        seen_in_body.append(len(request.tokens()))
+
+    for lead in (10, 60):
+        request.wait_for_tokens(lead, timeout=60)
+        versions.append(world.sync(during))
+    result = request.result(timeout=120)
+    assert result.ok, result.error
+    tokens = list(result.token_ids)
+    assert len(tokens) == 160
+    k1, k2 = seen_in_body
+    assert 10 <= k1 < k2 < 160
+    v0, v1, v2 = versions
+    assert result.weight_versions == ((str(v0), 0, k1), (str(v1), k1, k2), (str(v2), k2, 160))
+    assert result.token_weight_versions == (v0,) * k1 + (v1,) * (k2 - k1) + (v2,) * (160 - k2)
+    # The stamps taken as tokens arrived agree with vLLM's labels: exact under the pause.
+    assert result.arrival_versions == result.token_weight_versions
+    assert tokens[:k1] == world.reference(world.weights_of(v0), prompt, k1)
+    assert tokens[k1:k2] == world.reference(world.weights_of(v1), prompt + tokens[:k1], k2 - k1)
+    assert tokens[k2:] == world.reference(world.weights_of(v2), prompt + tokens[:k2], 160 - k2)
+
+
+@pytest.mark.timeout(120)
+def test_the_park_flag_alone_parks_the_engine_and_undoes_a_foreign_resume(world: World) -> None:
+    """Raised, the flag stops decoding at the next step without any pause message, and a
+    resume from someone else is undone before another forward; lowered, decoding goes on."""
+    backend = world.backend
+    flag = backend._flag
+    assert flag is not None
+    engine = backend.engine
+
+    def engine_paused() -> bool:
+        return bool(backend.run_on_loop(engine.is_paused(), 30, "is_paused"))
+
+    request = backend.submit([5, 6, 7], greedy_params(120))
+    request.wait_for_tokens(4, timeout=60)
+    flag.raise_()
+    try:
+        wait_until(engine_paused, timeout=30, what="the scheduler parked on the flag")
+        held = len(request.tokens())  # is_paused's reply came after every earlier output
+        assert 4 <= held < 120
+        backend.run_on_loop(engine.resume_generation(), 30, "a foreign resume")
+        wait_until(engine_paused, timeout=30, what="the scheduler parked again")
+        assert len(request.tokens()) == held  # re-parked before another forward
+        assert not request.done
+    finally:
+        flag.lower()
+        backend.run_on_loop(engine.resume_generation(), 30, "resume")
+    result = request.result(timeout=120)
+    assert result.ok and len(result.token_ids) == 120
+    assert list(result.token_ids) == world.reference(
+        world.weights_of(world.version), [5, 6, 7], 120
+    )
+
+
 @pytest.mark.timeout(180)
 def test_keep_stale_kv_mixes_versions(world: World) -> None:
     """The KV policy matters: keeping stale KV, no split explains the tokens (this is what

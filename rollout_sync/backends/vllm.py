@@ -56,7 +56,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType, TracebackType
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 from typing_extensions import Self
@@ -75,6 +75,9 @@ from ..trace import Span, SpanKind, Timeline
 from ..weights import WeightSpec, check_weights_match, specs_of
 from .vllm_plugin import ENGINE_NAME as NATIVE_ENGINE
 from .vllm_worker import WORKER_EXTENSION, partial_load_groups
+
+if TYPE_CHECKING:
+    from .vllm_park import ParkFlag
 
 __all__ = [
     "EngineCallTimeout",
@@ -217,6 +220,26 @@ class VLLMGeneration:
     """vLLM's own labels: ``(version, start, end)`` spans over the output tokens, one per
     weight version that sampled them (``finish_weight_update(version)`` sets the label);
     ``None`` when vLLM reported none (no version was ever set)."""
+    arrival_versions: tuple[int, ...] = ()
+    """The backend's stamps: for each output token, the version served when it reached this
+    process. Exact under the guard's pause (every output produced before a pause arrives
+    before the sync commits); unguarded, a token produced just before a commit may be
+    stamped with the new version."""
+
+    @property
+    def token_weight_versions(self) -> tuple[int, ...]:
+        """The weight version that produced each output token (as the stream scheduler's
+        results give it): vLLM's own label where one covers the token and reads as a version
+        number (the backend's native writes set them), the arrival stamp elsewhere."""
+        versions = list(self.arrival_versions)
+        for label, start, end in self.weight_versions or ():
+            try:
+                version = int(label)
+            except ValueError:
+                continue
+            for i in range(start, min(end, len(versions))):
+                versions[i] = version
+        return tuple(versions)
 
     @property
     def straddled(self) -> bool:
@@ -267,6 +290,7 @@ class VLLMRequest:
         self._scheduled_ts = 0.0
         self._last_token_ts = 0.0
         self._weight_versions: tuple[tuple[str, int, int], ...] | None = None
+        self._arrival_versions: list[int] = []
         self._result: VLLMGeneration | None = None
         self.submitted_at = time.monotonic()
 
@@ -281,6 +305,10 @@ class VLLMRequest:
         with self._cond:
             if completion is not None:
                 self._tokens = tuple(completion.token_ids)
+                arrived = len(self._tokens) - len(self._arrival_versions)
+                if arrived > 0:
+                    served = self._versions.at(time.monotonic())
+                    self._arrival_versions.extend([served] * arrived)
                 self._finish_reason = completion.finish_reason
                 spans = getattr(completion, "weight_versions", None)
                 if spans:
@@ -308,6 +336,7 @@ class VLLMRequest:
                 completed_version=self._versions.at(completed),
                 error=error,
                 weight_versions=self._weight_versions,
+                arrival_versions=tuple(self._arrival_versions[: len(self._tokens)]),
             )
             self._cond.notify_all()
 
@@ -793,7 +822,7 @@ class _VLLMBackendBase(RolloutBase):
 # -- the event loop the async backend owns -----------------------------------------------------
 
 
-async def park_engine(engine: Any, mode: str, clear_cache: bool) -> None:
+async def park_engine(engine: Any, mode: str, clear_cache: bool, *, confirm: bool = True) -> None:
     """Pause an ``AsyncLLM`` at a step boundary and confirm it.
 
     vLLM's ``pause_generation`` ends with a fixed 20 ms sleep, "not required for correctness":
@@ -802,6 +831,10 @@ async def park_engine(engine: Any, mode: str, clear_cache: bool) -> None:
     and outputs and utility replies share one ordered channel: when the confirmation is in,
     every output produced before the pause has reached its request. Falls back to
     ``pause_generation`` on an engine without that scheduler call.
+
+    ``confirm`` asks ``is_paused`` afterwards (one more round trip). An engine parked by a
+    raised :class:`~rollout_sync.backends.vllm_park.ParkFlag` needs no confirmation: its
+    scheduler re-parks at the next step whoever resumes it while the flag is up.
 
     Raises:
         RuntimeError: the engine reported itself not paused right after (another client
@@ -816,7 +849,7 @@ async def park_engine(engine: Any, mode: str, clear_cache: bool) -> None:
         if clear_cache and renderer is not None:
             await renderer.clear_mm_cache_async()
         await pause_scheduler(mode=mode, clear_cache=clear_cache)
-    if not await engine.is_paused():
+    if confirm and not await engine.is_paused():
         await engine.resume_generation()
         raise RuntimeError(
             "vLLM reported the engine not paused right after pausing it; another client resumed it"
@@ -919,17 +952,25 @@ class VLLMAsyncBackend(_VLLMBackendBase):
         *,
         pause_mode: PauseMode = PauseMode.KEEP,
         pause_timeout: float = 60.0,
+        park_flag: bool = True,
         **kwargs: Any,
     ) -> None:
         """Configure the backend; nothing starts until :meth:`initialize` (lazily, in a sync).
 
-        ``pause_mode`` and ``pause_timeout`` (seconds) configure :meth:`paused`; the keyword
+        ``pause_mode`` and ``pause_timeout`` (seconds) configure :meth:`paused`. ``park_flag``
+        (default on) runs the engine with :func:`~rollout_sync.backends.vllm_park.parking_scheduler`
+        so that a keep-mode pause lands at the first step boundary after it is asked for,
+        without waiting for vLLM's message to cross the engine's loop (ignored when
+        ``engine_kwargs`` name a ``scheduler_cls`` of their own; set to ``False`` on a
+        started engine, pauses go by vLLM's message alone). The keyword
         arguments shared with :class:`VLLMBlockingBackend` (KV policy, write method, read-back
         columns, payload transport, timeouts, timeline) are described on the base class.
         """
         super().__init__(config, **kwargs)
         self.pause_mode = pause_mode
         self.pause_timeout = pause_timeout
+        self.park_flag = park_flag
+        self._flag: ParkFlag | None = None
         self._loop: _LoopThread | None = None
         self._engine: Any = None
         self._pause_lock = threading.RLock()
@@ -954,6 +995,16 @@ class VLLMAsyncBackend(_VLLMBackendBase):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         kwargs = self.config.to_engine_kwargs()
+        if self.park_flag and "scheduler_cls" not in kwargs:
+            from .vllm_park import ParkFlag
+
+            self._flag = ParkFlag()
+            flagged = self._flag.engine_kwargs()
+            kwargs["scheduler_cls"] = flagged["scheduler_cls"]
+            kwargs["additional_config"] = {
+                **dict(kwargs.get("additional_config") or {}),
+                **flagged["additional_config"],
+            }
         loop = _LoopThread(f"{type(self).__name__}-loop")
 
         async def create() -> Any:
@@ -963,6 +1014,7 @@ class VLLMAsyncBackend(_VLLMBackendBase):
             self._engine = loop.run(create(), self.init_timeout, "starting the vLLM engine")
         except BaseException:
             loop.stop(10.0)
+            self._close_flag()
             raise
         self._loop = loop
         try:
@@ -988,6 +1040,7 @@ class VLLMAsyncBackend(_VLLMBackendBase):
                 loop.run(close(), timeout, "shutting the vLLM engine down")
             finally:
                 loop.stop(timeout)
+        self._close_flag()
         with self._requests_lock:
             left = list(self._in_flight.values())
         for request in left:
@@ -1106,10 +1159,22 @@ class VLLMAsyncBackend(_VLLMBackendBase):
         if self._parked or engine is None or loop is None:
             return
         mode, clear_cache = self.pause_mode.value, self.kv_cache_policy.clear_cache
-
+        # Keep mode: the flag parks the engine at its next step boundary; vLLM's pause (sent
+        # at once) finishes the pause and confirms it behind every earlier output.
+        flag = self._flag if self.park_flag and self.pause_mode is PauseMode.KEEP else None
+        if flag is not None:
+            flag.raise_()
         try:
-            loop.run(park_engine(engine, mode, clear_cache), limit, "pause generation")
-        except EngineCallTimeout:
+            loop.run(
+                park_engine(engine, mode, clear_cache, confirm=flag is None),
+                limit,
+                "pause generation",
+            )
+        except BaseException as exc:
+            if flag is not None:
+                flag.lower()
+            if not isinstance(exc, EngineCallTimeout):
+                raise
             # The pause may still land in the engine later; the resume queued behind it makes
             # sure the engine is not left paused by a caller that has given up.
             loop.submit(engine.resume_generation())
@@ -1128,8 +1193,15 @@ class VLLMAsyncBackend(_VLLMBackendBase):
         engine, loop = self._engine, self._loop
         if not self._parked or engine is None or loop is None or self.weights_torn:
             return
+        if self._flag is not None:
+            self._flag.lower()  # first: a raised flag would park the engine again
         loop.run(engine.resume_generation(), limit, "resume generation")
         self._parked = False
+
+    def _close_flag(self) -> None:
+        flag, self._flag = self._flag, None
+        if flag is not None:
+            flag.close()
 
     def commit_weight_version(self, version: int) -> None:
         """Record a complete sync; an engine parked for torn weights resumes (outside a pause)."""

@@ -50,8 +50,9 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--replicas",
         type=int,
-        default=3,
-        help="rollout replica processes next to the trainer process (default 3)",
+        default=None,
+        help="rollout replica processes next to the trainer process (default 3; 2 with "
+        "--backend vllm)",
     )
     demo.add_argument(
         "--steps", type=int, default=30, help="training steps, each a P2R plus an R2R (default 30)"
@@ -62,8 +63,9 @@ def _build_parser() -> argparse.ArgumentParser:
         help="rollout engine, by name: torch_lm (the tiny torch LM under the "
         "stream scheduler; the default) or torn_read (a fake model stamped with "
         "its version; the default with --in-process, and with an async --mode, "
-        "which the stream LM does not run); vllm runs a tiny Llama on vLLM in "
-        "this process (needs the extra: pip install 'rollout-sync[vllm]')",
+        "which the stream LM does not run); vllm serves a tiny Llama on vLLM in every "
+        "replica process, fed through vLLM's native weight-transfer API (with --in-process: "
+        "one engine in this process; needs the extra: pip install 'rollout-sync[vllm]')",
     )
     demo.add_argument(
         "--mode",
@@ -138,6 +140,8 @@ def _distributed_config(args: argparse.Namespace, mode: SyncMode) -> Distributed
     """The multi-process demo's config from the command line, checked
     (:func:`~rollout_sync.demos.distributed.check_demo_config`); a bad one exits."""
     numel = max(1, int(args.model_mb * (1 << 20) / 4 / DistributedDemoConfig().num_tensors))
+    backend = DEMO_BACKENDS.get(args.backend)
+    start_s = backend.start_s if backend is not None else 0.0
     config = DistributedDemoConfig(
         replicas=args.replicas,
         steps=args.steps,
@@ -148,6 +152,9 @@ def _distributed_config(args: argparse.Namespace, mode: SyncMode) -> Distributed
         bucket_bytes=max(64, int(args.bucket_mb * (1 << 20))),
         checksums=args.checksums,
         pipelined_relay=args.pipelined_relay,
+        # Every pause, hold and collective is bounded by this; the first sync starts the
+        # engines, so an engine that is slow to start gets its allowance.
+        timeout_s=DistributedDemoConfig.timeout_s + start_s,
     )
     try:
         check_demo_config(config)
@@ -210,15 +217,25 @@ def _verdict(report: dict[str, Any]) -> str:
     )
 
 
-def _run_vllm_demo(args: argparse.Namespace, timeline: Timeline) -> dict[str, Any] | None:
-    """The demo on vLLM (one engine, in this process), or ``None`` (with the install hint on
-    stderr) when vLLM is missing."""
+def _run_vllm_demo(
+    args: argparse.Namespace, mode: SyncMode, timeline: Timeline
+) -> dict[str, Any] | None:
+    """The demo on vLLM: replica processes (or, with ``--in-process``, one engine in this
+    process); ``None`` (with the install hint on stderr) when vLLM is missing."""
+    from ..backends.vllm import require_vllm
     from ..errors import VLLMUnavailableError
 
     try:
-        from .vllm import VLLMDemoConfig, run_vllm_demo
+        require_vllm()
+        if args.in_process:
+            from .vllm import VLLMDemoConfig, run_vllm_demo
 
-        return run_vllm_demo(VLLMDemoConfig(syncs=args.syncs, guarded=not args.unguarded), timeline)
+            if args.syncs < 1:
+                raise SystemExit("--syncs must be at least 1")
+            return run_vllm_demo(
+                VLLMDemoConfig(syncs=args.syncs, guarded=not args.unguarded), timeline
+            )
+        return run_distributed_demo(_distributed_config(args, mode), timeline)
     except VLLMUnavailableError as exc:
         print(f"rollout-sync demo --backend vllm: {exc}", file=sys.stderr)
         return None
@@ -262,8 +279,11 @@ def _run_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.launcher != "local" and (args.in_process or args.backend == "vllm"):
         raise SystemExit(
             f"--launcher {args.launcher} places the multi-process demo's processes; it does not "
-            "run with --in-process or --backend vllm"
+            "run with --in-process or --backend vllm (whose replicas start engine processes "
+            "of their own: local only)"
         )
+    if args.replicas is None:
+        args.replicas = 2 if args.backend == "vllm" else 3
     if args.ray_address is not None and args.launcher != "ray":
         raise SystemExit("--ray-address needs --launcher ray")
     if args.backend is None:
@@ -274,7 +294,7 @@ def _run_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.stream and not (args.in_process and args.backend == "torch_lm"):
         raise SystemExit("--stream needs --backend torch_lm (with --in-process)")
     if args.backend == "vllm":
-        vllm_report = _run_vllm_demo(args, timeline)
+        vllm_report = _run_vllm_demo(args, mode, timeline)
         if vllm_report is None:
             return 2
         report = vllm_report

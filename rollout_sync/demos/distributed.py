@@ -39,6 +39,7 @@ version (it also runs the async modes).
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import threading
@@ -84,14 +85,22 @@ from ..testing import (
     run_processes,
     weights_digest,
 )
-from ..trace import Span, SpanKind, Timeline
+from ..trace import Span, SpanKind, Timeline, step_intervals_ms
 from ..trainer import (
     TrainerCallbacks,
     TransferWeightPusher,
     WeightBroadcastCallback,
 )
 from ..transfer import TransferConfig, TransferStats
-from ..worker import P2R, R2R, RolloutWorker, SyncGroups, WorkerCommandChannel, build_sync_groups
+from ..worker import (
+    P2R,
+    R2R,
+    CommandResult,
+    RolloutWorker,
+    SyncGroups,
+    WorkerCommandChannel,
+    build_sync_groups,
+)
 
 __all__ = [
     "DEMO_BACKENDS",
@@ -103,6 +112,7 @@ __all__ = [
     "check_demo_config",
     "demo_limit_s",
     "demo_process",
+    "drift_each_step",
     "register_demo_backend",
     "run_demo_under_torchrun",
     "run_distributed_demo",
@@ -160,6 +170,8 @@ class DemoEngine:
     counters: Callable[[], dict[str, int]]
     """``forwards``, ``torn_forwards`` (what the engine's own detector saw),
     ``generation_pauses`` and ``installs``; engine-specific extras are reported as they are."""
+    close: Callable[[], None] = lambda: None
+    """Release what the engine holds (an engine process), after the replica's report is taken."""
 
 
 EngineFactory = Callable[[DistributedDemoConfig, Timeline, PayloadSender], DemoEngine]
@@ -180,6 +192,11 @@ class DemoBackend:
     trainer_model: TrainerModel
     modes: frozenset[SyncMode]
     """The sync modes the engine supports (async modes need a weight-buffer backend)."""
+    start_s: float = 0.0
+    """How long starting the engine may take (inside the first sync): added to the run's
+    limit, and the least ``timeout_s`` the command line gives the run."""
+    starts_processes: bool = False
+    """The engine starts processes of its own: the replicas must not be daemonic."""
 
 
 DEMO_BACKENDS: dict[str, DemoBackend] = {}
@@ -192,13 +209,18 @@ def register_demo_backend(
     trainer_model: TrainerModel,
     *,
     modes: Iterable[SyncMode] = (SyncMode.SYNC,),
+    start_s: float = 0.0,
+    starts_processes: bool = False,
 ) -> None:
     """Make an engine available as ``--backend name``.
 
     Register at import time of a module that the demo imports, since the processes are
-    spawned and look the backend up by name.
+    spawned and look the backend up by name. ``start_s`` and ``starts_processes``: see
+    :class:`DemoBackend`.
     """
-    DEMO_BACKENDS[name] = DemoBackend(engine, trainer_model, frozenset(modes))
+    DEMO_BACKENDS[name] = DemoBackend(
+        engine, trainer_model, frozenset(modes), start_s, starts_processes
+    )
 
 
 class _StreamingLM(TorchLMStreamBackend):
@@ -334,7 +356,13 @@ def _torch_lm_trainer(
     """The trainer's TinyLM: seeded apart from the replicas' version 0, moved every step."""
     model = TinyCausalLM.build(config.model, seed=config.seed + 1)
     weights = {name: param.detach() for name, param in model.named_parameters()}
-    noise = torch.Generator().manual_seed(config.seed + 2)
+    return weights, drift_each_step(weights, seed=config.seed + 2)
+
+
+def drift_each_step(weights: Mapping[str, torch.Tensor], *, seed: int) -> Callable[[int], None]:
+    """A trainer model's ``advance``: every step adds seeded noise (std 0.01) to every tensor in
+    place, so every version differs."""
+    noise = torch.Generator().manual_seed(seed)
 
     def advance(step: int) -> None:
         with torch.no_grad():
@@ -343,7 +371,7 @@ def _torch_lm_trainer(
                     torch.randn(tensor.shape, generator=noise, dtype=tensor.dtype), alpha=1e-2
                 )
 
-    return weights, advance
+    return advance
 
 
 class _SenderPacker:
@@ -472,12 +500,15 @@ class _Rollouts:
             self.stale.append(trainer_version - int(versions.min()))
         tokens = payload.tensors.get("tokens")
         logprobs = payload.tensors.get("logprobs")
-        if tokens is not None and logprobs is not None:
+        if tokens is not None:
             self.tokens += tokens.numel()
-            if not (
-                tokens.numel() == logprobs.numel() == versions.numel()
-                and bool(torch.isfinite(logprobs).all())
-                and bool((logprobs <= 0).all())
+            if tokens.numel() != versions.numel() or (
+                logprobs is not None
+                and not (
+                    logprobs.numel() == tokens.numel()
+                    and bool(torch.isfinite(logprobs).all())
+                    and bool((logprobs <= 0).all())
+                )
             ):
                 self.invalid += 1
 
@@ -575,31 +606,48 @@ def _replica(
         if config.check_every_step and stats.role in ("receive", "relay"):
             digests[stats.version] = weights_digest(tensors)
 
+    engine: DemoEngine | None = None
     try:
-        engine = DEMO_BACKENDS[config.backend].engine(config, timeline, sender)
-        transfer_config = _transfer_config(config)
-        worker = RolloutWorker(
-            engine.rollout,
-            mode=config.mode,
-            commands=commands,
-            timeline=timeline,
-            p2r=groups.p2r_transfer(config=transfer_config, timeline=timeline),
-            p2r_barrier=groups.p2r_barrier,
-            r2r=groups.r2r_transfer(config=transfer_config, timeline=timeline),
-            data_packer=sender,
-            weight_sync_timeout=config.timeout_s,
-            guarded=config.guarded,
-            on_transfer=on_transfer,
-        )
         try:
-            results = worker.run(idle_timeout_s=config.timeout_s * 4)
-            # Async modes: let a safe point install the last version received before stopping.
-            worker.wait_for_install(config.timeout_s)
+            engine = DEMO_BACKENDS[config.backend].engine(config, timeline, sender)
+            transfer_config = _transfer_config(config)
+            worker = RolloutWorker(
+                engine.rollout,
+                mode=config.mode,
+                commands=commands,
+                timeline=timeline,
+                p2r=groups.p2r_transfer(config=transfer_config, timeline=timeline),
+                p2r_barrier=groups.p2r_barrier,
+                r2r=groups.r2r_transfer(config=transfer_config, timeline=timeline),
+                data_packer=sender,
+                weight_sync_timeout=config.timeout_s,
+                guarded=config.guarded,
+                on_transfer=on_transfer,
+            )
+            try:
+                results = worker.run(idle_timeout_s=config.timeout_s * 4)
+                # Async modes: let a safe point install the last version received first.
+                worker.wait_for_install(config.timeout_s)
+            finally:
+                worker.close(config.timeout_s)
         finally:
-            worker.close(config.timeout_s)
+            # Every payload registered is sent before the goodbye.
+            sender.close(config.timeout_s)
+        return _replica_report(rank, worker, engine, sender, results, digests, timeline)
     finally:
-        # Every payload registered is sent before the goodbye.
-        sender.close(config.timeout_s)
+        if engine is not None:
+            engine.close()
+
+
+def _replica_report(
+    rank: int,
+    worker: RolloutWorker,
+    engine: DemoEngine,
+    sender: PayloadSender,
+    results: Sequence[CommandResult],
+    digests: Mapping[int, str],
+    timeline: Timeline,
+) -> dict[str, Any]:
     sent = sender.statistics()
     return {
         "role": "replica",
@@ -670,8 +718,11 @@ def check_demo_config(config: DistributedDemoConfig) -> None:
 
 
 def demo_limit_s(config: DistributedDemoConfig) -> float:
-    """The limit of a whole run: spawning (a few seconds each on a busy machine) and steps."""
-    return 60.0 + config.steps * (config.step_interval_s + 2.0)
+    """The limit of a whole run: spawning (a few seconds each on a busy machine), starting the
+    engines (the backend's ``start_s``) and steps."""
+    backend = DEMO_BACKENDS.get(config.backend)
+    start_s = backend.start_s if backend is not None else 0.0
+    return 60.0 + start_s + config.steps * (config.step_interval_s + 2.0)
 
 
 def run_distributed_demo(
@@ -711,6 +762,7 @@ def run_distributed_demo(
             timeout_s=demo_limit_s(config),
             what="rollout-sync demo",
             intra_op_threads=1,
+            daemon=not DEMO_BACKENDS[config.backend].starts_processes,
         )
     else:
         from ..integrations.ray import RayJob
@@ -801,6 +853,13 @@ def _report(
     sync_ms = [
         m["weight_sync_time_ms"] for m in trainer["step_metrics"] if "weight_sync_time_ms" in m
     ]
+    decode_step_ms = percentile(
+        step_intervals_ms(
+            [s for s in timeline.spans(SpanKind.FORWARD) if s.name == "forward"],
+            gaps=timeline.spans(SpanKind.PAUSE),
+        ),
+        50,
+    )
     # Every version a replica received is compared with the trainer's weights of that version.
     # In sync mode every replica receives every version; async modes may skip superseded ones.
     step_mismatches = versions_checked = 0
@@ -844,6 +903,10 @@ def _report(
         "superseded_versions": sum(rep["superseded"] for rep in replicas),
         "time_to_park_ms_p50": phase("time_to_park_ms", 50),
         "time_to_park_ms_p99": phase("time_to_park_ms", 99),
+        "decode_step_ms_p50": decode_step_ms,
+        "park_steps_p99": (
+            phase("time_to_park_ms", 99) / decode_step_ms if decode_step_ms > 0 else math.nan
+        ),
         "egress_drain_ms_p50": phase("egress_drain_ms", 50),
         "egress_drain_ms_p99": phase("egress_drain_ms", 99),
         "handler_ms_p50": phase("handler_ms", 50),
@@ -865,3 +928,7 @@ def _report(
         "wall_s": wall_s,
         "errors": [e.splitlines()[0] for rep in replicas for e in rep["failed"]][:5],
     }
+
+
+# Engines registered by modules of their own (imported last: they build on this module).
+from . import vllm_replicas as _vllm_replicas  # noqa: E402, F401

@@ -19,7 +19,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ from ..metrics import summarize
 from ..testing import InProcessWorker, RecordingPacker, build_tiny_llama, random_llama_weights
 from ..trace import Span, SpanKind, Timeline
 
-__all__ = ["VLLMDemoConfig", "run_vllm_demo"]
+__all__ = ["RequestFeeder", "VLLMDemoConfig", "run_vllm_demo"]
 
 
 @dataclass(frozen=True)
@@ -74,13 +74,27 @@ class _VLLMDemoWorker(InProcessWorker):
         self.rollout.commit_weight_version(version)
 
 
-class _Feeder:
-    """Keeps ``streams`` requests in flight and packs each finished one as a payload."""
+class RequestFeeder:
+    """Keeps ``streams`` requests in flight on a vLLM backend and hands each finished one to
+    ``ship`` (on the feeder's thread, in completion order of the oldest first).
+
+    Prompts are short token-id sequences; ``max_tokens(n)`` is the length of the ``n``-th
+    request (greedy, EOS ignored). While the weights are torn nothing is submitted (the
+    backend refuses); the feeder waits for a sync to land. :meth:`stop` stops submitting,
+    waits for the requests in flight and ships them, bounded by ``timeout``.
+    """
 
     def __init__(
-        self, backend: VLLMAsyncBackend, packer: RecordingPacker, config: VLLMDemoConfig
+        self,
+        backend: VLLMAsyncBackend,
+        ship: Callable[[VLLMGeneration], None],
+        *,
+        streams: int,
+        max_tokens: Callable[[int], int],
+        timeout_s: float,
     ) -> None:
-        self.backend, self.packer, self.config = backend, packer, config
+        self.backend, self.ship = backend, ship
+        self.streams, self.max_tokens, self.timeout_s = streams, max_tokens, timeout_s
         self.results: list[VLLMGeneration] = []
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -90,6 +104,8 @@ class _Feeder:
         self._thread.start()
 
     def stop(self, timeout: float) -> None:
+        """Stop submitting; ship what is in flight. Raises :class:`ShutdownTimeout` after
+        ``timeout`` and :class:`RuntimeError` (chained) if the feeder had failed."""
         self._stop.set()
         self._thread.join(timeout)
         if self._thread.is_alive():
@@ -98,13 +114,13 @@ class _Feeder:
             raise RuntimeError("the demo's request feeder failed") from self.error
 
     def _run(self) -> None:
-        params = greedy_params(self.config.max_tokens)
         in_flight: collections.deque[Any] = collections.deque()
         n = 0
         try:
             while in_flight or not self._stop.is_set():
-                while not self._stop.is_set() and len(in_flight) < self.config.streams:
+                while not self._stop.is_set() and len(in_flight) < self.streams:
                     n += 1
+                    params = greedy_params(self.max_tokens(n))
                     try:
                         in_flight.append(self.backend.submit([1 + n % 97, 2 + n % 89, 3], params))
                     except TornWeightsError:
@@ -112,9 +128,9 @@ class _Feeder:
                 if not in_flight:
                     self._stop.wait(0.01)  # torn: nothing may be submitted until a sync lands
                     continue
-                result = in_flight.popleft().result(self.config.timeout_s)
+                result = in_flight.popleft().result(self.timeout_s)
                 self.results.append(result)
-                self.packer.submit(result.token_ids, timeout=self.config.timeout_s)
+                self.ship(result)
         except BaseException as exc:  # noqa: BLE001 - re-raised by stop()
             self.error = exc
 
@@ -171,7 +187,13 @@ def _run(config: VLLMDemoConfig, backend: VLLMAsyncBackend, timeline: Timeline) 
     )
     worker = _VLLMDemoWorker(backend, packer, timeline, config.timeout_s)
     sync = worker.receive_weights if config.guarded else worker.receive_weights_unguarded
-    feeder = _Feeder(backend, packer, config)
+    feeder = RequestFeeder(
+        backend,
+        lambda result: packer.submit(result.token_ids, timeout=config.timeout_s),
+        streams=config.streams,
+        max_tokens=lambda n: config.max_tokens,
+        timeout_s=config.timeout_s,
+    )
     packer.start()
     start_ns = time.monotonic_ns()
     started = time.perf_counter()

@@ -70,9 +70,10 @@ class InProcessWorker:
 
 
 def weights_digest(weights: Mapping[str, torch.Tensor]) -> str:
-    """A digest of names, dtypes, shapes and exact bytes: equal iff bit-identical."""
+    """A digest of names, dtypes, shapes and exact bytes: equal iff bit-identical (in any
+    order of names)."""
     digest = hashlib.blake2b(digest_size=16)
-    for name, tensor in weights.items():
+    for name, tensor in sorted(weights.items()):
         digest.update(f"{name}:{tensor.dtype}:{list(tensor.shape)}|".encode())
         digest.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

@@ -19,6 +19,7 @@ import multiprocessing.context
 import os
 import pickle
 import queue
+import signal
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -42,8 +43,11 @@ def _child_main(
     args: tuple[Any, ...],
     results: multiprocessing.Queue[tuple[str, int, Any]],
     intra_op_threads: int | None,
+    own_process_group: bool = False,
 ) -> None:
     """Run ``target(rank, *args)`` and report its value or its traceback to the parent."""
+    if own_process_group:
+        os.setpgid(0, 0)  # the parent can then kill this child and whatever it started
     try:
         if intra_op_threads is not None:
             torch.set_num_threads(intra_op_threads)
@@ -81,6 +85,7 @@ def run_processes(
     what: str = "run_processes",
     env: Mapping[str, str] | None = None,
     intra_op_threads: int | None = None,
+    daemon: bool = True,
 ) -> dict[int, Any]:
     """Run ``target(rank, *args)`` in ``nprocs`` fresh processes; return their values by rank.
 
@@ -97,6 +102,9 @@ def run_processes(
         intra_op_threads: ``torch.set_num_threads`` in each child. Pass 1 when the group
             oversubscribes the machine's cores: torch's intra-op pool spin-waits, and a copy
             big enough to be split across it can then take tens of times longer.
+        daemon: ``False`` for children that start processes of their own (vLLM's engine
+            core; a daemonic process may not). Each child then leads a process group of its
+            own, and a child that overstays is killed with everything it started.
 
     Raises:
         GroupProcessError: a child raised, died with an unexpected exit code, or overstayed.
@@ -112,9 +120,9 @@ def run_processes(
         procs = {
             rank: ctx.Process(
                 target=_child_main,
-                args=(target, rank, args, results_queue, intra_op_threads),
+                args=(target, rank, args, results_queue, intra_op_threads, not daemon),
                 name=f"{what}-rank{rank}",
-                daemon=True,
+                daemon=daemon,
             )
             for rank in range(nprocs)
         }
@@ -184,6 +192,11 @@ def run_processes(
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5.0)
+            if not daemon and proc.pid is not None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # what the child left behind
+                except (ProcessLookupError, PermissionError):
+                    pass
         results_queue.close()
         results_queue.join_thread()
 

@@ -59,6 +59,7 @@ def build_tiny_llama(
 
     Returns its weights (checkpoint names). ``overrides`` change :data:`TINY_LLAMA` entries.
     """
+    import safetensors.torch
     import transformers
 
     config = transformers.LlamaConfig(**{**TINY_LLAMA, **overrides})
@@ -68,7 +69,14 @@ def build_tiny_llama(
     weights = random_llama_weights(shapes, seed)
     model.load_state_dict(weights)
     Path(directory).mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory, safe_serialization=True)
+    # Written by hand, not with save_pretrained: inside a torch.distributed job that one
+    # writes on rank 0 only, and every rank here builds its own copy.
+    config.save_pretrained(directory)
+    safetensors.torch.save_file(
+        {name: tensor.contiguous() for name, tensor in weights.items()},
+        str(Path(directory) / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     return weights
 
 
