@@ -37,6 +37,8 @@ __all__ = [
     "CommandTimeout",
     "EgressHoldTimeout",
     "EngineCallTimeout",
+    "FastLLMEventTimeout",
+    "FastLLMProtocolError",
     "FenceTimeout",
     "GateTimeout",
     "GenerationTimeout",
@@ -56,11 +58,13 @@ __all__ = [
     "RayUnavailableError",
     "RecoveryError",
     "RecoveryTimeout",
+    "RedisUnavailableError",
     "RelayForwardError",
     "RolloutSyncError",
     "SchedulerTimeout",
     "ShutdownTimeout",
     "TornWeightsError",
+    "UnsafeHeaderError",
     "VLLMUnavailableError",
     "WeightBroadcastError",
     "WeightBroadcastTimeout",
@@ -536,5 +540,25 @@ class RayUnavailableError(RolloutSyncError, ImportError):
     """Ray is not installed (or fails to import); the message says how to install it."""
 
 
+class RedisUnavailableError(RolloutSyncError, ImportError):
+    """No ``redis-server`` executable, or no ``redis`` Python client (the Fast-LLM receiver's
+    tests and demo start the system's redis-server)."""
+
+
 class VLLMUnavailableError(RolloutSyncError, ImportError):
     """vLLM is not installed (or fails to import); the message says how to install it."""
+
+
+class FastLLMProtocolError(RolloutSyncError):
+    """Fast-LLM's weight stream or event stream broke the protocol (or could not be read): the
+    stream is abandoned and nothing of it is written."""
+
+
+class FastLLMEventTimeout(FastLLMProtocolError, TimeoutError):
+    """No Fast-LLM event (or not the one waited for) arrived within the limit."""
+
+
+class UnsafeHeaderError(FastLLMProtocolError):
+    """A Fast-LLM tensor header held something other than the protocol's types (str, tuple,
+    ``torch.Size``, ``torch.dtype``, None) or was longer than the receiver accepts: it was not
+    unpickled further."""

@@ -27,7 +27,18 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     # Ray runs the demo's --launcher ray and its tests (a local cluster, started and stopped by
     # the code that needs it). torchrun comes with torch.
     quiet_pip install -q "ray==2.60.0"
+    # The Redis client for the Fast-LLM receiver (its server is the system package, below).
+    quiet_pip install -q "redis==5.2.1"
     # compat mode: a plain path entry, so a checkout on PYTHONPATH (a worktree) takes precedence.
     quiet_pip install -q --config-settings editable_mode=compat -e "$repo_root[test]"
     echo "$want" > "$stamp"
+fi
+
+# redis-server (the system package) for the Fast-LLM receiver's tests and demo, which start
+# and stop it on a free port. Installed when absent and this runs as root; otherwise those
+# tests skip and the demo says what to install.
+if ! command -v redis-server >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get install -y -q redis-server >/dev/null 2>&1 \
+        || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q redis-server >/dev/null 2>&1; } \
+        || echo "setup_venv.sh: could not install redis-server; the Fast-LLM tests will skip" >&2
 fi

@@ -477,6 +477,62 @@ def test_pause_is_reentrant_and_a_second_thread_times_out(world: World) -> None:
     assert "another thread holds the pause" in str(errors[0])
 
 
+# -- a Fast-LLM trainer drives this engine -----------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_a_fast_llm_trainer_drives_the_vllm_backend_through_its_native_path(
+    world: World,
+) -> None:
+    """Fast-LLM's stream (a trainer written from the protocol, a real redis-server) lands in
+    the engine through the backend's native weight-transfer path, guarded, while a request
+    decodes: the version committed is documents_seen and greedy output is exactly the new
+    weights'."""
+    pytest.importorskip("redis")
+    from rollout_sync.integrations.fast_llm import FastLLMReceiver
+    from rollout_sync.testing import find_free_port
+    from rollout_sync.testing.fast_llm_trainer import FastLLMTrainerStandIn
+    from rollout_sync.testing.redis_server import RedisServer, require_redis_server
+
+    try:
+        require_redis_server()
+    except ImportError as exc:
+        pytest.skip(str(exc))
+    backend = world.backend
+    assert backend.native_writes
+    new_version = world.version + 1
+    weights = world.weights_of(new_version)
+    with RedisServer() as server:
+        client = server.client()
+        port = find_free_port()
+        trainer = FastLLMTrainerStandIn(client, host="127.0.0.1", port=port, timeout_s=60)
+        receiver = FastLLMReceiver(
+            backend, redis=client, group_address=("127.0.0.1", port), timeout_s=60
+        )
+        connecting = threading.Thread(target=trainer.connect)
+        connecting.start()
+        receiver.connect()
+        connecting.join(60)
+        request = backend.submit([7, 8, 9], greedy_params(200))
+        request.wait_for_tokens(8, timeout=60)
+        pushing = threading.Thread(target=lambda: trainer.push(3, new_version, weights))
+        pushing.start()
+        event = receiver.next_event(60)
+        assert event is not None and event.version == new_version  # type: ignore[union-attr]
+        receiver.take(event)  # type: ignore[arg-type]
+        pushing.join(60)
+        trainer.close()
+        receiver.close()
+    world.version = new_version
+    assert backend.weight_version == new_version and not backend.weights_torn
+    result = request.result(timeout=120)
+    assert result.ok and result.straddled
+    assert new_version in result.token_weight_versions
+    prompt = [1, 5, 9, 33, 7]
+    (fresh,) = backend.generate([prompt], greedy_params(24), timeout=60)
+    assert list(fresh.token_ids) == world.reference(weights, prompt, 24)
+
+
 # -- the demo, on this module's engine ---------------------------------------------------------
 
 

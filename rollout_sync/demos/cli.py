@@ -110,6 +110,15 @@ def _build_parser() -> argparse.ArgumentParser:
         help="run without the guard: expect torn reads and egress overlaps",
     )
     demo.add_argument(
+        "--trainer",
+        choices=("default", "fast-llm"),
+        default="default",
+        help="who trains: default (this package's trainer loop and transfer) or fast-llm (a "
+        "trainer process speaking Fast-LLM's weight-streaming protocol byte for byte over a "
+        "real redis-server started for the run; replicas receive through "
+        "rollout_sync.integrations.fast_llm and ship rollouts back over Redis)",
+    )
+    demo.add_argument(
         "--launcher",
         choices=LAUNCHERS,
         default="local",
@@ -241,6 +250,24 @@ def _run_vllm_demo(
         return None
 
 
+def _run_fast_llm_demo(args: argparse.Namespace, timeline: Timeline) -> dict[str, Any] | None:
+    """The demo with a Fast-LLM trainer, or ``None`` (the install hint on stderr) without
+    redis-server or the redis client."""
+    from ..testing.redis_server import RedisUnavailableError
+    from .fast_llm import FastLLMDemoConfig, run_fast_llm_demo
+
+    if args.replicas < 1 or args.steps < 1:
+        raise SystemExit("the demo needs at least one replica and one step (--replicas, --steps)")
+    try:
+        return run_fast_llm_demo(
+            FastLLMDemoConfig(replicas=args.replicas, steps=args.steps, guarded=not args.unguarded),
+            timeline,
+        )
+    except RedisUnavailableError as exc:
+        print(f"rollout-sync demo --trainer fast-llm: {exc}", file=sys.stderr)
+        return None
+
+
 def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
@@ -284,6 +311,14 @@ def _run_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
         )
     if args.replicas is None:
         args.replicas = 2 if args.backend == "vllm" else 3
+    if args.trainer == "fast-llm":
+        if args.launcher != "local" or args.in_process or args.backend not in (None, "torch_lm"):
+            raise SystemExit(
+                "--trainer fast-llm runs local processes over the tiny torch LM: no --launcher, "
+                "--in-process or other --backend"
+            )
+        if mode is not SyncMode.SYNC:
+            raise SystemExit("--trainer fast-llm runs the sync mode only")
     if args.ray_address is not None and args.launcher != "ray":
         raise SystemExit("--ray-address needs --launcher ray")
     if args.backend is None:
@@ -293,7 +328,12 @@ def _run_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return _start_torchrun(args, argv)
     if args.stream and not (args.in_process and args.backend == "torch_lm"):
         raise SystemExit("--stream needs --backend torch_lm (with --in-process)")
-    if args.backend == "vllm":
+    if args.trainer == "fast-llm":
+        fast_llm_report = _run_fast_llm_demo(args, timeline)
+        if fast_llm_report is None:
+            return 2
+        report = fast_llm_report
+    elif args.backend == "vllm":
         vllm_report = _run_vllm_demo(args, mode, timeline)
         if vllm_report is None:
             return 2

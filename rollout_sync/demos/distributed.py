@@ -110,6 +110,7 @@ __all__ = [
     "DemoEngine",
     "DistributedDemoConfig",
     "check_demo_config",
+    "decode_step_ms_p50",
     "demo_limit_s",
     "demo_process",
     "drift_each_step",
@@ -816,6 +817,18 @@ def _report_of(
     return {"launcher": launcher, **report}
 
 
+def decode_step_ms_p50(timeline: Timeline) -> float:
+    """The replicas' decode step, at the median: the interval between two consecutive model
+    forwards of one process (vLLM's ``forward`` spans, the torch LM's ``... decode step``
+    spans), intervals that hold a pause left out; NaN without two forwards."""
+    steps = [
+        s
+        for s in timeline.spans(SpanKind.FORWARD)
+        if s.name == "forward" or s.name.endswith("decode step")
+    ]
+    return percentile(step_intervals_ms(steps, gaps=timeline.spans(SpanKind.PAUSE)), 50)
+
+
 def _span_key(span: Span) -> tuple[int, int, int, int]:
     return (span.pid, span.tid, span.start_ns, span.end_ns)
 
@@ -853,13 +866,7 @@ def _report(
     sync_ms = [
         m["weight_sync_time_ms"] for m in trainer["step_metrics"] if "weight_sync_time_ms" in m
     ]
-    decode_step_ms = percentile(
-        step_intervals_ms(
-            [s for s in timeline.spans(SpanKind.FORWARD) if s.name == "forward"],
-            gaps=timeline.spans(SpanKind.PAUSE),
-        ),
-        50,
-    )
+    decode_step_ms = decode_step_ms_p50(timeline)
     # Every version a replica received is compared with the trainer's weights of that version.
     # In sync mode every replica receives every version; async modes may skip superseded ones.
     step_mismatches = versions_checked = 0

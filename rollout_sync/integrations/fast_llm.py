@@ -1,0 +1,624 @@
+"""A Fast-LLM trainer drives any :class:`~rollout_sync.RolloutBase` replica, guarded.
+
+Fast-LLM streams weights with its own protocol (:mod:`rollout_sync.integrations.fast_llm_wire`)
+and leaves the receiving side, and the pause, to the user. :class:`FastLLMReceiver` is that
+side:
+
+* **Events.** It reads ``fast_llm_events`` from Redis, starting after the last event that was
+  in the stream when it connected (the stream is never trimmed: earlier runs' events are not
+  replayed), so the first ``weights_ready``, sent once the group exists, is neither skipped nor
+  confused with an old one. ``training_finished`` ends :meth:`~FastLLMReceiver.serve` and
+  leaves the group.
+* **The group.** It joins the trainer's broadcast group exactly as the protocol says (same
+  rendezvous, same store prefix; NCCL on GPU, gloo on CPU), in :meth:`~FastLLMReceiver.connect`,
+  which the trainer waits for in its own construction.
+* **Guarded receives.** Every ``weights_ready`` is received inside the package's bracket
+  (pause, hold payload egress, receive, fence, release, resume), lazy engine start included:
+  the first one arrives before generation starts and neither deadlocks (the pause of an engine
+  that is not serving is a no-op) nor is skipped. The version committed is ``documents_seen``
+  (``step`` from older builds).
+* **Safe by construction.** Headers are unpickled by
+  :class:`~rollout_sync.integrations.fast_llm_wire.HeaderUnpickler` (the protocol's types only)
+  and capped in length. The stream has no manifest, so each header is checked against the
+  served weights as it arrives (name, shape, dtype); tensors are staged and written only after
+  the end marker. A wrong name, shape or dtype is still received (to stay in step with the
+  trainer) and the version is refused at the end; a malicious or oversized header, a short
+  stream or a dead trainer abandon it (the receiver leaves the group). In every case the served
+  weights are untouched. With ``stage=False`` (no second copy of the model) each tensor is
+  received straight into the served one as its header is accepted: a failure after the first
+  write marks the weights torn, and generation stays parked until a complete version lands.
+  Tensors of other shard categories (Fast-LLM's own format sends optimizer state after the
+  weights) are received and dropped, as the protocol requires.
+* **Fan-out.** The replica in the trainer's group passes each version on R2R with the package's
+  :class:`~rollout_sync.transfer.WeightTransfer` (``r2r``, as its source); the other replicas run
+  a :class:`FastLLMReceiver` without a group whose ``r2r`` receives it, on the same events.
+
+:class:`FastLLMRolloutSender` ships rollouts back as ``fast_llm_streaming`` records, with
+``hold_sends`` and ``flush_pending_sends`` so the guard can hold it.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..backend import RolloutBase
+from ..errors import (
+    EgressHoldTimeout,
+    FastLLMEventTimeout,
+    FastLLMProtocolError,
+    PayloadBackpressureTimeout,
+    PayloadTimeout,
+    RolloutSyncError,
+    UnsafeHeaderError,
+    WeightMismatchError,
+)
+from ..guard import SyncReport, holds_payload_egress, weight_sync_bracket, weight_sync_handler
+from ..trace import SpanKind, Timeline
+from ..transfer import TransferStats, WeightTransfer
+from ..worker import BackgroundEngine
+from .fast_llm_wire import (
+    EVENTS_STREAM,
+    MAX_HEADER_BYTES,
+    ROLLOUTS_STREAM,
+    BroadcastGroup,
+    TensorHeader,
+    TrainingFinished,
+    WeightsReady,
+    decode_header,
+    encode_rollout,
+    parse_event,
+)
+
+__all__ = ["FastLLMReceiver", "FastLLMRolloutSender", "ReceivedVersion"]
+
+
+@dataclass(frozen=True)
+class ReceivedVersion:
+    """One version that landed: what the trainer announced and what came."""
+
+    version: int
+    step: int
+    tensors: int
+    """Tensors of the ``"weights"`` shard written."""
+    dropped: int
+    """Tensors of other shards received and dropped."""
+    nbytes: int
+    seconds: float
+
+
+class FastLLMReceiver:
+    """Receives a Fast-LLM trainer's weight stream into ``rollout``; see the module.
+
+    Args:
+        rollout: the engine. Its ``served_weights()`` names are the export format's (Hugging
+            Face names); an engine that overrides ``load_weights`` gets the staged tensors
+            through it (the vLLM backend: its native path), others are written in place.
+        redis: a ``redis.Redis`` client of the trainer's Redis (``callbacks.streaming``).
+        group_address: ``(host, port)`` of the trainer's broadcast rendezvous; ``None`` for a
+            replica that gets the weights R2R only.
+        rank, world_size: this receiver's rank in the trainer's group (1 .. W - 1) and W.
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (GPU), as the trainer's ``broadcast.backend``.
+        r2r: the package's transfer among the replicas: its source here if this receiver is in
+            the trainer's group (each version is passed on), else its receiver.
+        data_packer: the payload sender the guard holds (a :class:`FastLLMRolloutSender`).
+        timeout_s: bounds the rendezvous, every receive, pause, hold and fence.
+        stage: receive into staging buffers and write after the end marker (default); ``False``
+            receives in place (no second copy; torn on a failure mid-stream).
+        allow_subset: accept a stream that leaves served names out (default: every served
+            tensor must come).
+        guarded: ``False`` receives without the bracket (to show what the pause prevents).
+        on_version: called with each :class:`ReceivedVersion` and the served tensors, right
+            after a version is committed (for checks).
+    """
+
+    def __init__(
+        self,
+        rollout: RolloutBase,
+        *,
+        redis: Any,
+        group_address: tuple[str, int] | None = None,
+        rank: int = 1,
+        world_size: int = 2,
+        backend: str = "gloo",
+        r2r: WeightTransfer | None = None,
+        data_packer: object = None,
+        timeline: Timeline | None = None,
+        timeout_s: float = 600.0,
+        stage: bool = True,
+        allow_subset: bool = False,
+        guarded: bool = True,
+        events_stream: str = EVENTS_STREAM,
+        max_header_bytes: int = MAX_HEADER_BYTES,
+        on_version: Callable[[ReceivedVersion, Mapping[str, torch.Tensor]], None] | None = None,
+    ) -> None:
+        self.rollout = rollout
+        self.redis = redis
+        self.group_address = group_address
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        self.r2r = r2r
+        self.data_packer = data_packer
+        self.timeline = timeline
+        self.weight_sync_timeout = timeout_s
+        self.stage = stage
+        self.allow_subset = allow_subset
+        self.guarded = guarded
+        self.events_stream = events_stream
+        self.max_header_bytes = max_header_bytes
+        self.on_version = on_version
+        self.group: BroadcastGroup | None = None
+        self.versions: list[ReceivedVersion] = []
+        self.sync_reports: list[SyncReport] = []
+        self.finished = False
+        self._last_event_id: bytes | str | None = None
+        self._redis_run_id: str | None = None
+        self._engine_started = False
+
+    # -- the worker contract the guard reads --------------------------------------------------
+
+    def on_weight_sync_report(self, report: SyncReport) -> None:
+        self.sync_reports.append(report)
+
+    # -- connecting ---------------------------------------------------------------------------
+
+    def connect(self) -> None:
+        """Note where the event stream ends now, then join the trainer's group (if this
+        receiver is in it): blocks until every member is there, up to ``timeout_s``.
+
+        Raises:
+            FastLLMProtocolError: Redis cannot be read.
+            RuntimeError / DistStoreError (torch): the rendezvous did not complete in time.
+        """
+        self._last_event_id = self._stream_end()
+        if self.group_address is not None and self.group is None:
+            host, port = self.group_address
+            self.group = BroadcastGroup.join(
+                host,
+                port,
+                self.rank,
+                self.world_size,
+                backend=self.backend,
+                timeout_s=self.weight_sync_timeout,
+            )
+
+    def close(self) -> None:
+        """Leave the trainer's group (idempotent)."""
+        group, self.group = self.group, None
+        if group is not None:
+            group.close()
+
+    def _stream_end(self) -> bytes | str:
+        try:
+            self._redis_run_id = self._server_run_id()
+            last = self.redis.xrevrange(self.events_stream, count=1)
+        except Exception as exc:  # noqa: BLE001 - redis' errors, typed for the caller
+            raise self._redis_failure("read the end of", exc) from exc
+        return last[0][0] if last else "0-0"
+
+    def _server_run_id(self) -> str:
+        """The Redis server's run id: a new one means it restarted (and, unless it persists
+        streams, lost every event this receiver had not read)."""
+        return str(self.redis.info("server")["run_id"])
+
+    def _redis_failure(self, what: str, exc: BaseException) -> FastLLMProtocolError:
+        return FastLLMProtocolError(
+            f"could not {what} the Redis event stream {self.events_stream!r} "
+            f"({type(exc).__name__}: {exc}); no weights were written"
+        )
+
+    # -- serving ------------------------------------------------------------------------------
+
+    def next_event(self, timeout_s: float) -> WeightsReady | TrainingFinished | None:
+        """The next event after the last one taken, waiting up to ``timeout_s`` (``None`` if
+        none came).
+
+        Raises:
+            FastLLMProtocolError: Redis failed (restarted, unreachable) or sent a bad event.
+        """
+        if self._last_event_id is None:
+            raise RolloutSyncError("FastLLMReceiver.connect() first")
+        block_ms = max(1, int(timeout_s * 1000))
+        try:
+            run_id = self._server_run_id()
+            answer = self.redis.xread(
+                {self.events_stream: self._last_event_id}, count=1, block=block_ms
+            )
+        except Exception as exc:  # noqa: BLE001 - redis' errors, typed for the caller
+            raise self._redis_failure("read", exc) from exc
+        if run_id != self._redis_run_id:
+            raise FastLLMProtocolError(
+                f"the Redis server of the event stream {self.events_stream!r} restarted (run id "
+                f"{self._redis_run_id} -> {run_id}): announcements may have been lost, so this "
+                "receiver cannot tell which broadcast comes next; no weights were written"
+            )
+        if not answer:
+            return None
+        _, messages = answer[0]
+        message_id, fields = messages[0]
+        self._last_event_id = message_id
+        return parse_event(fields)
+
+    def serve(
+        self, *, idle_timeout_s: float = 3600.0, poll_s: float = 1.0
+    ) -> list[ReceivedVersion]:
+        """Receive every version the trainer announces until ``training_finished``; return them.
+
+        Raises:
+            FastLLMProtocolError: Redis failed, a bad event, or a stream that broke the
+                protocol (the group is left; nothing of that version was written).
+            WeightMismatchError: a version whose tensors do not match the served weights
+                (received in full, nothing written; the receiver stays in the group).
+            CollectiveError: the trainer died or stopped sending mid-stream.
+            FastLLMEventTimeout: no event for ``idle_timeout_s``.
+        """
+        if self._last_event_id is None:
+            self.connect()
+        idle_since = time.monotonic()
+        while True:
+            event = self.next_event(min(poll_s, idle_timeout_s))
+            if event is None:
+                if time.monotonic() - idle_since > idle_timeout_s:
+                    raise FastLLMEventTimeout(
+                        f"no Fast-LLM event on {self.events_stream!r} for {idle_timeout_s:.0f} s"
+                    )
+                continue
+            idle_since = time.monotonic()
+            if isinstance(event, TrainingFinished):
+                self.finished = True
+                self.close()
+                return list(self.versions)
+            self.take(event)
+
+    def take(self, event: WeightsReady) -> ReceivedVersion:
+        """Receive the version ``event`` announces (guarded unless ``guarded=False``), then pass
+        it on R2R if this receiver is the R2R source."""
+        if self.guarded:
+            received = self.receive_weights(event)
+        else:
+            with weight_sync_bracket(
+                None, name="receive_weights", pause=False, hold=False, timeline=self.timeline
+            ) as bracket:
+                received = self._receive(event)
+            assert bracket.report is not None
+            self.on_weight_sync_report(bracket.report)
+        if self.r2r is not None and self.r2r.is_source:
+            if self.guarded:
+                self.send_weights_r2r()
+            else:
+                self._send_r2r()
+        return received
+
+    def _receive(self, event: WeightsReady) -> ReceivedVersion:
+        self.rollout.ensure_initialized()
+        served = self.rollout.served_weights()
+        start = time.perf_counter()
+        if self.group is not None:
+            tensors, dropped, nbytes = self._stream_into(served, event)
+            version = event.version
+        elif self.r2r is not None and not self.r2r.is_source:
+            stats = self.r2r.receive(served, allow_subset=self.allow_subset)
+            self._reload(served)
+            tensors, dropped, nbytes, version = stats.tensors, 0, stats.nbytes, stats.version
+        else:
+            raise RolloutSyncError(
+                "this FastLLMReceiver is neither in the trainer's group nor an R2R receiver"
+            )
+        self.rollout.commit_weight_version(version)
+        if not self._engine_started and isinstance(self.rollout, BackgroundEngine):
+            self.rollout.start()  # inside the first sync's bracket: it begins parked
+            self._engine_started = True
+        received = ReceivedVersion(
+            version, event.step, tensors, dropped, nbytes, time.perf_counter() - start
+        )
+        self.versions.append(received)
+        if self.on_version is not None:
+            self.on_version(received, served)
+        return received
+
+    receive_weights = weight_sync_handler(_receive)
+    """The receive, guarded: pause, hold egress, lazy init, stream, write, fence, release."""
+
+    def _send_r2r(self) -> TransferStats:
+        assert self.r2r is not None
+        self.rollout.check_servable()
+        return self.r2r.send(
+            self.rollout.served_weights(),
+            version=self.rollout.weight_version,
+            storage=self.rollout.flat_weight_storage(),
+        )
+
+    send_weights_r2r = holds_payload_egress(_send_r2r)
+    """The R2R broadcast to the other replicas: reads the served tensors, egress held."""
+
+    def stop_engine(self, timeout: float = 60.0) -> None:
+        """Stop a background engine this receiver started (after ``serve`` returns)."""
+        if self._engine_started and isinstance(self.rollout, BackgroundEngine):
+            self._engine_started = False
+            self.rollout.stop(timeout)
+
+    # -- the stream ---------------------------------------------------------------------------
+
+    def _stream_into(
+        self, served: Mapping[str, torch.Tensor], event: WeightsReady
+    ) -> tuple[int, int, int]:
+        """Receive one whole stream; write it into ``served`` (staged: after the end marker).
+
+        Returns (tensors written, tensors dropped, bytes received).
+        """
+        group = self.group
+        assert group is not None
+        # A tensor is received even when refused (to stay in step with the trainer), but no
+        # allocation is made for more than 8x the largest served tensor (float64 for float8).
+        largest = 8 * max((t.numel() * t.element_size() for t in served.values()), default=0)
+        staged: dict[str, torch.Tensor] = {}
+        problems: list[str] = []
+        written = dropped = nbytes = 0
+        what = f"Fast-LLM weights of step {event.step}"
+        try:
+            length = torch.zeros(1, dtype=torch.int64, device=group.device)
+            while True:
+                group.receive(length, f"{what}: header length")
+                n = int(length.item())
+                if not 0 < n <= self.max_header_bytes:
+                    raise UnsafeHeaderError(
+                        f"{what}: a header of {n} bytes (the receiver accepts 1 .. "
+                        f"{self.max_header_bytes})"
+                    )
+                raw = torch.empty(n, dtype=torch.uint8, device=group.device)
+                group.receive(raw, f"{what}: header")
+                header = decode_header(raw.cpu().numpy().tobytes())
+                if header is None:
+                    break
+                if header.nbytes > largest:
+                    raise UnsafeHeaderError(
+                        f"{what}: {header.name} ({header.shard}) announces {header.nbytes} bytes, "
+                        f"more than 8x any served tensor ({largest})"
+                    )
+                target, problem = self._target(header, served, staged)
+                if problem is not None:
+                    problems.append(problem)
+                if target is None:  # another shard, or refused: received to stay in step
+                    scratch = torch.empty(header.shape, dtype=header.dtype, device=group.device)
+                    group.receive(scratch, f"{what}: {header.name}")
+                    dropped += header.shard != "weights"
+                elif self.stage:
+                    group.receive(target, f"{what}: {header.name}")
+                    staged[header.name] = target
+                else:
+                    with self._write_span(header.name):
+                        written += 1  # counted first: a failed receive leaves it half-written
+                        group.receive(target, f"{what}: {header.name}")
+                    staged[header.name] = target
+                nbytes += header.nbytes
+        except BaseException as exc:
+            # Out of step with the trainer (or it is gone): leave the group.
+            self.close()
+            if written and not self.stage:
+                self.rollout.mark_weights_torn(
+                    f"{written} tensor(s) of step {event.step} were written in place before the "
+                    f"Fast-LLM stream failed: {type(exc).__name__}"
+                )
+            raise
+        missing = [] if self.allow_subset else sorted(set(served) - set(staged))
+        if missing:
+            problems.append(
+                f"{len(missing)} served tensor(s) did not come: {', '.join(missing[:5])}"
+                + (" ..." if len(missing) > 5 else "")
+            )
+        if problems:
+            if written:
+                self.rollout.mark_weights_torn(
+                    f"step {event.step} was written in place and then refused"
+                )
+            raise WeightMismatchError(problems, context=f"{what}: refused, nothing written")
+        if self.stage:
+            self._write(staged, served)
+        else:
+            self._reload(served)
+        return len(staged), dropped, nbytes
+
+    def _target(
+        self,
+        header: TensorHeader,
+        served: Mapping[str, torch.Tensor],
+        staged: Mapping[str, torch.Tensor],
+    ) -> tuple[torch.Tensor | None, str | None]:
+        """Where to receive ``header``'s tensor, or ``None`` (drop) and why it is refused."""
+        if header.shard != "weights":
+            return None, None
+        tensor = served.get(header.name)
+        if tensor is None:
+            return None, f"{header.name}: not a served weight"
+        if header.name in staged:
+            return None, f"{header.name}: sent twice"
+        if tuple(tensor.shape) != header.shape or tensor.dtype != header.dtype:
+            return None, (
+                f"{header.name}: announced {list(header.shape)} {header.dtype}, served "
+                f"{list(tensor.shape)} {tensor.dtype}"
+            )
+        if not self.stage:
+            return tensor, None
+        device = self.group.device if self.group is not None else tensor.device
+        return torch.empty(header.shape, dtype=header.dtype, device=device), None
+
+    def _write(
+        self, staged: Mapping[str, torch.Tensor], served: Mapping[str, torch.Tensor]
+    ) -> None:
+        """Write a complete, accepted version into the served weights."""
+        if type(self.rollout).load_weights is not RolloutBase.load_weights:
+            self.rollout.load_weights(staged, require_all=not self.allow_subset)
+            return
+        with torch.no_grad():
+            for name, tensor in staged.items():
+                with self._write_span(name):
+                    served[name].copy_(tensor)
+
+    def _reload(self, served: Mapping[str, torch.Tensor]) -> None:
+        """Hand tensors received in place to an engine that serves from elsewhere."""
+        if type(self.rollout).load_weights is not RolloutBase.load_weights:
+            self.rollout.load_weights(served, require_all=False)
+
+    def _write_span(self, name: str) -> AbstractContextManager[Any]:
+        if self.timeline is None:
+            return _nothing()
+        return self.timeline.span(SpanKind.WEIGHT_WRITE, name)
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+class FastLLMRolloutSender:
+    """Ships rollouts to a Fast-LLM trainer as ``fast_llm_streaming`` records (XADD), from a
+    sender thread, in order.
+
+    :meth:`submit` queues (blocking, bounded by its timeout, while ``capacity`` records wait).
+    :meth:`hold_sends` stops launching records and waits for the one in flight; records
+    submitted meanwhile wait, in order, and go when the hold ends. :meth:`flush_pending_sends`
+    waits until every record submitted so far is in Redis. A record Redis refused is counted in
+    ``failed`` and the error raised by the next call.
+    """
+
+    def __init__(
+        self,
+        redis: Any,
+        *,
+        stream: str = ROLLOUTS_STREAM,
+        capacity: int = 256,
+        timeline: Timeline | None = None,
+        default_timeout: float = 60.0,
+    ) -> None:
+        self.redis, self.stream, self.capacity = redis, stream, capacity
+        self.timeline = timeline
+        self.default_timeout = default_timeout
+        self.submitted = self.sent = self.failed = 0
+        self._queue: collections.deque[dict[str, bytes]] = collections.deque()
+        self._cond = threading.Condition()
+        self._held = 0
+        self._in_flight = False
+        self._closing = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="fast-llm-rollouts", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self,
+        tokens: Sequence[int] | torch.Tensor,
+        old_log_probabilities: Sequence[float] | torch.Tensor,
+        model_version: Sequence[int] | torch.Tensor,
+        data: Mapping[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> None:
+        """Queue one rollout (see :func:`~rollout_sync.integrations.fast_llm_wire.encode_rollout`).
+
+        Raises:
+            ValueError: per-token arrays of different lengths.
+            PayloadBackpressureTimeout: ``capacity`` records still waited after ``timeout``.
+            FastLLMProtocolError: an earlier record failed to reach Redis.
+        """
+        record = encode_rollout(tokens, old_log_probabilities, model_version, data)
+        limit = self.default_timeout if timeout is None else timeout
+        with self._cond:
+            self._raise_if_failed()
+            if not self._cond.wait_for(lambda: len(self._queue) < self.capacity, limit):
+                raise PayloadBackpressureTimeout(
+                    f"{self.capacity} rollouts still waited for Redis after {limit:.1f} s",
+                    operation="queue a rollout",
+                    timeout=limit,
+                )
+            self._queue.append(record)
+            self.submitted += 1
+            self._cond.notify_all()
+
+    @contextmanager
+    def hold_sends(self, timeout: float | None = None) -> Iterator[None]:
+        limit = self.default_timeout if timeout is None else timeout
+        with self._cond:
+            self._held += 1
+            if not self._cond.wait_for(lambda: not self._in_flight, limit):
+                self._held -= 1
+                self._cond.notify_all()
+                raise EgressHoldTimeout(
+                    f"a rollout send to Redis was still in flight after {limit:.1f} s",
+                    operation="hold rollout sends",
+                    timeout=limit,
+                    sections_running=1,
+                )
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._held -= 1
+                self._cond.notify_all()
+
+    def flush_pending_sends(self, timeout: float | None = None) -> None:
+        limit = self.default_timeout if timeout is None else timeout
+        with self._cond:
+            if not self._cond.wait_for(
+                lambda: self._error is not None or (not self._queue and not self._in_flight),
+                limit,
+            ):
+                raise PayloadTimeout(
+                    f"rollouts still waited for Redis after {limit:.1f} s",
+                    operation="flush rollouts to Redis",
+                    timeout=limit,
+                )
+            self._raise_if_failed()
+
+    def close(self, timeout: float | None = None) -> None:
+        """Send what is queued, then stop the sender thread."""
+        limit = self.default_timeout if timeout is None else timeout
+        try:
+            self.flush_pending_sends(limit)
+        finally:
+            with self._cond:
+                self._closing = True
+                self._cond.notify_all()
+            self._thread.join(limit)
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise FastLLMProtocolError(
+                f"a rollout could not be added to Redis stream {self.stream!r}: "
+                f"{type(self._error).__name__}: {self._error}"
+            ) from self._error
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._closing or (self._queue and not self._held))
+                if not self._queue or self._held:
+                    if self._closing:
+                        return
+                    continue
+                record = self._queue.popleft()
+                self._in_flight = True
+                self._cond.notify_all()
+            try:
+                span = (
+                    self.timeline.span(SpanKind.PAYLOAD_SEND, "rollout to redis")
+                    if self.timeline is not None
+                    else _nothing()
+                )
+                with span:
+                    self.redis.xadd(self.stream, record)
+            except Exception as exc:  # noqa: BLE001 - kept and raised by the next call
+                with self._cond:
+                    self.failed += 1
+                    self._error = exc
+            else:
+                with self._cond:
+                    self.sent += 1
+            finally:
+                with self._cond:
+                    self._in_flight = False
+                    self._cond.notify_all()

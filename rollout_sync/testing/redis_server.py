@@ -1,0 +1,143 @@
+"""A real ``redis-server`` on a free local port, started and stopped by the code that needs it.
+
+For tests and demos: no fake Redis. The server is the system package (``apt-get install -y
+redis-server``; ``scripts/setup_venv.sh`` installs it when absent and it can). It keeps nothing
+on disk (no RDB, no AOF) and listens on 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from types import TracebackType
+from typing import Any
+
+from ..distributed import find_free_port
+from ..errors import RedisUnavailableError, RolloutSyncError
+
+__all__ = ["RedisServer", "RedisUnavailableError", "require_redis_server"]
+
+
+def require_redis_server() -> str:
+    """The ``redis-server`` executable's path.
+
+    Raises:
+        RedisUnavailableError: it is not installed, or the ``redis`` client is not.
+    """
+    path = shutil.which("redis-server")
+    if path is None:
+        raise RedisUnavailableError(
+            "redis-server is not installed: apt-get install -y redis-server (./run_test.sh and "
+            "./run.sh install it when run as root)"
+        )
+    try:
+        import redis  # noqa: F401
+    except ImportError as exc:
+        raise RedisUnavailableError("the redis client is not installed: pip install redis") from exc
+    return path
+
+
+class RedisServer:
+    """``with RedisServer() as server:`` runs one on ``server.port`` until the block ends.
+
+    :meth:`start` waits (up to ``timeout_s``) until it answers PING; :meth:`stop` shuts it down
+    (killing it after ``timeout_s``); :meth:`restart` does both on the same port, losing every
+    stream (nothing is persisted).
+    """
+
+    def __init__(self, port: int | None = None, *, timeout_s: float = 15.0) -> None:
+        self.executable = require_redis_server()
+        self.port = port if port is not None else find_free_port()
+        self.timeout_s = timeout_s
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self, **kwargs: Any) -> Any:
+        """A ``redis.Redis`` client of this server (socket timeouts default to ``timeout_s``)."""
+        import redis
+
+        kwargs.setdefault("socket_timeout", self.timeout_s)
+        kwargs.setdefault("socket_connect_timeout", self.timeout_s)
+        return redis.Redis(host="127.0.0.1", port=self.port, **kwargs)
+
+    def start(self) -> None:
+        """Start the server and wait until it answers.
+
+        Raises:
+            RolloutSyncError: it exited, or did not answer within ``timeout_s``.
+        """
+        if self._process is not None:
+            return
+        self._process = subprocess.Popen(
+            [
+                self.executable,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--daemonize",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        import redis
+
+        probe = self.client(socket_timeout=1.0, socket_connect_timeout=1.0)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if self._process.poll() is not None:
+                code = self._process.returncode
+                self._process = None
+                raise RolloutSyncError(f"redis-server on port {self.port} exited with code {code}")
+            try:
+                if probe.ping():
+                    break
+            except redis.exceptions.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RolloutSyncError(
+                    f"redis-server on port {self.port} did not answer within {self.timeout_s} s"
+                )
+            time.sleep(0.02)  # polling a server that offers no readiness event
+        probe.close()
+
+    def stop(self) -> None:
+        process, self._process = self._process, None
+        if process is None:
+            return
+        process.terminate()
+        try:
+            process.wait(self.timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(self.timeout_s)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def __enter__(self) -> RedisServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

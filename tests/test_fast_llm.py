@@ -1,0 +1,437 @@
+"""The Fast-LLM receiver against a real redis-server and a trainer written from the protocol.
+
+The trainer side is :class:`rollout_sync.testing.FastLLMTrainerStandIn` (it imports nothing of
+the receiver); Redis is the system's ``redis-server``, started on a free port for this module.
+Every test ends with the receiver's served weights either exactly the trainer's or exactly
+what they were before.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import ThreadRunner
+
+pytest.importorskip("redis")
+
+from rollout_sync.backends.torch_lm import (  # noqa: E402
+    TinyCausalLM,
+    TinyLMConfig,
+    TorchLMBackend,
+    TorchLMStreamBackend,  # noqa: E402
+)
+from rollout_sync.errors import (  # noqa: E402
+    CollectiveError,
+    FastLLMProtocolError,
+    TornWeightsError,
+    UnsafeHeaderError,
+    WeightMismatchError,
+)
+from rollout_sync.integrations.fast_llm import FastLLMReceiver, FastLLMRolloutSender  # noqa: E402
+from rollout_sync.integrations.fast_llm_wire import (  # noqa: E402
+    ROLLOUTS_STREAM,
+    HeaderUnpickler,
+    TrainingFinished,
+    WeightsReady,
+    decode_header,
+    decode_rollout,
+    parse_event,
+)
+from rollout_sync.testing import find_free_port, run_processes, weights_digest  # noqa: E402
+from rollout_sync.testing.fast_llm_trainer import FastLLMTrainerStandIn  # noqa: E402
+from rollout_sync.testing.redis_server import RedisServer, require_redis_server  # noqa: E402
+from rollout_sync.trace import SpanKind, Timeline, find_overlaps  # noqa: E402
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.redis]
+
+CONFIG = TinyLMConfig()
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    try:
+        require_redis_server()
+    except ImportError as exc:
+        pytest.skip(str(exc))
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def redis(redis_server: RedisServer) -> Any:
+    client = redis_server.client()
+    client.flushall()
+    return client
+
+
+def trainer_weights(seed: int) -> dict[str, torch.Tensor]:
+    model = TinyCausalLM.build(CONFIG, seed=seed)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def connected(
+    redis: Any, rollout: Any, runner: ThreadRunner, **receiver_kwargs: Any
+) -> tuple[FastLLMTrainerStandIn, FastLLMReceiver]:
+    """A trainer and a receiver in one group (each blocks in the rendezvous until both are)."""
+    port = find_free_port()
+    trainer = FastLLMTrainerStandIn(redis, host="127.0.0.1", port=port, timeout_s=30)
+    receiver = FastLLMReceiver(
+        rollout, redis=redis, group_address=("127.0.0.1", port), timeout_s=30, **receiver_kwargs
+    )
+    runner.start(trainer.connect, name="trainer-connect")
+    receiver.connect()
+    joined(runner)
+    return trainer, receiver
+
+
+def joined(runner: ThreadRunner, timeout: float = 60.0) -> None:
+    """Join every thread the runner started; re-raise the first error one of them had."""
+    errors = runner.join_all(timeout)
+    if errors:
+        raise errors[0]
+
+
+def served_digest(rollout: Any) -> str:
+    return weights_digest(rollout.served_weights())
+
+
+# -- the wire ----------------------------------------------------------------------------------
+
+
+def test_headers_admit_the_protocols_types_only(tmp_path: Path) -> None:
+    header = pickle.dumps(("weights", "layers.0.w", torch.Size([3, 4]), torch.bfloat16))
+    decoded = decode_header(header)
+    assert decoded is not None
+    assert (decoded.shard, decoded.name, decoded.shape, decoded.dtype) == (
+        "weights",
+        "layers.0.w",
+        (3, 4),
+        torch.bfloat16,
+    )
+    assert decode_header(b"\x80\x04N.") is None  # the end marker, byte for byte
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self) -> Any:
+            return (os.system, (f"touch {marker}",))
+
+    with pytest.raises(UnsafeHeaderError, match=r"posix.system|os.system"):
+        decode_header(pickle.dumps(("weights", "w", torch.Size([1]), Evil())))
+    assert not marker.exists()
+    with pytest.raises(UnsafeHeaderError):
+        HeaderUnpickler(__import__("io").BytesIO(pickle.dumps(torch.nn.Linear))).load()
+    with pytest.raises(UnsafeHeaderError, match=r"\(shard, name, shape, dtype\)"):
+        decode_header(pickle.dumps(["weights", "w"]))
+    with pytest.raises(UnsafeHeaderError, match="does not unpickle"):
+        decode_header(b"\x80\x04garbage")
+
+
+def test_events_parse_as_fast_llm_writes_them() -> None:
+    ready = parse_event({b"event": b'{"type": "weights_ready", "step": 3, "documents_seen": 96}'})
+    assert ready == WeightsReady(3, 96) and ready.version == 96
+    assert parse_event({"event": '{"type": "weights_ready", "step": 3}'}).version == 3  # type: ignore[union-attr]
+    assert parse_event({b"event": b'{"type": "training_finished"}'}) == TrainingFinished()
+    with pytest.raises(FastLLMProtocolError, match="unknown"):
+        parse_event({b"event": b'{"type": "bogus"}'})
+    with pytest.raises(FastLLMProtocolError):
+        parse_event({b"other": b"1"})
+
+
+# -- full streams ------------------------------------------------------------------------------
+
+
+def test_streams_land_bit_identically_and_training_finished_tears_down(redis: Any) -> None:
+    runner = ThreadRunner()
+    rollout = TorchLMBackend(CONFIG)
+    trainer, receiver = connected(redis, rollout, runner)
+    first, second = trainer_weights(1), trainer_weights(2)
+    optimizer_state = [
+        ("exp_avgs", f"{n}/exp_avgs", torch.zeros_like(t)) for n, t in second.items()
+    ]
+
+    def train() -> None:
+        trainer.push(1, 32, first)
+        trainer.push(2, 64, [("weights", n, t) for n, t in second.items()] + optimizer_state)
+        trainer.training_finished()
+
+    runner.start(train, name="trainer")
+    versions = receiver.serve(idle_timeout_s=60)
+    joined(runner)
+    assert [(v.version, v.step, v.tensors) for v in versions] == [
+        (32, 1, len(first)),
+        (64, 2, len(second)),
+    ]
+    assert versions[1].dropped == len(optimizer_state) and versions[0].dropped == 0
+    assert served_digest(rollout) == weights_digest(second)
+    assert rollout.weight_version == 64 and not rollout.weights_torn
+    assert receiver.finished and receiver.group is None
+    assert len(receiver.sync_reports) == 2
+    trainer.close()
+
+
+def test_events_of_an_earlier_run_are_not_replayed(redis: Any) -> None:
+    """The stream is never trimmed: a receiver starts after what was there when it connected."""
+    redis.xadd(
+        "fast_llm_events", {"event": '{"type": "weights_ready", "step": 9, "documents_seen": 9}'}
+    )
+    redis.xadd("fast_llm_events", {"event": '{"type": "training_finished"}'})
+    runner = ThreadRunner()
+    rollout = TorchLMBackend(CONFIG)
+    trainer, receiver = connected(redis, rollout, runner)
+    weights = trainer_weights(3)
+
+    def train() -> None:
+        trainer.push(1, 5, weights)
+        trainer.training_finished()
+
+    runner.start(train, name="trainer")
+    assert [v.version for v in receiver.serve(idle_timeout_s=60)] == [5]
+    joined(runner)
+    assert served_digest(rollout) == weights_digest(weights)
+    trainer.close()
+
+
+# -- bad streams: a clear error, the served weights untouched ----------------------------------
+
+
+def _untouched_after(redis: Any, send: Any, error: type[BaseException], match: str) -> Any:
+    runner = ThreadRunner()
+    rollout = TorchLMBackend(CONFIG)
+    rollout.ensure_initialized()
+    before = served_digest(rollout)
+    trainer, receiver = connected(redis, rollout, runner)
+    runner.start(lambda: send(trainer), name="trainer")
+    event = receiver.next_event(30)
+    assert isinstance(event, WeightsReady)
+    with pytest.raises(error, match=match):
+        receiver.take(event)
+    assert served_digest(rollout) == before
+    assert rollout.weight_version == 0 and not rollout.weights_torn
+    return trainer, receiver, rollout, runner
+
+
+def test_a_malicious_header_is_refused_before_it_runs(redis: Any, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self) -> Any:
+            return (os.system, (f"touch {marker}",))
+
+    def send(trainer: FastLLMTrainerStandIn) -> None:
+        trainer.weights_ready(1, 8)
+        trainer.broadcast_raw(pickle.dumps(Evil()))
+
+    trainer, receiver, _, runner = _untouched_after(redis, send, UnsafeHeaderError, "system")
+    joined(runner)
+    assert not marker.exists()
+    assert receiver.group is None  # out of step with the trainer: abandoned
+    trainer.close()
+
+
+@pytest.mark.parametrize("damage", ["shape", "dtype", "unknown name", "missing"])
+def test_a_stream_that_does_not_match_is_refused_whole_and_the_next_lands(
+    redis: Any, damage: str
+) -> None:
+    weights = trainer_weights(4)
+    names = list(weights)
+    bad: list[tuple[str, str, torch.Tensor]] = [("weights", n, t) for n, t in weights.items()]
+    if damage == "shape":
+        bad[1] = ("weights", names[1], torch.zeros(3, 5))
+    elif damage == "dtype":
+        bad[1] = ("weights", names[1], weights[names[1]].to(torch.float64))
+    elif damage == "unknown name":
+        bad[1] = ("weights", "model.bogus.weight", weights[names[1]])
+    else:
+        del bad[1]
+
+    def send(trainer: FastLLMTrainerStandIn) -> None:
+        trainer.push(1, 8, bad)
+        trainer.push(2, 16, weights)  # the receiver stayed in step: this one lands
+
+    trainer, receiver, rollout, runner = _untouched_after(
+        redis, send, WeightMismatchError, "nothing written"
+    )
+    event = receiver.next_event(30)
+    assert isinstance(event, WeightsReady)
+    receiver.take(event)
+    joined(runner)
+    assert served_digest(rollout) == weights_digest(weights) and rollout.weight_version == 16
+    trainer.close()
+    receiver.close()
+
+
+def _dies_mid_stream(
+    rank: int, redis_url: str, port: int, weights: dict[str, torch.Tensor]
+) -> None:
+    import redis as redis_client
+
+    trainer = FastLLMTrainerStandIn(
+        redis_client.Redis.from_url(redis_url), host="127.0.0.1", port=port, timeout_s=30
+    )
+    trainer.connect()
+    trainer.weights_ready(1, 8)
+    for name, tensor in list(weights.items())[:3]:
+        trainer.broadcast_raw(pickle.dumps(("weights", name, tensor.shape, tensor.dtype)), tensor)
+    os._exit(1)  # killed mid-stream: no end marker, its connections close
+
+
+@pytest.mark.parametrize("stage", [True, False])
+def test_a_trainer_killed_mid_stream(redis: Any, redis_server: RedisServer, stage: bool) -> None:
+    """Staged: a clear error, the weights untouched. In place: the error, and the weights
+    marked torn (generation may not serve them)."""
+    rollout = TorchLMBackend(CONFIG)
+    rollout.ensure_initialized()
+    before = served_digest(rollout)
+    port = find_free_port()
+    runner = ThreadRunner()
+    runner.start(
+        lambda: run_processes(
+            _dies_mid_stream,
+            1,
+            (redis_server.url, port, trainer_weights(5)),
+            timeout_s=60,
+            expected_exits={0: 1},
+        ),
+        name="trainer-process",
+    )
+    receiver = FastLLMReceiver(
+        rollout, redis=redis, group_address=("127.0.0.1", port), timeout_s=30, stage=stage
+    )
+    receiver.connect()
+    event = receiver.next_event(30)
+    assert isinstance(event, WeightsReady)
+    with pytest.raises(CollectiveError):
+        receiver.take(event)
+    joined(runner)
+    assert receiver.group is None
+    if stage:
+        assert served_digest(rollout) == before and not rollout.weights_torn
+    else:
+        assert rollout.weights_torn
+        with pytest.raises(TornWeightsError, match="written in place"):
+            rollout.check_servable()
+    assert rollout.weight_version == 0
+
+
+def test_a_redis_restart_is_a_clear_error(redis: Any, redis_server: RedisServer) -> None:
+    runner = ThreadRunner()
+    rollout = TorchLMBackend(CONFIG)
+    rollout.ensure_initialized()
+    before = served_digest(rollout)
+    trainer, receiver = connected(redis, rollout, runner)
+    redis_server.restart()
+    with pytest.raises(FastLLMProtocolError, match=r"restarted|Redis event stream"):
+        receiver.serve(idle_timeout_s=30, poll_s=0.2)
+    assert served_digest(rollout) == before and rollout.weight_version == 0
+    trainer.close()
+    receiver.close()
+
+
+# -- the pause covers the whole receive --------------------------------------------------------
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_the_pause_covers_the_whole_receive(redis: Any, guarded: bool) -> None:
+    """Generation streams throughout; the first version arrives before it starts (and starts
+    it). Guarded: no forward overlaps a write. Unguarded, the same harness finds overlaps."""
+    timeline = Timeline()
+    rollout = TorchLMStreamBackend(CONFIG, max_concurrent=4, timeline=timeline)
+    runner = ThreadRunner()
+    trainer, receiver = connected(
+        redis, rollout, runner, timeline=timeline, stage=False, guarded=guarded
+    )
+    pushed = threading.Event()
+    steps = 12
+
+    def train() -> None:
+        for step in range(1, steps + 1):
+            trainer.push(step, step * 8, trainer_weights(10 + step))
+            if step == 1:
+                pushed.set()
+        trainer.training_finished()
+
+    def feed() -> None:
+        pushed.wait(30)
+        while not receiver.finished:
+            for _ in range(4):
+                rollout.put([1, 2, 3], max_new_tokens=24)
+            rollout.scheduler.get(timeout=30)
+
+    runner.start(train, name="trainer")
+    runner.start(feed, name="feeder")
+    try:
+        versions = receiver.serve(idle_timeout_s=60)
+    finally:
+        joined(runner)
+        receiver.stop_engine(30)
+    assert len(versions) == steps and rollout.weight_version == steps * 8
+    spans = timeline.spans()
+    forwards = [s for s in spans if s.kind == SpanKind.FORWARD]
+    writes = [s for s in spans if s.kind == SpanKind.WEIGHT_WRITE]
+    assert len(forwards) > 20 and len(writes) >= steps * len(trainer_weights(0))
+    overlaps = find_overlaps(spans, [(SpanKind.FORWARD, SpanKind.WEIGHT_WRITE)])
+    if guarded:
+        assert overlaps == []
+    else:
+        assert overlaps, "without the bracket, forwards ran inside the in-place receive"
+    trainer.close()
+
+
+# -- rollouts back -----------------------------------------------------------------------------
+
+
+def test_rollouts_go_back_in_fast_llms_format_and_a_hold_defers_them(redis: Any) -> None:
+    sender = FastLLMRolloutSender(redis, default_timeout=30)
+    redis.xgroup_create(ROLLOUTS_STREAM, "fast_llm_group", id="0", mkstream=True)
+    sender.submit([5, 6, 7], [-0.5, -1.0, -0.25], [32, 32, 64], {"reward": 1.0})
+    sender.flush_pending_sends(30)
+    with sender.hold_sends(30):
+        sender.submit([8], [-0.1], [64])
+        assert redis.xlen(ROLLOUTS_STREAM) == 1  # held: queued, not sent, not dropped
+    sender.flush_pending_sends(30)
+    assert redis.xlen(ROLLOUTS_STREAM) == 2
+    entries = redis.xreadgroup("fast_llm_group", "trainer", {ROLLOUTS_STREAM: ">"}, count=10)
+    records = [decode_rollout(fields) for _, fields in entries[0][1]]
+    assert records[0].tokens.tolist() == [5, 6, 7]
+    assert records[0].old_log_probabilities.tolist() == [-0.5, -1.0, -0.25]
+    assert records[0].model_version.tolist() == [32, 32, 64]
+    assert records[0].data == {"reward": 1.0}
+    assert records[0].staleness(96) == 64 and records[1].staleness(96) == 32
+    with pytest.raises(ValueError, match="one entry per token"):
+        sender.submit([1, 2], [-1.0], [0, 0])
+    sender.close(30)
+    assert (sender.submitted, sender.sent, sender.failed) == (2, 2, 0)
+
+
+# -- the demo ----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_the_fast_llm_demo_reports_a_clean_guarded_run(
+    redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from rollout_sync.demos.cli import main
+
+    assert main(["demo", "--trainer", "fast-llm", "--steps", "4", "--replicas", "2", "--json"]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(out.strip().splitlines()[-1])
+    assert (report["trainer"], report["guarded"], report["replicas"]) == ("fast-llm", True, 2)
+    # 5 versions (the initial one and 4 steps): replica 1 receives and passes each on R2R,
+    # replica 2 receives it.
+    assert report["syncs"] == 15 and report["versions_checked"] == 10
+    assert report["torn_reads"] == 0 and report["egress_overlaps"] == 0
+    assert report["bit_identical"] is True and report["failed_commands"] == 0
+    assert report["payloads_lost"] == 0 and report["payloads_received"] == report["payloads_sent"]
+    assert report["payloads_sent"] > 0
+    assert report["final_versions"] == [report["documents_seen"]] * 2
+    assert 0 <= report["staleness_p50"] <= report["staleness_max"]
+    assert "OK:" in out
