@@ -1,9 +1,9 @@
 """The Fast-LLM receiver against a real redis-server and a trainer written from the protocol.
 
-The trainer side is :class:`rollout_sync.testing.FastLLMTrainerStandIn` (it imports nothing of
-the receiver); Redis is the system's ``redis-server``, started on a free port for this module.
-Every test ends with the receiver's served weights either exactly the trainer's or exactly
-what they were before.
+The trainer side is :class:`rollout_sync.testing.fast_llm_trainer.FastLLMTrainerStandIn` (it
+imports nothing of the receiver); Redis is the system's ``redis-server``, started on a free port
+for this module. Every test ends with the receiver's served weights either exactly the
+trainer's or exactly what they were before.
 """
 
 from __future__ import annotations
@@ -27,9 +27,12 @@ from rollout_sync.backends.torch_lm import (  # noqa: E402
     TorchLMBackend,
     TorchLMStreamBackend,  # noqa: E402
 )
+from rollout_sync.distributed import standalone_group  # noqa: E402
 from rollout_sync.errors import (  # noqa: E402
     CollectiveError,
     FastLLMProtocolError,
+    ManifestRejected,
+    PayloadTimeout,
     TornWeightsError,
     UnsafeHeaderError,
     WeightMismatchError,
@@ -48,6 +51,7 @@ from rollout_sync.testing import find_free_port, run_processes, weights_digest  
 from rollout_sync.testing.fast_llm_trainer import FastLLMTrainerStandIn  # noqa: E402
 from rollout_sync.testing.redis_server import RedisServer, require_redis_server  # noqa: E402
 from rollout_sync.trace import SpanKind, Timeline, find_overlaps  # noqa: E402
+from rollout_sync.transfer import TransferConfig, WeightTransfer  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.redis]
 
@@ -267,6 +271,65 @@ def test_a_stream_that_does_not_match_is_refused_whole_and_the_next_lands(
     receiver.close()
 
 
+def test_a_version_the_group_replica_refuses_is_aborted_for_its_r2r_receivers(redis: Any) -> None:
+    """Fan-out: replica 1 refuses a version (a wrong shape), so its R2R receiver is told at
+    once that none is coming (ManifestRejected, not a timeout, nothing written); the next
+    version reaches both."""
+    runner = ThreadRunner()
+    first, second = TorchLMBackend(CONFIG), TorchLMBackend(CONFIG)
+    second.ensure_initialized()
+    before = served_digest(second)
+    port = find_free_port()
+    groups: dict[int, Any] = {}
+
+    def join(rank: int) -> None:
+        groups[rank] = standalone_group("127.0.0.1", port, rank, 2, timeout_s=30)
+
+    runner.start(lambda: join(0), name="r2r-source-join")
+    join(1)
+    joined(runner)
+    config = TransferConfig(timeout_s=30)
+    downstream = FastLLMReceiver(
+        second, redis=redis, r2r=WeightTransfer(groups[1], 0, config=config), timeout_s=30
+    )
+    downstream.connect()
+    trainer, upstream = connected(
+        redis, first, runner, r2r=WeightTransfer(groups[0], 0, config=config)
+    )
+    good = trainer_weights(6)
+    bad = dict(good)
+    bad[next(iter(bad))] = torch.zeros(3, 5)
+
+    def train() -> None:
+        trainer.push(1, 8, bad)
+        trainer.push(2, 16, good)
+
+    def replica_one() -> None:
+        refused = upstream.next_event(30)
+        assert isinstance(refused, WeightsReady)
+        with pytest.raises(WeightMismatchError):
+            upstream.take(refused)
+        landed = upstream.next_event(30)
+        assert isinstance(landed, WeightsReady)
+        upstream.take(landed)
+
+    runner.start(train, name="trainer")
+    runner.start(replica_one, name="replica-1")
+    event = downstream.next_event(30)
+    assert isinstance(event, WeightsReady)
+    with pytest.raises(ManifestRejected, match="aborted the transfer of version 8"):
+        downstream.take(event)
+    assert served_digest(second) == before and not second.weights_torn
+    event = downstream.next_event(30)
+    assert isinstance(event, WeightsReady)
+    downstream.take(event)
+    joined(runner)
+    assert served_digest(first) == served_digest(second) == weights_digest(good)
+    assert first.weight_version == second.weight_version == 16
+    trainer.close()
+    upstream.close()
+
+
 def _dies_mid_stream(
     rank: int, redis_url: str, port: int, weights: dict[str, torch.Tensor]
 ) -> None:
@@ -332,6 +395,14 @@ def test_a_redis_restart_is_a_clear_error(redis: Any, redis_server: RedisServer)
     assert served_digest(rollout) == before and rollout.weight_version == 0
     trainer.close()
     receiver.close()
+
+
+def test_a_redis_client_without_a_socket_timeout_is_refused(redis_server: RedisServer) -> None:
+    import redis as redis_client
+
+    unbounded = redis_client.Redis(host="127.0.0.1", port=redis_server.port)
+    with pytest.raises(ValueError, match="socket_timeout"):
+        FastLLMReceiver(TorchLMBackend(CONFIG), redis=unbounded)
 
 
 # -- the pause covers the whole receive --------------------------------------------------------
@@ -408,6 +479,18 @@ def test_rollouts_go_back_in_fast_llms_format_and_a_hold_defers_them(redis: Any)
         sender.submit([1, 2], [-1.0], [0, 0])
     sender.close(30)
     assert (sender.submitted, sender.sent, sender.failed) == (2, 2, 0)
+    with pytest.raises(FastLLMProtocolError, match="closed"):
+        sender.submit([1], [-1.0], [0])
+
+
+def test_closing_a_held_sender_counts_what_it_could_not_send(redis: Any) -> None:
+    sender = FastLLMRolloutSender(redis, default_timeout=30)
+    with sender.hold_sends(30):
+        sender.submit([1, 2], [-1.0, -2.0], [0, 0])
+        with pytest.raises(PayloadTimeout):
+            sender.close(0.2)
+    assert (sender.submitted, sender.sent, sender.failed) == (1, 0, 1)
+    assert redis.xlen(ROLLOUTS_STREAM) == 0
 
 
 # -- the demo ----------------------------------------------------------------------------------

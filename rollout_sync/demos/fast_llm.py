@@ -4,12 +4,13 @@ A real ``redis-server`` (started here on a free port, stopped at the end) carrie
 plane; every process is spawned locally:
 
 * **The trainer** (process 0) speaks Fast-LLM's protocol byte for byte
-  (:class:`~rollout_sync.testing.FastLLMTrainerStandIn`): it hosts the broadcast group's store,
-  announces ``weights_ready`` on ``fast_llm_events`` before every broadcast (once at the start,
-  then after every step), broadcasts each tensor as length / pickled header / tensor, ends with
-  ``pickle.dumps(None)`` and sends ``training_finished``. Each step it reads the rollouts that
-  arrived on ``fast_llm_streaming`` (consumer group ``fast_llm_group``; its stand-in for
-  training on them), counts them as documents seen, and moves its weights (a TinyLM).
+  (:class:`~rollout_sync.testing.fast_llm_trainer.FastLLMTrainerStandIn`): it hosts the
+  broadcast group's store, announces ``weights_ready`` on ``fast_llm_events`` before every
+  broadcast (once at the start, then after every step), broadcasts each tensor as length /
+  pickled header / tensor, ends with ``pickle.dumps(None)`` and sends ``training_finished``.
+  Each step it reads the rollouts that arrived on ``fast_llm_streaming`` (consumer group
+  ``fast_llm_group``; its stand-in for training on them), counts them as documents seen, and
+  moves its weights (a TinyLM).
 * **Replica 1** joins the trainer's group and receives each version through a
   :class:`~rollout_sync.integrations.fast_llm.FastLLMReceiver` inside the guard's bracket, then
   passes it on R2R with the package's transfer to the other replicas, which run a receiver
@@ -206,9 +207,13 @@ def _replica(rank: int, config: FastLLMDemoConfig, client: Any) -> dict[str, Any
         error = f"{type(exc).__name__}: {exc}"
     finally:
         receiver.close()
-        receiver.stop_engine(config.timeout_s)
-        sender.close(config.timeout_s)
-        client.set(_DONE_KEY.format(rank=rank), 1)
+        try:
+            receiver.stop_engine(config.timeout_s)
+        finally:
+            try:
+                sender.close(config.timeout_s)
+            finally:
+                client.set(_DONE_KEY.format(rank=rank), 1)
     stats = engine.statistics()
     return {
         "role": "replica",
@@ -222,7 +227,9 @@ def _replica(rank: int, config: FastLLMDemoConfig, client: Any) -> dict[str, Any
         "torn_forwards": stats.torn_forwards,
         "sent": sender.sent,
         "failed_sends": sender.failed,
-        "reports": [s.to_metrics(prefix="") for s in receiver.sync_reports],
+        "reports": [
+            {"handler": s.handler, **s.to_metrics(prefix="")} for s in receiver.sync_reports
+        ],
         "spans": timeline.to_records(),
         **engine.results,
     }
@@ -279,7 +286,8 @@ def _report(
     forward_writes = [o for o in overlaps if o.first.kind == SpanKind.FORWARD]
     torn = {_span_key(s) for s in timeline.spans(SpanKind.FORWARD) if s.args.get("torn")}
     torn |= {_span_key(o.first) for o in forward_writes}
-    reports = [r for rep in replicas for r in rep["reports"]]
+    # The R2R source only reads its weights and is not paused; phases are the receivers'.
+    reports = [r for rep in replicas for r in rep["reports"] if "send" not in r["handler"]]
     mismatches = checked = 0
     for rep in replicas:
         for version, digest in rep["digests"].items():

@@ -21,12 +21,13 @@ side:
   :class:`~rollout_sync.integrations.fast_llm_wire.HeaderUnpickler` (the protocol's types only)
   and capped in length. The stream has no manifest, so each header is checked against the
   served weights as it arrives (name, shape, dtype); tensors are staged and written only after
-  the end marker. A wrong name, shape or dtype is still received (to stay in step with the
-  trainer) and the version is refused at the end; a malicious or oversized header, a short
-  stream or a dead trainer abandon it (the receiver leaves the group). In every case the served
-  weights are untouched. With ``stage=False`` (no second copy of the model) each tensor is
-  received straight into the served one as its header is accepted: a failure after the first
-  write marks the weights torn, and generation stays parked until a complete version lands.
+  the end marker. A wrong name, shape or dtype, or a stream that ends without a served name,
+  is still received to the end (staying in step with the trainer) and the version refused
+  there; a malicious or oversized header, a trainer that dies or stalls mid-stream abandon it
+  (the receiver leaves the group). In every case the served weights are untouched. With
+  ``stage=False`` (no second copy of the model) each tensor is received straight into the
+  served one as its header is accepted: a failure after the first write marks the weights
+  torn, and generation stays parked until a complete version lands.
   Tensors of other shard categories (Fast-LLM's own format sends optimizer state after the
   weights) are received and dropped, as the protocol requires.
 * **Fan-out.** The replica in the trainer's group passes each version on R2R with the package's
@@ -59,6 +60,7 @@ from ..errors import (
     RolloutSyncError,
     UnsafeHeaderError,
     WeightMismatchError,
+    WeightTransferError,
 )
 from ..guard import SyncReport, holds_payload_egress, weight_sync_bracket, weight_sync_handler
 from ..trace import SpanKind, Timeline
@@ -101,7 +103,9 @@ class FastLLMReceiver:
         rollout: the engine. Its ``served_weights()`` names are the export format's (Hugging
             Face names); an engine that overrides ``load_weights`` gets the staged tensors
             through it (the vLLM backend: its native path), others are written in place.
-        redis: a ``redis.Redis`` client of the trainer's Redis (``callbacks.streaming``).
+        redis: a ``redis.Redis`` client of the trainer's Redis (``callbacks.streaming``), with
+            a ``socket_timeout`` (it bounds every Redis call; event reads block for at most
+            half of it at a time).
         group_address: ``(host, port)`` of the trainer's broadcast rendezvous; ``None`` for a
             replica that gets the weights R2R only.
         rank, world_size: this receiver's rank in the trainer's group (1 .. W - 1) and W.
@@ -114,9 +118,17 @@ class FastLLMReceiver:
             receives in place (no second copy; torn on a failure mid-stream).
         allow_subset: accept a stream that leaves served names out (default: every served
             tensor must come).
-        guarded: ``False`` receives without the bracket (to show what the pause prevents).
+        timeline: records the bracket's spans, the writes and (through the engine) forwards.
+        stage: see above. guarded: ``False`` receives without the bracket (to show what the
+            pause prevents).
+        events_stream: the events' stream name (Fast-LLM's is ``fast_llm_events``).
+        max_header_bytes: the longest header accepted (64 KiB).
         on_version: called with each :class:`ReceivedVersion` and the served tensors, right
             after a version is committed (for checks).
+
+    Raises:
+        ValueError: ``redis`` has no socket timeout (its calls could block for ever; give
+            ``redis.Redis(..., socket_timeout=..., socket_connect_timeout=...)``).
     """
 
     def __init__(
@@ -139,8 +151,15 @@ class FastLLMReceiver:
         max_header_bytes: int = MAX_HEADER_BYTES,
         on_version: Callable[[ReceivedVersion, Mapping[str, torch.Tensor]], None] | None = None,
     ) -> None:
+        socket_timeout = _socket_timeout(redis)
+        if socket_timeout is None:
+            raise ValueError(
+                "FastLLMReceiver needs a Redis client whose calls are bounded: "
+                "redis.Redis(..., socket_timeout=30, socket_connect_timeout=30)"
+            )
         self.rollout = rollout
         self.redis = redis
+        self._block_s = max(0.001, socket_timeout / 2)
         self.group_address = group_address
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.r2r = r2r
@@ -202,6 +221,15 @@ class FastLLMReceiver:
             raise self._redis_failure("read the end of", exc) from exc
         return last[0][0] if last else "0-0"
 
+    def _check_same_server(self) -> None:
+        run_id = self._server_run_id()
+        if run_id != self._redis_run_id:
+            raise FastLLMProtocolError(
+                f"the Redis server of the event stream {self.events_stream!r} restarted (run id "
+                f"{self._redis_run_id} -> {run_id}): announcements may have been lost, so this "
+                "receiver cannot tell which broadcast comes next; no weights were written"
+            )
+
     def _server_run_id(self) -> str:
         """The Redis server's run id: a new one means it restarted (and, unless it persists
         streams, lost every event this receiver had not read)."""
@@ -224,20 +252,25 @@ class FastLLMReceiver:
         """
         if self._last_event_id is None:
             raise RolloutSyncError("FastLLMReceiver.connect() first")
-        block_ms = max(1, int(timeout_s * 1000))
-        try:
-            run_id = self._server_run_id()
-            answer = self.redis.xread(
-                {self.events_stream: self._last_event_id}, count=1, block=block_ms
-            )
-        except Exception as exc:  # noqa: BLE001 - redis' errors, typed for the caller
-            raise self._redis_failure("read", exc) from exc
-        if run_id != self._redis_run_id:
-            raise FastLLMProtocolError(
-                f"the Redis server of the event stream {self.events_stream!r} restarted (run id "
-                f"{self._redis_run_id} -> {run_id}): announcements may have been lost, so this "
-                "receiver cannot tell which broadcast comes next; no weights were written"
-            )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            # Each block is shorter than the client's socket timeout, so a quiet stream is
+            # not mistaken for a dead connection.
+            block_s = min(self._block_s, max(0.001, deadline - time.monotonic()))
+            try:
+                self._check_same_server()
+                answer = self.redis.xread(
+                    {self.events_stream: self._last_event_id},
+                    count=1,
+                    block=max(1, int(block_s * 1000)),
+                )
+                self._check_same_server()  # a restart during the read
+            except FastLLMProtocolError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - redis' errors, typed for the caller
+                raise self._redis_failure("read", exc) from exc
+            if answer or time.monotonic() >= deadline:
+                break
         if not answer:
             return None
         _, messages = answer[0]
@@ -279,16 +312,29 @@ class FastLLMReceiver:
     def take(self, event: WeightsReady) -> ReceivedVersion:
         """Receive the version ``event`` announces (guarded unless ``guarded=False``), then pass
         it on R2R if this receiver is the R2R source."""
-        if self.guarded:
-            received = self.receive_weights(event)
-        else:
-            with weight_sync_bracket(
-                None, name="receive_weights", pause=False, hold=False, timeline=self.timeline
-            ) as bracket:
-                received = self._receive(event)
-            assert bracket.report is not None
-            self.on_weight_sync_report(bracket.report)
-        if self.r2r is not None and self.r2r.is_source:
+        source = self.r2r is not None and self.r2r.is_source
+        try:
+            if self.guarded:
+                received = self.receive_weights(event)
+            else:
+                with weight_sync_bracket(
+                    None, name="receive_weights", pause=False, hold=False, timeline=self.timeline
+                ) as bracket:
+                    received = self._receive(event)
+                assert bracket.report is not None
+                self.on_weight_sync_report(bracket.report)
+        except Exception as exc:
+            if source:
+                # The other replicas wait for this version's manifest: tell them none comes
+                # (they raise ManifestRejected at once, writing nothing).
+                assert self.r2r is not None
+                self.r2r.abort(
+                    f"replica {self.rank} could not receive step {event.step}: "
+                    f"{type(exc).__name__}",
+                    version=event.version,
+                )
+            raise
+        if source:
             if self.guarded:
                 self.send_weights_r2r()
             else:
@@ -303,8 +349,7 @@ class FastLLMReceiver:
             tensors, dropped, nbytes = self._stream_into(served, event)
             version = event.version
         elif self.r2r is not None and not self.r2r.is_source:
-            stats = self.r2r.receive(served, allow_subset=self.allow_subset)
-            self._reload(served)
+            stats = self._receive_r2r(served)
             tensors, dropped, nbytes, version = stats.tensors, 0, stats.nbytes, stats.version
         else:
             raise RolloutSyncError(
@@ -322,12 +367,37 @@ class FastLLMReceiver:
             self.on_version(received, served)
         return received
 
+    def _receive_r2r(self, served: Mapping[str, torch.Tensor]) -> TransferStats:
+        """The R2R receive, as the rollout worker does it: a failure after a write marks the
+        weights torn; one that left every byte here intact still commits that version."""
+        assert self.r2r is not None
+        try:
+            stats = self.r2r.receive(
+                served, allow_subset=self.allow_subset, storage=self.rollout.flat_weight_storage()
+            )
+        except WeightTransferError as exc:
+            if exc.complete and exc.version is not None:
+                self._reload(served)
+                self.rollout.commit_weight_version(exc.version)
+            elif exc.targets_torn:
+                self.rollout.mark_weights_torn(
+                    f"{exc.tensors_written} tensor(s) of version {exc.version} were written "
+                    f"before the R2R transfer failed: {type(exc).__name__}"
+                )
+            raise
+        self._reload(served)
+        return stats
+
     receive_weights = weight_sync_handler(_receive)
     """The receive, guarded: pause, hold egress, lazy init, stream, write, fence, release."""
 
     def _send_r2r(self) -> TransferStats:
         assert self.r2r is not None
-        self.rollout.check_servable()
+        try:
+            self.rollout.check_servable()
+        except Exception as exc:
+            self.r2r.abort(f"the source cannot send: {type(exc).__name__}: {exc}")
+            raise
         return self.r2r.send(
             self.rollout.served_weights(),
             version=self.rollout.weight_version,
@@ -417,9 +487,12 @@ class FastLLMReceiver:
                 self.rollout.mark_weights_torn(
                     f"step {event.step} was written in place and then refused"
                 )
+                raise WeightMismatchError(
+                    problems, context=f"{what}: refused after {written} in-place writes (torn)"
+                )
             raise WeightMismatchError(problems, context=f"{what}: refused, nothing written")
         if self.stage:
-            self._write(staged, served)
+            self._write(staged, served, event)
         else:
             self._reload(served)
         return len(staged), dropped, nbytes
@@ -449,16 +522,30 @@ class FastLLMReceiver:
         return torch.empty(header.shape, dtype=header.dtype, device=device), None
 
     def _write(
-        self, staged: Mapping[str, torch.Tensor], served: Mapping[str, torch.Tensor]
+        self,
+        staged: Mapping[str, torch.Tensor],
+        served: Mapping[str, torch.Tensor],
+        event: WeightsReady,
     ) -> None:
-        """Write a complete, accepted version into the served weights."""
+        """Write a complete, accepted version into the served weights (an engine's own
+        ``load_weights`` marks its weights torn itself when a write fails half-way)."""
         if type(self.rollout).load_weights is not RolloutBase.load_weights:
             self.rollout.load_weights(staged, require_all=not self.allow_subset)
             return
-        with torch.no_grad():
-            for name, tensor in staged.items():
-                with self._write_span(name):
-                    served[name].copy_(tensor)
+        written = 0
+        try:
+            with torch.no_grad():
+                for name, tensor in staged.items():
+                    with self._write_span(name):
+                        served[name].copy_(tensor)
+                    written += 1
+        except BaseException as exc:
+            if written:
+                self.rollout.mark_weights_torn(
+                    f"{written} tensor(s) of step {event.step} were written before the copy "
+                    f"failed: {type(exc).__name__}"
+                )
+            raise
 
     def _reload(self, served: Mapping[str, torch.Tensor]) -> None:
         """Hand tensors received in place to an engine that serves from elsewhere."""
@@ -476,6 +563,14 @@ def _nothing() -> Iterator[None]:
     yield
 
 
+def _socket_timeout(redis: Any) -> float | None:
+    """A redis-py client's socket timeout (seconds), or ``None`` when its calls are unbounded."""
+    pool = getattr(redis, "connection_pool", None)
+    kwargs = getattr(pool, "connection_kwargs", {}) if pool is not None else {}
+    timeout = kwargs.get("socket_timeout")
+    return float(timeout) if timeout else None
+
+
 class FastLLMRolloutSender:
     """Ships rollouts to a Fast-LLM trainer as ``fast_llm_streaming`` records (XADD), from a
     sender thread, in order.
@@ -483,8 +578,9 @@ class FastLLMRolloutSender:
     :meth:`submit` queues (blocking, bounded by its timeout, while ``capacity`` records wait).
     :meth:`hold_sends` stops launching records and waits for the one in flight; records
     submitted meanwhile wait, in order, and go when the hold ends. :meth:`flush_pending_sends`
-    waits until every record submitted so far is in Redis. A record Redis refused is counted in
-    ``failed`` and the error raised by the next call.
+    waits until every record submitted before it is in Redis. A record Redis refused is counted
+    in ``failed``; that error is then raised by every later ``submit`` and flush (the sender is
+    broken: make a new one).
     """
 
     def __init__(
@@ -529,6 +625,8 @@ class FastLLMRolloutSender:
         limit = self.default_timeout if timeout is None else timeout
         with self._cond:
             self._raise_if_failed()
+            if self._closing:
+                raise FastLLMProtocolError("the rollout sender is closed")
             if not self._cond.wait_for(lambda: len(self._queue) < self.capacity, limit):
                 raise PayloadBackpressureTimeout(
                     f"{self.capacity} rollouts still waited for Redis after {limit:.1f} s",
@@ -561,27 +659,41 @@ class FastLLMRolloutSender:
                 self._cond.notify_all()
 
     def flush_pending_sends(self, timeout: float | None = None) -> None:
+        """Return once every record submitted before this call is in Redis (or failed).
+
+        Raises:
+            PayloadTimeout: they were not all sent within ``timeout`` (a hold still on?).
+            FastLLMProtocolError: a record failed to reach Redis.
+        """
         limit = self.default_timeout if timeout is None else timeout
         with self._cond:
+            target = self.submitted
             if not self._cond.wait_for(
-                lambda: self._error is not None or (not self._queue and not self._in_flight),
-                limit,
+                lambda: self._error is not None or self.sent + self.failed >= target, limit
             ):
                 raise PayloadTimeout(
-                    f"rollouts still waited for Redis after {limit:.1f} s",
+                    f"{target - self.sent - self.failed} rollout(s) still waited for Redis after "
+                    f"{limit:.1f} s",
                     operation="flush rollouts to Redis",
                     timeout=limit,
                 )
             self._raise_if_failed()
 
     def close(self, timeout: float | None = None) -> None:
-        """Send what is queued, then stop the sender thread."""
+        """Send what is queued, then stop the sender thread. Later submits raise.
+
+        Raises:
+            PayloadTimeout: records still waited after ``timeout`` (a hold never released):
+                they are counted in ``failed`` and dropped, and the error says how many.
+        """
         limit = self.default_timeout if timeout is None else timeout
         try:
             self.flush_pending_sends(limit)
         finally:
             with self._cond:
                 self._closing = True
+                self.failed += len(self._queue)
+                self._queue.clear()
                 self._cond.notify_all()
             self._thread.join(limit)
 

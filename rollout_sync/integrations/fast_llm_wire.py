@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from .._deadline import collective_failure
-from ..errors import FastLLMProtocolError, UnsafeHeaderError
+from ..errors import CollectiveTimeout, FastLLMProtocolError, UnsafeHeaderError
 from ..weights import WeightSpec
 
 __all__ = [
@@ -103,14 +103,19 @@ def parse_event(fields: Mapping[Any, Any]) -> WeightsReady | TrainingFinished:
             f"a fast_llm_events message that is not an event: {raw!r}"
         ) from exc
     if kind == "weights_ready":
-        try:
-            seen = event.get("documents_seen")
-            return WeightsReady(int(event["step"]), None if seen is None else int(seen))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise FastLLMProtocolError(f"a weights_ready event without a step: {raw!r}") from exc
+        step, seen = event.get("step"), event.get("documents_seen")
+        if not _is_count(step) or not (seen is None or _is_count(seen)):
+            raise FastLLMProtocolError(
+                f"a weights_ready event needs an integer step (and documents_seen): {raw!r}"
+            )
+        return WeightsReady(step, seen)
     if kind == "training_finished":
         return TrainingFinished()
     raise FastLLMProtocolError(f"an unknown fast_llm_events type {kind!r}")
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 # -- tensor headers ----------------------------------------------------------------------------
@@ -171,8 +176,8 @@ def decode_header(data: bytes) -> TensorHeader | None:
     if not (
         isinstance(shard, str)
         and isinstance(name, str)
-        and isinstance(shape, tuple)
-        and all(isinstance(d, int) and d >= 0 for d in shape)
+        and isinstance(shape, torch.Size)
+        and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
         and isinstance(dtype, torch.dtype)
     ):
         raise UnsafeHeaderError(
@@ -231,6 +236,8 @@ class BroadcastGroup:
         """
         if not 0 < rank < world_size:
             raise ValueError(f"a Fast-LLM receiver's rank is 1 .. {world_size - 1}, got {rank}")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         timeout = timedelta(seconds=timeout_s)
         rendezvous: Any = dist.rendezvous  # type: ignore[attr-defined]
         store, _, _ = next(rendezvous(f"tcp://{host}:{port}", rank, world_size, timeout=timeout))
@@ -238,12 +245,10 @@ class BroadcastGroup:
         prefixed = dist.PrefixStore(group_store_prefix(world_size), store)  # type: ignore[attr-defined]
         if backend == "gloo":
             group: Any = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-        elif backend == "nccl":
+        else:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-        else:
-            raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         return cls(group, store, rank, world_size, backend, timeout_s)
 
     def receive(self, tensor: torch.Tensor, what: str) -> None:
@@ -260,9 +265,17 @@ class BroadcastGroup:
             raise FastLLMProtocolError(f"{what}: the Fast-LLM group was closed")
         start = time.monotonic()
         try:
-            self.group.broadcast([tensor], opts).wait(timedelta(seconds=self.timeout_s))
+            work = self.group.broadcast([tensor], opts)
+            completed = work.wait(timedelta(seconds=self.timeout_s))
         except Exception as exc:  # noqa: BLE001 - typed: timeout, or a peer that died
             raise collective_failure(exc, what, (0, self.rank), self.timeout_s, start) from exc
+        if completed is False:  # a backend that reports its timeout instead of raising
+            raise CollectiveTimeout(
+                f"{what} did not complete within {self.timeout_s:.1f} s",
+                operation=what,
+                group=(0, self.rank),
+                timeout=self.timeout_s,
+            )
 
     def close(self) -> None:
         group, self.group = self.group, None
@@ -306,9 +319,9 @@ def encode_rollout(
     Raises:
         ValueError: the three per-token arrays differ in length.
     """
-    t = torch.as_tensor(tokens, dtype=torch.int64).flatten()
-    lp = torch.as_tensor(old_log_probabilities, dtype=torch.float32).flatten()
-    mv = torch.as_tensor(model_version, dtype=torch.int64).flatten()
+    t = torch.as_tensor(tokens).detach().to("cpu", torch.int64).flatten()
+    lp = torch.as_tensor(old_log_probabilities).detach().to("cpu", torch.float32).flatten()
+    mv = torch.as_tensor(model_version).detach().to("cpu", torch.int64).flatten()
     if not t.numel() == lp.numel() == mv.numel():
         raise ValueError(
             f"tokens ({t.numel()}), old_log_probabilities ({lp.numel()}) and model_version "
@@ -335,10 +348,14 @@ def decode_rollout(fields: Mapping[Any, Any]) -> FastLLMRollout:
             raise FastLLMProtocolError(f"a fast_llm_streaming record without {name!r}")
         return bytes(value) if not isinstance(value, str) else value.encode()
 
+    def array(name: str, dtype: torch.dtype) -> torch.Tensor:
+        raw = get(name)
+        return torch.frombuffer(bytearray(raw), dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+
     try:
-        tokens = torch.frombuffer(bytearray(get("tokens")), dtype=torch.int64)
-        logprobs = torch.frombuffer(bytearray(get("old_log_probabilities")), dtype=torch.float32)
-        versions = torch.frombuffer(bytearray(get("model_version")), dtype=torch.int64)
+        tokens = array("tokens", torch.int64)
+        logprobs = array("old_log_probabilities", torch.float32)
+        versions = array("model_version", torch.int64)
         data = json.loads(get("data"))
     except (ValueError, RuntimeError) as exc:
         raise FastLLMProtocolError(f"a malformed fast_llm_streaming record: {exc}") from exc
