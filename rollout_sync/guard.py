@@ -21,8 +21,9 @@ covers lazy engine initialization and the barrier wait as well as the transfer::
         def receive_weights_p2r(self, command): ...
 
 What the decorators read from the worker is a contract, :class:`WeightSyncWorker`: a ``rollout``
-to pause (required, ``None`` allowed before lazy initialization) and optional hooks
-(``payload_egress_components()``, ``weight_sync_mode``, ``weight_sync_timeout``, ``timeline``,
+to pause (required unless ``weight_sync_pauser()`` names the target; ``None`` allowed before
+lazy initialization) and optional hooks (``weight_sync_pauser()``,
+``payload_egress_components()``, ``weight_sync_mode``, ``weight_sync_timeout``, ``timeline``,
 ``weight_sync_fence``, ``on_weight_sync_report``). A worker that breaks it is refused at its
 first sync with :class:`~rollout_sync.errors.WorkerContractError`, never guarded by accident
 of a typo.
@@ -304,9 +305,15 @@ class WeightSyncWorker(Protocol):
     * ``rollout``: what the bracket pauses, read when the bracket is entered. Anything with a
       ``paused(timeout)`` context manager (a :class:`~rollout_sync.RolloutBase`), or ``None``
       while the engine does not exist yet (lazy initialization inside the first sync; nothing
-      generates then, so there is nothing to pause).
+      generates then, so there is nothing to pause). Not needed when the worker has
+      ``weight_sync_pauser()``.
 
     **Optional**, read when present and checked like ``rollout``:
+
+    * ``weight_sync_pauser()``: the pause target when it is not ``self.rollout`` (a framework's
+      scheduler that owns generation, say): called when the bracket is entered, it returns
+      something with ``paused(timeout)``, or ``None`` (nothing generates yet). When present it
+      replaces ``rollout`` as the pause target.
 
     * ``payload_egress_components()``: every component that ships payloads over the device.
       Default: ``data_packer``, ``validation_packer`` and ``rollout`` where present, every
@@ -362,7 +369,26 @@ def _read_worker(worker: object, method: str, *, needs_rollout: bool) -> _Worker
     Raises:
         WorkerContractError: an attribute is missing (``rollout`` only) or of the wrong kind.
     """
-    rollout = getattr(worker, "rollout", _MISSING)
+    pauser = getattr(worker, "weight_sync_pauser", None)
+    if pauser is not None:
+        if not callable(pauser):
+            raise _refuse(
+                worker,
+                "weight_sync_pauser",
+                method,
+                f"it is a {type(pauser).__name__}, not callable",
+            )
+        rollout = pauser()
+        if rollout is not None and not isinstance(rollout, SupportsPause):
+            raise _refuse(
+                worker,
+                "weight_sync_pauser",
+                method,
+                f"it returned a {type(rollout).__name__}, which has no paused() to park "
+                "generation with",
+            )
+    else:
+        rollout = getattr(worker, "rollout", _MISSING)
     if rollout is _MISSING:
         if needs_rollout:
             raise _refuse(

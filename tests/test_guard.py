@@ -365,6 +365,45 @@ def test_rollout_none_is_allowed_for_lazy_initialization() -> None:
     assert worker.log.events == ["built", "pause:enter", "built", "pause:exit"]
 
 
+def test_weight_sync_pauser_names_the_pause_target_when_it_is_not_rollout() -> None:
+    """A framework whose generation is owned by a scheduler, not ``self.rollout``: the hook is
+    read at every sync (None before the scheduler exists), and it, not ``rollout``, is paused."""
+
+    class SchedulerOwned:
+        def __init__(self) -> None:
+            self.log = EventLog()
+            self.rollout = RecordingRollout(EventLog())  # the engine: not what generates
+            self.scheduler: RecordingRollout | None = None
+
+        def weight_sync_pauser(self) -> RecordingRollout | None:
+            return self.scheduler
+
+        @weight_sync_handler
+        def receive_p2r(self) -> None:
+            self.log.add("body")
+            if self.scheduler is None:
+                self.scheduler = RecordingRollout(self.log)  # built inside the first sync
+
+    worker = SchedulerOwned()
+    worker.receive_p2r()
+    worker.receive_p2r()
+    assert worker.log.events == ["body", "pause:enter", "body", "pause:exit"]
+    assert worker.rollout.log.events == [], "rollout is not the pause target here"
+
+
+@pytest.mark.parametrize(
+    ("hook", "message"),
+    [(1.0, "not callable"), (lambda: object(), "returned a object, which has no paused")],
+)
+def test_a_broken_weight_sync_pauser_is_refused(hook: object, message: str) -> None:
+    worker = Worker()
+    worker.weight_sync_pauser = hook  # type: ignore[attr-defined]
+    with pytest.raises(WorkerContractError, match=message) as info:
+        worker.receive_p2r()
+    assert info.value.attribute == "weight_sync_pauser"
+    assert worker.log.events == []
+
+
 @pytest.mark.parametrize(
     ("attribute", "value", "message"),
     [
