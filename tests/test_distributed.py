@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
+import threading
 import time
 from typing import Any
 
@@ -27,7 +28,7 @@ def _mixed_child(rank: int, behaviour: str) -> object:
     if behaviour == "exit":
         os._exit(3)
     if behaviour == "hang":
-        time.sleep(60)  # a child that never finishes; the parent must kill it
+        threading.Event().wait()  # a child that never finishes; the parent must kill it
     return rank
 
 

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,7 @@ def _fails_on_rank_1(context: JobContext) -> int:
 
 def _hangs_on_rank_2(context: JobContext) -> int:
     if context.rank == 2:
-        time.sleep(600)  # a rank that never returns: the job must kill it
+        threading.Event().wait()  # a rank that never returns: the job must kill it
     return context.rank
 
 

@@ -11,14 +11,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import torch
 from vllm_helpers import (  # first: it sets the environment vLLM reads
     NO_FORWARD_DURING,
+    TrainerWeights,
     corrupted_in_transit,
+    native_backend,
 )
 
 pytest.importorskip("vllm")
@@ -27,7 +28,7 @@ pytest.importorskip("transformers")
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
 from rollout_sync import SpanKind, Timeline, TornWeightsError
-from rollout_sync.backends.vllm import VLLMAsyncBackend, VLLMEngineConfig, greedy_params
+from rollout_sync.backends.vllm import VLLMAsyncBackend, greedy_params
 from rollout_sync.backends.vllm_client import GuardedWeightSyncClient
 from rollout_sync.backends.vllm_trainer import (
     MappingSource,
@@ -36,7 +37,6 @@ from rollout_sync.backends.vllm_trainer import (
 )
 from rollout_sync.errors import ChecksumMismatchError, ManifestRejected
 from rollout_sync.testing import (
-    STALLING_WORKER_EXTENSION,
     build_tiny_llama,
     find_free_port,
     find_sync_split,
@@ -50,29 +50,27 @@ pytestmark = pytest.mark.vllm
 PROMPT = [1, 5, 9, 33, 7]
 
 
-@dataclass
-class Native:
-    backend: VLLMAsyncBackend
-    client: GuardedWeightSyncClient
-    engine: RolloutSyncTrainerEngine
-    timeline: Timeline
-    reference: greedy_reference
-    shapes: dict[str, tuple[int, ...]]
-    current: dict[str, torch.Tensor]
-    weights: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+class Native(TrainerWeights):
+    """The module's engine, the guarded client, the trainer engine and its weights."""
 
-    def weights_of(self, version: int) -> dict[str, torch.Tensor]:
-        if version not in self.weights:
-            self.weights[version] = random_llama_weights(self.shapes, seed=500 + version)
-        return self.weights[version]
+    engine: RolloutSyncTrainerEngine
+    """Set by the fixture: built by vLLM's factory over a source that reads ``current``."""
+
+    def __init__(
+        self,
+        backend: VLLMAsyncBackend,
+        client: GuardedWeightSyncClient,
+        timeline: Timeline,
+        model_dir: Any,
+        initial: Mapping[str, torch.Tensor],
+    ) -> None:
+        super().__init__(initial, seed=500)
+        self.backend, self.client, self.timeline = backend, client, timeline
+        self.reference = greedy_reference(model_dir)
 
     def push(self, weights: Mapping[str, torch.Tensor] | None = None) -> int:
         """Push the next version (its random weights, or ``weights``) natively; returns it."""
-        version = self.engine.version + 1
-        self.current.clear()
-        self.current.update(self.weights_of(version) if weights is None else weights)
-        self.engine.send_weights(version)
-        return version
+        return self.send(self.engine, self.engine.version + 1, weights)
 
     def greedy(self, version: int, prompt: list[int], n: int) -> list[int]:
         return self.reference(self.weights_of(version), prompt, n)
@@ -87,39 +85,18 @@ def native(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Native]:
     model_dir = tmp_path_factory.mktemp("tiny_llama_native")
     initial = build_tiny_llama(model_dir, seed=21)
     timeline = Timeline()
-    backend = VLLMAsyncBackend(
-        VLLMEngineConfig(
-            model_dir,
-            dtype="float32",
-            kv_cache_memory_bytes=64 << 20,
-            weight_transfer_config={"backend": "rollout_sync"},
-            engine_kwargs={"worker_extension_cls": STALLING_WORKER_EXTENSION},
-        ),
-        timeline=timeline,
-        pause_timeout=30.0,
-        rpc_timeout=60.0,
-    )
-    backend.ensure_initialized()
+    backend = native_backend(model_dir, "rollout_sync", timeline=timeline)
     client = GuardedWeightSyncClient(
         backend.weight_sync_client(), rollout=backend, timeline=timeline
     )
-    current: dict[str, torch.Tensor] = dict(initial)
     # 64 KiB buckets: layers span several buckets, as they do in a real model.
     info = RolloutSyncTrainerInitInfo.on_this_host(bucket_bytes=64 << 10, timeout_s=30.0)
+    world = Native(backend, client, timeline, model_dir, initial)
     engine = WeightTransferTrainerFactory.trainer_init(
-        info, client=client, source=MappingSource(current)
+        info, client=client, source=MappingSource(world.current)
     )
     assert isinstance(engine, RolloutSyncTrainerEngine)
-    world = Native(
-        backend,
-        client,
-        engine,
-        timeline,
-        greedy_reference(model_dir),
-        {n: tuple(t.shape) for n, t in initial.items()},
-        current,
-        weights={0: initial},
-    )
+    world.engine = engine
     try:
         world.push()
         yield world

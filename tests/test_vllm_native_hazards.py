@@ -13,18 +13,21 @@ so it runs last.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict
 from typing import Any
 
 import pytest
 import torch
-from vllm_helpers import NO_FORWARD_DURING  # noqa: F401 - first: sets vLLM's environment
+from vllm_helpers import (  # first: it sets the environment vLLM reads
+    TrainerWeights,
+    native_backend,
+)
 
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
-from rollout_sync.backends.vllm import VLLMAsyncBackend, VLLMEngineConfig, greedy_params
+from rollout_sync.backends.vllm import VLLMAsyncBackend, greedy_params
 from rollout_sync.backends.vllm_client import GuardedWeightSyncClient
 from rollout_sync.backends.vllm_engine import RolloutSyncUpdateInfo
 from rollout_sync.backends.vllm_trainer import (
@@ -33,10 +36,8 @@ from rollout_sync.backends.vllm_trainer import (
     RolloutSyncTrainerInitInfo,
 )
 from rollout_sync.testing import (
-    STALLING_WORKER_EXTENSION,
     build_tiny_llama,
     greedy_reference,
-    random_llama_weights,
 )
 from rollout_sync.testing.vllm_engines import FLAWED_ENGINE_NAME
 
@@ -69,16 +70,14 @@ class _WithFlaw:
         return None  # the guard then takes every failure as torn
 
 
-class Harness:
-    def __init__(self, backend: VLLMAsyncBackend, model_dir: Any, initial: dict[str, Any]):
+class Harness(TrainerWeights):
+    def __init__(
+        self, backend: VLLMAsyncBackend, model_dir: Any, initial: Mapping[str, torch.Tensor]
+    ) -> None:
+        super().__init__(initial, seed=900)
         self.backend = backend
         self.reference = greedy_reference(model_dir)
-        self.shapes = {n: tuple(t.shape) for n, t in initial.items()}
-        self.current: dict[str, torch.Tensor] = dict(initial)
         self.version = 0
-
-    def weights_of(self, version: int) -> dict[str, torch.Tensor]:
-        return random_llama_weights(self.shapes, seed=900 + version)
 
     def trainer(
         self, flaw: str, *, guarded: bool = True, timeout_s: float = 30.0
@@ -95,10 +94,7 @@ class Harness:
 
     def push(self, engine: RolloutSyncTrainerEngine) -> int:
         self.version += 1
-        self.current.clear()
-        self.current.update(self.weights_of(self.version))
-        engine.send_weights(self.version)
-        return self.version
+        return self.send(engine, self.version)
 
     def greedy_is(self, version: int, n: int = 16) -> bool:
         result = self.backend.generate([PROMPT], greedy_params(n), timeout=60)[0]
@@ -109,18 +105,7 @@ class Harness:
 def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
     model_dir = tmp_path_factory.mktemp("tiny_llama_flawed")
     initial = build_tiny_llama(model_dir, seed=31)
-    backend = VLLMAsyncBackend(
-        VLLMEngineConfig(
-            model_dir,
-            dtype="float32",
-            kv_cache_memory_bytes=64 << 20,
-            weight_transfer_config={"backend": FLAWED_ENGINE_NAME},
-            engine_kwargs={"worker_extension_cls": STALLING_WORKER_EXTENSION},
-        ),
-        pause_timeout=30.0,
-        rpc_timeout=60.0,
-    )
-    backend.ensure_initialized()
+    backend = native_backend(model_dir, FLAWED_ENGINE_NAME)
     try:
         yield Harness(backend, model_dir, initial)
     finally:

@@ -201,3 +201,52 @@ def check_greedy_output_equals_transformers(world: World[Any]) -> None:
         assert list(result.token_ids) == world.reference(world.weights_of(version), prompt, 24)
         assert (result.admitted_version, result.completed_version) == (version, version)
         assert not result.straddled
+
+
+# -- native weight-transfer tests --------------------------------------------------------------
+
+
+def native_backend(
+    model_dir: Path, transfer_engine: str, *, timeline: Timeline | None = None
+) -> VLLMAsyncBackend:
+    """A started :class:`VLLMAsyncBackend` on the tiny Llama in ``model_dir``, running vLLM's
+    weight-transfer engine ``transfer_engine`` (and the stalling worker extension)."""
+    backend = VLLMAsyncBackend(
+        VLLMEngineConfig(
+            model_dir,
+            dtype="float32",
+            kv_cache_memory_bytes=64 << 20,
+            weight_transfer_config={"backend": transfer_engine},
+            engine_kwargs={"worker_extension_cls": STALLING_WORKER_EXTENSION},
+        ),
+        timeline=timeline,
+        pause_timeout=30.0,
+        rpc_timeout=60.0,
+    )
+    backend.ensure_initialized()
+    return backend
+
+
+class TrainerWeights:
+    """A native-update test's trainer side: ``current`` (what its ``MappingSource`` reads) and
+    the random weights of every version (seeded ``seed + version``; version 0 is ``initial``)."""
+
+    def __init__(self, initial: Mapping[str, torch.Tensor], seed: int) -> None:
+        self.shapes = {n: tuple(t.shape) for n, t in initial.items()}
+        self.current: dict[str, torch.Tensor] = dict(initial)
+        self.seed = seed
+        self._versions: dict[int, Mapping[str, torch.Tensor]] = {0: dict(initial)}
+
+    def weights_of(self, version: int) -> Mapping[str, torch.Tensor]:
+        if version not in self._versions:
+            self._versions[version] = random_llama_weights(self.shapes, seed=self.seed + version)
+        return self._versions[version]
+
+    def send(
+        self, engine: Any, version: int, weights: Mapping[str, torch.Tensor] | None = None
+    ) -> int:
+        """Make ``weights`` (default: ``version``'s) current and send them through ``engine``."""
+        self.current.clear()
+        self.current.update(self.weights_of(version) if weights is None else weights)
+        engine.send_weights(version)
+        return version

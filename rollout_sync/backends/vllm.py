@@ -258,12 +258,15 @@ class _VersionHistory:
         self._lock = threading.Lock()
         self._times: list[float] = [-math.inf]
         self._versions: list[int] = [0]
+        self.latest = 0
+        """The version served now (read without the lock: one attribute, set last)."""
 
     def commit(self, version: int, at: float) -> None:
         with self._lock:
             at = max(at, self._times[-1])
             self._times.append(at)
             self._versions.append(version)
+            self.latest = version
 
     def at(self, when: float) -> int:
         """The version served at monotonic time ``when``."""
@@ -289,7 +292,7 @@ class VLLMRequest:
         self._finish_reason: str | None = None
         self._scheduled_ts = 0.0
         self._last_token_ts = 0.0
-        self._weight_versions: tuple[tuple[str, int, int], ...] | None = None
+        self._weight_versions: Any = None
         self._arrival_versions: list[int] = []
         self._result: VLLMGeneration | None = None
         self.submitted_at = time.monotonic()
@@ -307,14 +310,10 @@ class VLLMRequest:
                 self._tokens = tuple(completion.token_ids)
                 arrived = len(self._tokens) - len(self._arrival_versions)
                 if arrived > 0:
-                    served = self._versions.at(time.monotonic())
-                    self._arrival_versions.extend([served] * arrived)
+                    self._arrival_versions.extend([self._versions.latest] * arrived)
                 self._finish_reason = completion.finish_reason
-                spans = getattr(completion, "weight_versions", None)
-                if spans:
-                    self._weight_versions = tuple(
-                        (str(span.version), int(span.start), int(span.end)) for span in spans
-                    )
+                # vLLM's spans, kept as they are; converted once, in _complete.
+                self._weight_versions = getattr(completion, "weight_versions", None) or None
             if metrics is not None:
                 self._scheduled_ts = float(getattr(metrics, "scheduled_ts", 0.0) or 0.0)
                 self._last_token_ts = float(getattr(metrics, "last_token_ts", 0.0) or 0.0)
@@ -335,7 +334,14 @@ class VLLMRequest:
                 admitted_version=self._versions.at(admitted),
                 completed_version=self._versions.at(completed),
                 error=error,
-                weight_versions=self._weight_versions,
+                weight_versions=(
+                    None
+                    if self._weight_versions is None
+                    else tuple(
+                        (str(span.version), int(span.start), int(span.end))
+                        for span in self._weight_versions
+                    )
+                ),
                 arrival_versions=tuple(self._arrival_versions[: len(self._tokens)]),
             )
             self._cond.notify_all()
@@ -645,9 +651,12 @@ class _VLLMBackendBase(RolloutBase):
                 self._native = RolloutSyncTrainerEngine.trainer_init(
                     info, client=self._weight_sync_client(), source=MappingSource({})
                 )
-            self._native.init_info.require_all = require_all
             stats = self._native.push(
-                weights, version=self._writes, label=None, timeout=self.rpc_timeout
+                weights,
+                version=self._writes,
+                label=None,
+                timeout=self.rpc_timeout,
+                require_all=require_all,
             )
         except BaseException as exc:
             # Leave the group: after a failure it may be out of step; the next write joins anew.

@@ -251,10 +251,13 @@ class RolloutSyncTrainerEngine(TrainerWeightTransferEngine[RolloutSyncTrainerIni
         version: int,
         label: str | None,
         timeout: float,
+        require_all: bool | None = None,
     ) -> TransferStats | None:
         """:meth:`push_weights`, with vLLM's version ``label`` given apart from the transfer's
-        ``version`` (``None``: finish without setting one). The sender's transfer numbers, or
-        ``None`` on other ranks."""
+        ``version`` (``None``: finish without setting one), and ``require_all`` for this push
+        (``None``: the init info's). The sender's transfer numbers, or ``None`` on other
+        ranks."""
+        require_all = self.init_info.require_all if require_all is None else require_all
         if not self.is_sender:
             return None
         transfer = self.transfer
@@ -263,7 +266,7 @@ class RolloutSyncTrainerEngine(TrainerWeightTransferEngine[RolloutSyncTrainerIni
         deadline = deadline_after(timeout + self.init_info.timeout_s)
         update = asdict(
             RolloutSyncUpdateInfo(
-                allow_subset=not self.init_info.require_all,
+                allow_subset=not require_all,
                 group=f"{self.init_info.master_address}:{self.init_info.master_port}",
                 final=True,
             )
@@ -271,7 +274,7 @@ class RolloutSyncTrainerEngine(TrainerWeightTransferEngine[RolloutSyncTrainerIni
         self.client.start_weight_update()
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout_sync-update")
         try:
-            self._transfer(transfer, weights, version, update, deadline, pool)
+            self._transfer(transfer, weights, version, require_all, update, deadline, pool)
         except BaseException as exc:
             # A guarded client whose update is still open (this side failed, the engine's may
             # not have) gives it up: torn, parked, egress released.
@@ -289,6 +292,7 @@ class RolloutSyncTrainerEngine(TrainerWeightTransferEngine[RolloutSyncTrainerIni
         transfer: WeightTransfer,
         weights: Mapping[str, torch.Tensor],
         version: int,
+        require_all: bool,
         update: dict[str, Any],
         deadline: float,
         pool: concurrent.futures.ThreadPoolExecutor,
@@ -296,9 +300,7 @@ class RolloutSyncTrainerEngine(TrainerWeightTransferEngine[RolloutSyncTrainerIni
         """``update_weights`` on ``pool`` beside this process's send; both bounded."""
         received = pool.submit(self.client.update_weights, update)
         try:
-            self.last_stats = transfer.send(
-                weights, version=version, require_all=self.init_info.require_all
-            )
+            self.last_stats = transfer.send(weights, version=version, require_all=require_all)
         except BaseException as send_error:
             # The workers' side ends within the transfer's timeout too; the send's typed
             # error is raised, with the workers' own (their reason) as its cause.

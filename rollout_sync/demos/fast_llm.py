@@ -26,6 +26,7 @@ trainer read it).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -41,10 +42,11 @@ from ..metrics import percentile
 from ..testing import find_free_port, run_processes, weights_digest
 from ..testing.fast_llm_trainer import FastLLMTrainerStandIn
 from ..testing.redis_server import RedisServer
-from ..trace import Span, SpanKind, Timeline
+from ..trace import SpanKind, Timeline
 from ..transfer import TransferConfig, WeightTransfer
 from .distributed import (
     DistributedDemoConfig,
+    _span_key,
     _StreamingLM,
     _torch_lm_trainer,
     decode_step_ms_p50,
@@ -267,10 +269,6 @@ def run_fast_llm_demo(
     return _report(config, values, timeline, time.perf_counter() - started)
 
 
-def _span_key(span: Span) -> tuple[int, int, int, int]:
-    return (span.pid, span.tid, span.start_ns, span.end_ns)
-
-
 def _report(
     config: FastLLMDemoConfig,
     values: Mapping[int, dict[str, Any]],
@@ -325,6 +323,9 @@ def _report(
         "time_to_park_ms_p50": phase("time_to_park_ms", 50),
         "time_to_park_ms_p99": phase("time_to_park_ms", 99),
         "decode_step_ms_p50": decode_step,
+        "park_steps_p99": (
+            phase("time_to_park_ms", 99) / decode_step if decode_step > 0 else math.nan
+        ),
         "sync_ms_p50": phase("sync_total_ms", 50),
         "sync_ms_p99": phase("sync_total_ms", 99),
         "weight_sync_time_ms_p50": percentile(trainer["push_ms"], 50),

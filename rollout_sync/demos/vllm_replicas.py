@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ..backends.vllm import VLLMAsyncBackend, VLLMEngineConfig, VLLMGeneration
 from ..payload import PayloadSender
@@ -86,7 +87,6 @@ class VLLMReplica(VLLMAsyncBackend):
             max_tokens=lambda n: lengths[n % len(lengths)],
             timeout_s=demo.timeout_s,
         )
-        self.demo = demo
 
     def start(self) -> None:
         self.feeder.start()
@@ -135,7 +135,10 @@ def _vllm_engine(
     # OpenMP pools that spin-wait against each other slow every decode step many times over.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     replica = VLLMReplica(
-        config, _ship_to(sender, config.timeout_s), timeline, seed=config.seed * 1009 + os.getpid()
+        config,
+        _ship_to(sender, config.timeout_s),
+        timeline,
+        seed=config.seed * 1009 + dist.get_rank(),
     )
 
     def counters() -> dict[str, int]:

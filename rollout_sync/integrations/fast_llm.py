@@ -41,6 +41,7 @@ side:
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -119,8 +120,7 @@ class FastLLMReceiver:
         allow_subset: accept a stream that leaves served names out (default: every served
             tensor must come).
         timeline: records the bracket's spans, the writes and (through the engine) forwards.
-        stage: see above. guarded: ``False`` receives without the bracket (to show what the
-            pause prevents).
+        guarded: ``False`` receives without the bracket (to show what the pause prevents).
         events_stream: the events' stream name (Fast-LLM's is ``fast_llm_events``).
         max_header_bytes: the longest header accepted (64 KiB).
         on_version: called with each :class:`ReceivedVersion` and the served tensors, right
@@ -258,13 +258,14 @@ class FastLLMReceiver:
             # not mistaken for a dead connection.
             block_s = min(self._block_s, max(0.001, deadline - time.monotonic()))
             try:
-                self._check_same_server()
                 answer = self.redis.xread(
                     {self.events_stream: self._last_event_id},
                     count=1,
                     block=max(1, int(block_s * 1000)),
                 )
-                self._check_same_server()  # a restart during the read
+                # After the read (connect() took the first run id): a restart since the last
+                # call, or during this read, lost what this receiver had not read yet.
+                self._check_same_server()
             except FastLLMProtocolError:
                 raise
             except Exception as exc:  # noqa: BLE001 - redis' errors, typed for the caller
@@ -554,13 +555,8 @@ class FastLLMReceiver:
 
     def _write_span(self, name: str) -> AbstractContextManager[Any]:
         if self.timeline is None:
-            return _nothing()
+            return contextlib.nullcontext()
         return self.timeline.span(SpanKind.WEIGHT_WRITE, name)
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def _socket_timeout(redis: Any) -> float | None:
@@ -719,7 +715,7 @@ class FastLLMRolloutSender:
                 span = (
                     self.timeline.span(SpanKind.PAYLOAD_SEND, "rollout to redis")
                     if self.timeline is not None
-                    else _nothing()
+                    else contextlib.nullcontext()
                 )
                 with span:
                     self.redis.xadd(self.stream, record)

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._deadline import collective_failure
-from ..errors import CollectiveTimeout, FastLLMProtocolError, UnsafeHeaderError
+from .._deadline import collective_failure, wait_collective
+from ..errors import FastLLMProtocolError, UnsafeHeaderError
 from ..weights import WeightSpec
 
 __all__ = [
@@ -266,16 +266,9 @@ class BroadcastGroup:
         start = time.monotonic()
         try:
             work = self.group.broadcast([tensor], opts)
-            completed = work.wait(timedelta(seconds=self.timeout_s))
-        except Exception as exc:  # noqa: BLE001 - typed: timeout, or a peer that died
+        except Exception as exc:  # noqa: BLE001 - a group a dead peer already broke
             raise collective_failure(exc, what, (0, self.rank), self.timeout_s, start) from exc
-        if completed is False:  # a backend that reports its timeout instead of raising
-            raise CollectiveTimeout(
-                f"{what} did not complete within {self.timeout_s:.1f} s",
-                operation=what,
-                group=(0, self.rank),
-                timeout=self.timeout_s,
-            )
+        wait_collective([work], operation=what, timeout_s=self.timeout_s, ranks=(0, self.rank))
 
     def close(self) -> None:
         group, self.group = self.group, None

@@ -83,9 +83,13 @@ class FastLLMTrainerStandIn:
         opts.rootTensor = 0
         self.group.broadcast([tensor], opts).wait()
 
+    def broadcast_length(self, n: int) -> None:
+        """A header's length frame alone (a receiver that refuses the length reads no more)."""
+        self._broadcast(torch.tensor([n], dtype=torch.int64, device=self.device))
+
     def broadcast_raw(self, header: bytes, tensor: torch.Tensor | None = None) -> None:
         """One header (length, bytes) and, if given, one tensor, as the protocol frames them."""
-        self._broadcast(torch.tensor([len(header)], dtype=torch.int64, device=self.device))
+        self.broadcast_length(len(header))
         self._broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device))
         if tensor is not None:
             self._broadcast(tensor.to(self.device).contiguous())
