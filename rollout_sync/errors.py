@@ -35,6 +35,7 @@ __all__ = [
     "CollectiveError",
     "CollectiveTimeout",
     "CommandTimeout",
+    "CosmosRLVersionError",
     "EgressHoldTimeout",
     "EngineCallTimeout",
     "FastLLMEventTimeout",
@@ -562,3 +563,8 @@ class UnsafeHeaderError(FastLLMProtocolError):
     """A Fast-LLM tensor header held something other than the protocol's types (str, tuple,
     ``torch.Size``, ``torch.dtype``, None) or was longer than the receiver accepts: it was not
     unpickled further."""
+
+
+class CosmosRLVersionError(RolloutSyncError, ImportError):
+    """cosmos-rl is not installed, or not the version :mod:`rollout_sync.integrations.cosmos_rl`
+    was written against (it patches cosmos's internals, so it refuses any other)."""

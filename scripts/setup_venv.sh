@@ -6,18 +6,10 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$repo_root/.venv"
 python="${PYTHON:-python3}"
 
-if [ ! -x "$venv/bin/python" ]; then
-    "$python" -m venv "$venv"
-fi
-
-stamp="$venv/.rollout_sync_installed"
-want="$(cat "$repo_root/pyproject.toml" "$repo_root/scripts/setup_venv.sh" | sha256sum | cut -d' ' -f1)"
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+source "$repo_root/scripts/venv_lib.sh"
+if venv_needs_install "$venv" "$python" "$repo_root/pyproject.toml" "$repo_root/scripts/setup_venv.sh"; then
     # torch is pinned: 2.13.0 resolves to the CPU build on local disk here; an unpinned torch
     # would pull a multi-GB CUDA build.
-    quiet_pip() {  # this machine's pip config points at optional local indexes; hide that noise
-        "$venv/bin/pip" "$@" 2> >(grep -v "^WARNING: Location" >&2)
-    }
     quiet_pip install -q "torch==2.13.0"
     # vLLM for CPU runs the vLLM backend's tests (tests/test_vllm_*.py); it pins the same
     # torch 2.13.0+cpu. It also pulls PyPI's CUDA builds of torchvision/torchaudio/torchcodec,
@@ -31,7 +23,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     quiet_pip install -q "redis==5.2.1"
     # compat mode: a plain path entry, so a checkout on PYTHONPATH (a worktree) takes precedence.
     quiet_pip install -q --config-settings editable_mode=compat -e "$repo_root[test]"
-    echo "$want" > "$stamp"
+    venv_installed "$venv"
 fi
 
 # redis-server (the system package) for the Fast-LLM receiver's tests and demo, which start

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import inspect
 import pkgutil
 import re
@@ -88,11 +89,18 @@ PROMISED = {
 }
 
 
+# Modules that import cosmos-rl at import time: skipped here without it; tests/cosmos_rl_env/
+# (run in .venv-cosmos) checks that they define no exception class of their own.
+_NEEDS_COSMOS_RL = {"rollout_sync.integrations.cosmos_rl_payload", "rollout_sync.testing.cosmos_rl"}
+
+
 def _library_modules() -> list[str]:
+    have_cosmos_rl = importlib.util.find_spec("cosmos_rl") is not None
     return [
         info.name
         for info in pkgutil.walk_packages([str(PACKAGE)], prefix="rollout_sync.")
         if not info.name.startswith("rollout_sync.demos")
+        and (have_cosmos_rl or info.name not in _NEEDS_COSMOS_RL)
     ]
 
 
