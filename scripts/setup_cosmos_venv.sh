@@ -14,8 +14,8 @@
 # are installed below, with the packages `import cosmos_rl` pulls in at top level that have a
 # CPU build (datasets, boto3, nvidia-ml-py for `pynvml`). One is not installed, because its
 # dependency has no CPU build here: qwen_vl_utils imports torchvision at top level, and PyPI's
-# torchvision for torch 2.13 is a CUDA build that fails to load on a CPU torch. The harness
-# (rollout_sync/testing/cosmos_rl.py) puts a named stub of it in sys.modules.
+# torchvision for torch 2.13 is a CUDA build that fails to load on a CPU torch: a stand-in
+# (rollout_sync/testing/cpu_stubs/qwen_vl_utils, FAKE-PACKAGE) goes on this env's path instead.
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$repo_root/.venv-cosmos"
@@ -51,5 +51,8 @@ if venv_needs_install "$venv" "$python" "$repo_root/pyproject.toml" "$repo_root/
     # mode: a plain path entry, so a checkout on PYTHONPATH (a worktree) takes precedence.
     quiet_pip install -q --no-deps --no-warn-conflicts \
         --config-settings editable_mode=compat -e "$repo_root"
+    # FAKE-PACKAGE (above): on the path after site-packages, so a real qwen_vl_utils wins.
+    site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    echo "$repo_root/rollout_sync/testing/cpu_stubs" > "$site/zz_rollout_sync_cpu_stubs.pth"
     venv_installed "$venv"
 fi

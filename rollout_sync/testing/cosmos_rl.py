@@ -17,9 +17,11 @@ sender pool). Only what cannot run on a CPU is replaced, and each replacement is
 * **FAKE-NCCL-PAYLOAD**: ``pynccl.nccl_send`` and the 2-rank communicator build
   (``comm_cache._default_build_fn``): the send copies the payload buffer and records its
   interval; no peer is needed.
-* **FAKE-PACKAGE** ``qwen_vl_utils`` (:func:`stub_packages_without_cpu_build`, run when this
-  module is imported): ``import cosmos_rl`` imports it at top level (VLM data packers), and it
-  imports torchvision, which has no CPU build for this torch. Never called here.
+* **FAKE-PACKAGE** ``qwen_vl_utils`` (``rollout_sync/testing/cpu_stubs``; ``.venv-cosmos``
+  has it on its path, and :func:`stub_packages_without_cpu_build`, run when this module is
+  imported, adds it where it is missing): ``import cosmos_rl`` imports it at top level (VLM
+  data packers), and it imports torchvision, which has no CPU build for this torch. Never
+  called here.
 * **NOT STARTED**: cosmos's controller (an HTTP service) and ``torch.distributed``: workers
   are built with ``__new__`` and given the attributes their handlers read
   (:func:`make_worker`); the colocated worker's API client hands over the "policy model".
@@ -38,31 +40,23 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+CPU_STUBS = Path(__file__).with_name("cpu_stubs")
+"""Stand-ins for packages without a CPU build (FAKE-PACKAGE), put on ``sys.path`` when missing."""
+
 
 def stub_packages_without_cpu_build() -> None:
-    """FAKE-PACKAGE: put ``qwen_vl_utils`` in ``sys.modules`` unless it imports for real."""
-    import importlib.machinery
+    """FAKE-PACKAGE: make :data:`CPU_STUBS` importable unless the real packages are."""
     import importlib.util
     import sys
-    import types
 
-    if "qwen_vl_utils" in sys.modules or importlib.util.find_spec("qwen_vl_utils") is not None:
-        return
-
-    def unavailable(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("qwen_vl_utils is a stub here (its torchvision has no CPU build)")
-
-    for name in ("qwen_vl_utils", "qwen_vl_utils.vision_process"):
-        module = types.ModuleType(name)
-        module.__spec__ = importlib.machinery.ModuleSpec(name, loader=None)
-        for attr in ("process_vision_info", "fetch_image", "fetch_video"):
-            setattr(module, attr, unavailable)
-        sys.modules[name] = module
+    if importlib.util.find_spec("qwen_vl_utils") is None:
+        sys.path.append(str(CPU_STUBS))
 
 
 stub_packages_without_cpu_build()

@@ -537,3 +537,25 @@ def test_the_cosmos_modules_define_no_exception_of_their_own() -> None:
             and value.__module__ == module.__name__
         ]
         assert not strays, f"{module.__name__}: {strays} belong in rollout_sync/errors.py"
+
+
+def test_install_works_in_a_fresh_process_as_the_docs_say() -> None:
+    # As a user would: no harness, nothing patched beforehand (this env has cosmos-rl's imports).
+    import subprocess
+    import sys
+
+    code = (
+        "from rollout_sync.integrations import cosmos_rl\n"
+        "from cosmos_rl.utils.payload_transport.context import PayloadContext\n"
+        "from cosmos_rl.utils.payload_transport.nccl import producer\n"
+        "guard = cosmos_rl.install()\n"
+        "assert producer.NCCLPayloadProducer.__name__ == 'HoldableNCCLPayloadProducer'\n"
+        "cosmos_rl.uninstall()\n"
+        "assert producer.NCCLPayloadProducer.__name__ == 'NCCLPayloadProducer'\n"
+        "print('ok', cosmos_rl.check_cosmos_rl_version())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("ok 0.4.7")
