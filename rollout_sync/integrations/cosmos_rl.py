@@ -25,12 +25,13 @@ or ``with cosmos_rl.installed(): ...``. What :func:`install` changes, all of it 
 * **The pause target** (:class:`CosmosGenerationPause`) is cosmos's ``RolloutTaskScheduler``
   (stream generation, ``rollout.mode = "async"``): admission stops, and a backend with its own
   ``paused(timeout)`` parks its generations at a step boundary; a backend without one is
-  drained (active generations run to their end), as 0.4.7 does. Without a scheduler
-  (``rollout.mode = "sync"``: generation blocks the main loop, idle by construction) only a
-  backend's own ``paused()`` is used. While the bracket holds the scheduler paused, 0.4.7's
-  ``_paused_async_live_weights`` keeps its failure latch and write fence but skips its drain
-  (which would wait for the parked generations) and, after a park, the backend's
-  ``synchronize_generation`` (the backend's ``paused()`` is its device fence).
+  drained (active generations run to their end), as 0.4.7 does; before the scheduler has
+  started, nothing. Without a scheduler (``rollout.mode = "sync"``: generation blocks the
+  main loop, idle by construction) only a backend's own ``paused()`` is used. While the
+  bracket holds the scheduler paused, 0.4.7's ``_paused_async_live_weights`` keeps its
+  failure latch and write fence but skips its drain (which would wait for the parked
+  generations) and, after a park, the backend's ``synchronize_generation`` (the backend's
+  ``paused()`` is its device fence).
 * **The weight-sync thread** (``WeightSyncThread._execute_p2r`` / ``_execute_r2r``) writes a
   buffer clone: each transfer runs with payload egress held (no pause) and its stream fenced.
 * **The payload producer.** ``PayloadContext.create("nccl", ...)`` builds a
@@ -125,8 +126,11 @@ class CosmosGenerationPause:
     * ``"drain"``: the scheduler's admission stops and the active generations run to their end
       (``RolloutTaskScheduler.paused(wait_for_active_tasks=True)``, 0.4.7's behaviour): the
       backend has no ``paused()``;
-    * ``"backend"``: no running scheduler; the backend's own ``paused()``;
-    * ``"none"``: nothing generates (no running scheduler, no backend pause).
+    * ``"backend"``: no scheduler (``rollout.mode = "sync"``); the backend's own ``paused()``;
+    * ``"none"``: nothing to pause: no scheduler and no backend pause, or a scheduler not
+      started yet (the first sync starts it; cosmos's own drain covers what it runs then).
+
+    ``scheduler`` and ``backend`` are the worker's ``scheduler`` and ``rollout``.
     """
 
     def __init__(self, scheduler: Any, backend: Any) -> None:
@@ -135,11 +139,15 @@ class CosmosGenerationPause:
         self.strategy = "none"
 
     def _choose(self) -> str:
-        running = self.scheduler is not None and self.scheduler.is_running()
         has_own = _own_paused(self.backend) is not None
-        if running:
-            return "park" if has_own else "drain"
-        return "backend" if has_own else "none"
+        if self.scheduler is None:  # rollout.mode = "sync": generation blocks the main loop
+            return "backend" if has_own else "none"
+        if not self.scheduler.is_running():
+            # Nothing generates before the scheduler starts. It starts inside the first sync's
+            # handler (lazy init), and cosmos's own drain then covers what it runs at once: a
+            # backend parked now would keep those generations from ever finishing.
+            return "none"
+        return "park" if has_own else "drain"
 
     @contextmanager
     def paused(self, timeout: float | None = None) -> Iterator[CosmosGenerationPause]:

@@ -74,16 +74,31 @@ from cosmos_rl.rollout.worker.rollout_control import DisaggregatedRolloutControl
 from ..errors import GenerationTimeout, PauseTimeout  # noqa: E402
 
 __all__ = [
+    "CPU_STUBS",
+    "VARIANTS",
     "CpuCudaEvent",
     "CpuCudaStream",
     "GenerationRecord",
     "InPlaceWeightWriter",
     "Interval",
     "ParkingStepEngine",
+    "PolicyConsumer",
     "StepEngine",
+    "attach_weight_sync_thread",
     "cpu_cuda",
+    "fake_nccl_broadcast",
+    "fake_nccl_payload_sends",
+    "make_producer",
     "make_worker",
     "overlapping",
+    "p2r_command",
+    "r2r_command",
+    "registered_handler",
+    "run_payload_overlap",
+    "run_torn_generations",
+    "submit_generations",
+    "trajectory",
+    "variant",
 ]
 
 

@@ -102,7 +102,7 @@ def test_disaggregated_handlers_tear_generations_only_unguarded(park: bool) -> N
     assert guarded["torn"] == 0, guarded
     assert shipped["parks"] == 0
     if park:  # ...where the guard parks a backend that can, at a step boundary
-        assert guarded["parks"] == guarded["syncs"]  # every sync (the first: nothing running)
+        assert guarded["parks"] == guarded["syncs"] - 1  # every sync after the first
     else:
         assert guarded["parks"] == 0
 
@@ -121,13 +121,15 @@ def test_colocated_p2r_tears_generations_in_0_4_7_not_guarded(park: bool) -> Non
     assert guarded["torn"] == 0, guarded
 
 
-def test_generations_queued_before_the_first_sync_are_not_torn_guarded() -> None:
+@pytest.mark.parametrize("park", [True, False], ids=["backend-parks", "backend-drains"])
+def test_generations_queued_before_the_first_sync_are_not_torn_guarded(park: bool) -> None:
     # The first P2R starts the scheduler inside the handler: the bracket found nothing to
-    # pause at entry, so cosmos's own drain must still run around the write.
-    unguarded = harness.run_torn_generations("unguarded", park=False, queue_first=True)
-    guarded = harness.run_torn_generations("guarded", park=False, queue_first=True)
+    # pause at entry (a backend parked then would block the generations cosmos's own drain
+    # waits for), and cosmos's drain still runs around the write.
+    unguarded = harness.run_torn_generations("unguarded", park=park, queue_first=True)
+    guarded = harness.run_torn_generations("guarded", park=park, queue_first=True)
     assert unguarded["torn"] > 0, unguarded
-    assert guarded["torn"] == 0, guarded
+    assert guarded["torn"] == 0 and guarded["generations"] == 40, guarded
 
 
 # -- payload sends against the real weight-sync thread ------------------------------------------
@@ -231,10 +233,10 @@ def test_guarded_handlers_report_each_sync(redis_client: Any) -> None:
     ]
     assert seen == reports and worker.last_weight_sync_report is reports[-1]
     assert list(guard.reports) == reports
-    # The first sync starts the engine: no running scheduler, the backend's own pause (a no-op).
-    assert [r.paused for r in reports] == [True, True, True]
+    # The first sync starts the engine and the scheduler: nothing to pause at its entry.
+    assert [r.paused for r in reports] == [False, True, True]
     assert all(r.egress_held >= 1 and r.error is None for r in reports)
-    assert guard.strategies == {"backend": 1, "park": 2}
+    assert guard.strategies == {"none": 1, "park": 2}
     metrics = guard.metrics()
     assert metrics["rollout_sync/cosmos_syncs"] == 3.0
     assert set(reports[-1].to_metrics()) <= set(metrics)
