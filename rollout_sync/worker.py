@@ -242,6 +242,36 @@ class SyncGroups:
         return WeightTransfer(self.r2r, self.r2r_source, **kwargs)
 
 
+def reload_received(rollout: RolloutBase, served: Mapping[str, torch.Tensor]) -> None:
+    """Hand tensors received in place into ``served`` to an engine that overrides
+    ``load_weights`` (one that cannot serve the tensors it exposes). The default would find the
+    same storage and copy nothing, after re-checking what the transfer already checked, so it
+    is skipped."""
+    if type(rollout).load_weights is not RolloutBase.load_weights:
+        rollout.load_weights(served, require_all=False)
+
+
+def settle_failed_receive(
+    rollout: RolloutBase, served: Mapping[str, torch.Tensor], exc: WeightTransferError
+) -> bool:
+    """What an in-place receive into ``served`` that raised ``exc`` leaves behind.
+
+    Every byte landed intact (the failure was another rank's): the version is whole, so it is
+    reloaded and committed, and True returned. Some tensors were written: the weights are
+    marked torn. Nothing was written: nothing changes. The caller raises ``exc`` either way.
+    """
+    if exc.complete and exc.version is not None:
+        reload_received(rollout, served)
+        rollout.commit_weight_version(exc.version)
+        return True
+    if exc.targets_torn:
+        rollout.mark_weights_torn(
+            f"{exc.tensors_written} tensor(s) of version {exc.version} were written before "
+            f"the transfer failed: {type(exc).__name__}"
+        )
+    return False
+
+
 def build_sync_groups(
     trainer: int,
     replicas: Sequence[int],
@@ -790,19 +820,10 @@ class RolloutWorker:
         try:
             stats = self._take(transfer, forward, served, storage=storage)
         except WeightTransferError as exc:
-            if exc.complete and exc.version is not None:
-                # Every byte landed here intact; the failure was another rank's. These weights
-                # are the version whole, so serve them, and still report the failure.
-                self._reload(served)
-                self.rollout.commit_weight_version(exc.version)
+            if settle_failed_receive(self.rollout, served, exc):
                 self._start_engine()
-            elif exc.targets_torn:
-                self.rollout.mark_weights_torn(
-                    f"{exc.tensors_written} tensor(s) of version {exc.version} were written "
-                    f"before the transfer failed: {type(exc).__name__}"
-                )
             raise
-        self._reload(served)
+        reload_received(self.rollout, served)
         self.rollout.commit_weight_version(stats.version)
         self._start_engine()
         return stats
@@ -818,13 +839,6 @@ class RolloutWorker:
         if forward is None:
             return transfer.receive(into, allow_subset=self.allow_subset, **kwargs)
         return transfer.relay(into, forward, allow_subset=self.allow_subset, **kwargs)
-
-    def _reload(self, served: Mapping[str, torch.Tensor]) -> None:
-        """Hand the received tensors to an engine that overrides ``load_weights`` (one that
-        cannot serve the tensors it exposes). The default would find the same storage and copy
-        nothing, after re-checking what the transfer already checked, so it is skipped."""
-        if type(self.rollout).load_weights is not RolloutBase.load_weights:
-            self.rollout.load_weights(served, require_all=False)
 
     def _send(
         self,

@@ -538,6 +538,29 @@ def test_closing_a_held_sender_counts_what_it_could_not_send(redis: Any) -> None
     assert redis.xlen(ROLLOUTS_STREAM) == 0
 
 
+def test_a_sender_waits_for_ever_on_math_inf_and_refuses_a_negative_timeout(redis: Any) -> None:
+    import math
+
+    sender = FastLLMRolloutSender(redis, default_timeout=30)
+    flushed = threading.Event()
+
+    def flush_for_ever() -> None:
+        sender.flush_pending_sends(math.inf)  # waits (an OverflowError if passed to the lock)
+        flushed.set()
+
+    with sender.hold_sends(math.inf):
+        sender.submit([1], [-1.0], [0], timeout=math.inf)
+        flusher = threading.Thread(target=flush_for_ever, daemon=True)
+        flusher.start()
+        assert not flushed.wait(0.2)  # held: the record cannot go, the flush waits
+    assert flushed.wait(30)  # released: sent, and the flush returns
+    flusher.join(30)
+    with pytest.raises(ValueError, match="timeout must be >= 0"):
+        sender.flush_pending_sends(-1.0)
+    sender.close(math.inf)
+    assert (sender.submitted, sender.sent, sender.failed) == (1, 1, 0)
+
+
 # -- the demo ----------------------------------------------------------------------------------
 
 

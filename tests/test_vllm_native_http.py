@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from rollout_sync.testing import (
     greedy_reference,
     random_llama_weights,
 )
+from rollout_sync.testing.processes import ServerOutput, stop_process
 
 pytestmark = pytest.mark.vllm
 
@@ -48,7 +48,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     model_dir = tmp_path_factory.mktemp("tiny_llama_served")
     initial = build_tiny_llama(model_dir, seed=41)
     port = find_free_port()
-    log = (model_dir / "server.log").open("w")
+    log = model_dir / "server.log"
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     process = subprocess.Popen(
         [
@@ -70,33 +70,18 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
             "--weight-transfer-config",
             '{"backend": "rollout_sync"}',
         ],
-        stdout=log,
+        stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env=env,
     )
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_S
+    output = ServerOutput(process, "Application startup complete", log)  # uvicorn's line
     try:
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"vllm serve exited ({process.returncode}); see {log.name}")
-            try:
-                if requests.get(f"{base}/health", timeout=2).ok:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vllm serve did not start within {STARTUP_S} s")
-            time.sleep(0.5)  # polling a process that has no readiness event to wait on
+        output.wait_ready(STARTUP_S, "vllm serve")
+        assert requests.get(f"{base}/health", timeout=10).ok
         yield {"base": base, "model": str(model_dir), "initial": initial}
     finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
-        log.close()
+        stop_process(process, 30)
 
 
 def _complete(base: str, model: str, prompt: list[int], n: int) -> list[int]:

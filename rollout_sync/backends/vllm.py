@@ -258,15 +258,17 @@ class _VersionHistory:
         self._lock = threading.Lock()
         self._times: list[float] = [-math.inf]
         self._versions: list[int] = [0]
-        self.latest = 0
-        """The version served now (read without the lock: one attribute, set last)."""
+
+    @property
+    def latest(self) -> int:
+        """The version served now (read without the lock: appending to a list is atomic)."""
+        return self._versions[-1]
 
     def commit(self, version: int, at: float) -> None:
         with self._lock:
             at = max(at, self._times[-1])
             self._times.append(at)
             self._versions.append(version)
-            self.latest = version
 
     def at(self, when: float) -> int:
         """The version served at monotonic time ``when``."""

@@ -195,7 +195,7 @@ class DemoBackend:
     """The sync modes the engine supports (async modes need a weight-buffer backend)."""
     start_s: float = 0.0
     """How long starting the engine may take (inside the first sync): added to the run's
-    limit, and the least ``timeout_s`` the command line gives the run."""
+    limit, and to the ``timeout_s`` the command line gives the run."""
     starts_processes: bool = False
     """The engine starts processes of its own: the replicas must not be daemonic."""
 
@@ -718,6 +718,11 @@ def check_demo_config(config: DistributedDemoConfig) -> None:
         )
 
 
+def park_steps(park_ms: float, decode_step_ms: float) -> float:
+    """A time to park in decode steps (``nan`` without a decode step to measure it by)."""
+    return park_ms / decode_step_ms if decode_step_ms > 0 else math.nan
+
+
 def demo_limit_s(config: DistributedDemoConfig) -> float:
     """The limit of a whole run: spawning (a few seconds each on a busy machine), starting the
     engines (the backend's ``start_s``) and steps."""
@@ -911,9 +916,7 @@ def _report(
         "time_to_park_ms_p50": phase("time_to_park_ms", 50),
         "time_to_park_ms_p99": phase("time_to_park_ms", 99),
         "decode_step_ms_p50": decode_step_ms,
-        "park_steps_p99": (
-            phase("time_to_park_ms", 99) / decode_step_ms if decode_step_ms > 0 else math.nan
-        ),
+        "park_steps_p99": park_steps(phase("time_to_park_ms", 99), decode_step_ms),
         "egress_drain_ms_p50": phase("egress_drain_ms", 50),
         "egress_drain_ms_p99": phase("egress_drain_ms", 99),
         "handler_ms_p50": phase("handler_ms", 50),

@@ -26,7 +26,6 @@ trainer read it).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -50,6 +49,8 @@ from .distributed import (
     _StreamingLM,
     _torch_lm_trainer,
     decode_step_ms_p50,
+    demo_limit_s,
+    park_steps,
 )
 
 __all__ = ["FastLLMDemoConfig", "run_fast_llm_demo"]
@@ -262,7 +263,9 @@ def run_fast_llm_demo(
             _process,
             config.replicas + 1,
             (config,),
-            timeout_s=60.0 + config.steps * (config.step_interval_s + 2.0),
+            timeout_s=demo_limit_s(
+                replace(config.demo, steps=config.steps, step_interval_s=config.step_interval_s)
+            ),
             what="rollout-sync demo --trainer fast-llm",
             intra_op_threads=1,
         )
@@ -323,9 +326,7 @@ def _report(
         "time_to_park_ms_p50": phase("time_to_park_ms", 50),
         "time_to_park_ms_p99": phase("time_to_park_ms", 99),
         "decode_step_ms_p50": decode_step,
-        "park_steps_p99": (
-            phase("time_to_park_ms", 99) / decode_step if decode_step > 0 else math.nan
-        ),
+        "park_steps_p99": park_steps(phase("time_to_park_ms", 99), decode_step),
         "sync_ms_p50": phase("sync_total_ms", 50),
         "sync_ms_p99": phase("sync_total_ms", 99),
         "weight_sync_time_ms_p50": percentile(trainer["push_ms"], 50),

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from .._deadline import deadline_after, expired, limit_of, remaining, wait_arg
 from ..backend import RolloutBase
 from ..errors import (
     EgressHoldTimeout,
@@ -66,7 +67,7 @@ from ..errors import (
 from ..guard import SyncReport, holds_payload_egress, weight_sync_bracket, weight_sync_handler
 from ..trace import SpanKind, Timeline
 from ..transfer import TransferStats, WeightTransfer
-from ..worker import BackgroundEngine
+from ..worker import BackgroundEngine, reload_received, settle_failed_receive
 from .fast_llm_wire import (
     EVENTS_STREAM,
     MAX_HEADER_BYTES,
@@ -252,26 +253,27 @@ class FastLLMReceiver:
         """
         if self._last_event_id is None:
             raise RolloutSyncError("FastLLMReceiver.connect() first")
-        deadline = time.monotonic() + timeout_s
-        while True:
-            # Each block is shorter than the client's socket timeout, so a quiet stream is
-            # not mistaken for a dead connection.
-            block_s = min(self._block_s, max(0.001, deadline - time.monotonic()))
-            try:
+        deadline = deadline_after(limit_of(timeout_s, 0.0))
+        try:
+            while True:
+                # Each block is shorter than the client's socket timeout, so a quiet stream is
+                # not mistaken for a dead connection.
+                block_s = min(self._block_s, max(0.001, remaining(deadline)))
                 answer = self.redis.xread(
                     {self.events_stream: self._last_event_id},
                     count=1,
                     block=max(1, int(block_s * 1000)),
                 )
-                # After the read (connect() took the first run id): a restart since the last
-                # call, or during this read, lost what this receiver had not read yet.
-                self._check_same_server()
-            except FastLLMProtocolError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - redis' errors, typed for the caller
-                raise self._redis_failure("read", exc) from exc
-            if answer or time.monotonic() >= deadline:
-                break
+                if answer or expired(deadline):
+                    break
+            # After the reads (connect() took the first run id): a restart since the last
+            # call, or during these reads, lost what this receiver had not read yet. Once a
+            # call: a restart changes the run id for good.
+            self._check_same_server()
+        except FastLLMProtocolError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - redis' errors, typed for the caller
+            raise self._redis_failure("read", exc) from exc
         if not answer:
             return None
         _, messages = answer[0]
@@ -377,16 +379,9 @@ class FastLLMReceiver:
                 served, allow_subset=self.allow_subset, storage=self.rollout.flat_weight_storage()
             )
         except WeightTransferError as exc:
-            if exc.complete and exc.version is not None:
-                self._reload(served)
-                self.rollout.commit_weight_version(exc.version)
-            elif exc.targets_torn:
-                self.rollout.mark_weights_torn(
-                    f"{exc.tensors_written} tensor(s) of version {exc.version} were written "
-                    f"before the R2R transfer failed: {type(exc).__name__}"
-                )
+            settle_failed_receive(self.rollout, served, exc)
             raise
-        self._reload(served)
+        reload_received(self.rollout, served)
         return stats
 
     receive_weights = weight_sync_handler(_receive)
@@ -431,6 +426,7 @@ class FastLLMReceiver:
         staged: dict[str, torch.Tensor] = {}
         problems: list[str] = []
         written = dropped = nbytes = 0
+        drop: torch.Tensor | None = None  # where dropped tensors are received, reused
         what = f"Fast-LLM weights of step {event.step}"
         try:
             length = torch.zeros(1, dtype=torch.int64, device=group.device)
@@ -456,7 +452,9 @@ class FastLLMReceiver:
                 if problem is not None:
                     problems.append(problem)
                 if target is None:  # another shard, or refused: received to stay in step
-                    scratch = torch.empty(header.shape, dtype=header.dtype, device=group.device)
+                    if drop is None or drop.numel() < header.nbytes:  # one buffer, grown
+                        drop = torch.empty(header.nbytes, dtype=torch.uint8, device=group.device)
+                    scratch = drop[: header.nbytes].view(header.dtype).view(header.shape)
                     group.receive(scratch, f"{what}: {header.name}")
                     dropped += header.shard != "weights"
                 elif self.stage:
@@ -495,7 +493,7 @@ class FastLLMReceiver:
         if self.stage:
             self._write(staged, served, event)
         else:
-            self._reload(served)
+            reload_received(self.rollout, served)
         return len(staged), dropped, nbytes
 
     def _target(
@@ -547,11 +545,6 @@ class FastLLMReceiver:
                     f"failed: {type(exc).__name__}"
                 )
             raise
-
-    def _reload(self, served: Mapping[str, torch.Tensor]) -> None:
-        """Hand tensors received in place to an engine that serves from elsewhere."""
-        if type(self.rollout).load_weights is not RolloutBase.load_weights:
-            self.rollout.load_weights(served, require_all=False)
 
     def _write_span(self, name: str) -> AbstractContextManager[Any]:
         if self.timeline is None:
@@ -618,12 +611,15 @@ class FastLLMRolloutSender:
             FastLLMProtocolError: an earlier record failed to reach Redis.
         """
         record = encode_rollout(tokens, old_log_probabilities, model_version, data)
-        limit = self.default_timeout if timeout is None else timeout
+        limit = limit_of(timeout, self.default_timeout)
+        deadline = deadline_after(limit)
         with self._cond:
             self._raise_if_failed()
             if self._closing:
                 raise FastLLMProtocolError("the rollout sender is closed")
-            if not self._cond.wait_for(lambda: len(self._queue) < self.capacity, limit):
+            if not self._cond.wait_for(
+                lambda: len(self._queue) < self.capacity, wait_arg(deadline)
+            ):
                 raise PayloadBackpressureTimeout(
                     f"{self.capacity} rollouts still waited for Redis after {limit:.1f} s",
                     operation="queue a rollout",
@@ -635,10 +631,11 @@ class FastLLMRolloutSender:
 
     @contextmanager
     def hold_sends(self, timeout: float | None = None) -> Iterator[None]:
-        limit = self.default_timeout if timeout is None else timeout
+        limit = limit_of(timeout, self.default_timeout)
+        deadline = deadline_after(limit)
         with self._cond:
             self._held += 1
-            if not self._cond.wait_for(lambda: not self._in_flight, limit):
+            if not self._cond.wait_for(lambda: not self._in_flight, wait_arg(deadline)):
                 self._held -= 1
                 self._cond.notify_all()
                 raise EgressHoldTimeout(
@@ -661,11 +658,13 @@ class FastLLMRolloutSender:
             PayloadTimeout: they were not all sent within ``timeout`` (a hold still on?).
             FastLLMProtocolError: a record failed to reach Redis.
         """
-        limit = self.default_timeout if timeout is None else timeout
+        limit = limit_of(timeout, self.default_timeout)
+        deadline = deadline_after(limit)
         with self._cond:
             target = self.submitted
             if not self._cond.wait_for(
-                lambda: self._error is not None or self.sent + self.failed >= target, limit
+                lambda: self._error is not None or self.sent + self.failed >= target,
+                wait_arg(deadline),
             ):
                 raise PayloadTimeout(
                     f"{target - self.sent - self.failed} rollout(s) still waited for Redis after "
@@ -682,7 +681,8 @@ class FastLLMRolloutSender:
             PayloadTimeout: records still waited after ``timeout`` (a hold never released):
                 they are counted in ``failed`` and dropped, and the error says how many.
         """
-        limit = self.default_timeout if timeout is None else timeout
+        limit = limit_of(timeout, self.default_timeout)
+        deadline = deadline_after(limit)  # one limit for the flush and the join together
         try:
             self.flush_pending_sends(limit)
         finally:
@@ -691,7 +691,7 @@ class FastLLMRolloutSender:
                 self.failed += len(self._queue)
                 self._queue.clear()
                 self._cond.notify_all()
-            self._thread.join(limit)
+            self._thread.join(wait_arg(deadline))
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

@@ -24,13 +24,12 @@ import pickle
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .._deadline import collective_failure, wait_collective
+from .._deadline import collective_failure, group_timedelta, wait_collective
 from ..errors import FastLLMProtocolError, UnsafeHeaderError
 from ..weights import WeightSpec
 
@@ -196,6 +195,17 @@ def group_store_prefix(world_size: int) -> str:
     return f"range_0_{world_size}_1/"
 
 
+def _broadcast_from_trainer() -> Any:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0  # the trainer
+    options.rootTensor = 0
+    return options
+
+
+_FROM_TRAINER = _broadcast_from_trainer()
+"""The options of every receive: a broadcast from rank 0, made once."""
+
+
 class BroadcastGroup:
     """This receiver's membership in Fast-LLM's broadcast group, with bounded receives.
 
@@ -231,14 +241,14 @@ class BroadcastGroup:
         """Join the trainer's group as ``rank`` (1 .. ``world_size`` - 1).
 
         Raises:
-            ValueError: a bad rank or backend.
+            ValueError: a bad rank or backend, or ``timeout_s`` not a positive finite number.
             RuntimeError / DistStoreError (torch): the rendezvous did not complete in time.
         """
         if not 0 < rank < world_size:
             raise ValueError(f"a Fast-LLM receiver's rank is 1 .. {world_size - 1}, got {rank}")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-        timeout = timedelta(seconds=timeout_s)
+        timeout = group_timedelta(timeout_s)
         rendezvous: Any = dist.rendezvous  # type: ignore[attr-defined]
         store, _, _ = next(rendezvous(f"tcp://{host}:{port}", rank, world_size, timeout=timeout))
         store.set_timeout(timeout)
@@ -258,14 +268,11 @@ class BroadcastGroup:
             CollectiveTimeout / CollectiveError: the trainer did not send in time, or its
                 connection broke (it died).
         """
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        opts.rootTensor = 0
         if self.group is None:
             raise FastLLMProtocolError(f"{what}: the Fast-LLM group was closed")
         start = time.monotonic()
         try:
-            work = self.group.broadcast([tensor], opts)
+            work = self.group.broadcast([tensor], _FROM_TRAINER)
         except Exception as exc:  # noqa: BLE001 - a group a dead peer already broke
             raise collective_failure(exc, what, (0, self.rank), self.timeout_s, start) from exc
         wait_collective([work], operation=what, timeout_s=self.timeout_s, ranks=(0, self.rank))

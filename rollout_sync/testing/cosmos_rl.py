@@ -605,9 +605,12 @@ def run_torn_generations(
 
 
 @contextlib.contextmanager
-def fake_nccl_payload_sends(sends: list[Interval]) -> Iterator[None]:
-    """FAKE-NCCL-PAYLOAD: ``pynccl.nccl_send`` copies the payload and records its interval in
-    ``sends``; the 2-rank communicator build and abort do nothing."""
+def fake_nccl_payload_sends(
+    sends: list[Interval], on_send: Callable[[], None] | None = None
+) -> Iterator[None]:
+    """FAKE-NCCL-PAYLOAD: ``pynccl.nccl_send`` copies the payload, records its interval in
+    ``sends`` and calls ``on_send()`` (if given); the 2-rank communicator build and abort do
+    nothing."""
     from cosmos_rl.utils import pynccl
     from cosmos_rl.utils.payload_transport.nccl import comm_cache
 
@@ -615,6 +618,8 @@ def fake_nccl_payload_sends(sends: list[Interval]) -> Iterator[None]:
         start = time.monotonic()
         tensor.clone()
         sends.append(Interval(start, time.monotonic()))
+        if on_send is not None:
+            on_send()
 
     saved = (pynccl.nccl_send, comm_cache._default_build_fn, comm_cache._default_abort_fn)
     pynccl.nccl_send = nccl_send

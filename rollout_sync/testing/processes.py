@@ -20,18 +20,28 @@ import os
 import pickle
 import queue
 import signal
+import subprocess
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..distributed import find_free_port
-from ..errors import ChildFailure, GroupProcessError
+from ..errors import ChildFailure, GroupProcessError, RolloutSyncError
 
-__all__ = ["ChildFailure", "GroupProcessError", "find_free_port", "run_processes"]
+__all__ = [
+    "ChildFailure",
+    "GroupProcessError",
+    "ServerOutput",
+    "find_free_port",
+    "run_processes",
+    "stop_process",
+]
 
 
 # -- spawning a group of processes -------------------------------------------------------------
@@ -229,3 +239,66 @@ def _drain_reports(
             values[rank] = pickle.loads(payload)
         else:
             failures.append(ChildFailure(rank, None, str(payload)))
+
+
+class ServerOutput:
+    """Readiness of a server process, from what it prints: no polling.
+
+    A thread copies the process's ``stdout`` (start it with ``stdout=subprocess.PIPE``,
+    ``stderr=subprocess.STDOUT``) line by line to ``log`` (or drops it) and notes the first line
+    containing ``ready_marker``, or the end of the output (the process exited).
+    :meth:`wait_ready` blocks on that.
+    """
+
+    def __init__(
+        self, process: subprocess.Popen[bytes], ready_marker: str, log: Path | None = None
+    ) -> None:
+        if process.stdout is None:
+            raise ValueError("start the process with stdout=subprocess.PIPE")
+        self.process = process
+        self.ready_marker = ready_marker.encode()
+        self.log = log
+        self.ready = False
+        self._changed = threading.Event()
+        self._thread = threading.Thread(target=self._copy, name="server-output", daemon=True)
+        self._thread.start()
+
+    def _copy(self) -> None:
+        assert self.process.stdout is not None
+        sink = self.log.open("ab") if self.log is not None else None
+        try:
+            for line in self.process.stdout:
+                if sink is not None:
+                    sink.write(line)
+                    sink.flush()
+                if not self.ready and self.ready_marker in line:
+                    self.ready = True
+                    self._changed.set()
+        finally:
+            if sink is not None:
+                sink.close()
+            self._changed.set()  # the output ended: the process exited
+
+    def wait_ready(self, timeout_s: float, what: str) -> None:
+        """Return once the ready line was printed.
+
+        Raises:
+            RolloutSyncError: the process's output ended first (it exited), or ``timeout_s``
+                passed; the message names ``what`` and the log.
+        """
+        where = f"; see {self.log}" if self.log is not None else ""
+        if not self._changed.wait(timeout_s):
+            raise RolloutSyncError(f"{what} was not ready within {timeout_s} s{where}")
+        if not self.ready:
+            self.process.wait(timeout_s)
+            raise RolloutSyncError(f"{what} exited ({self.process.returncode}){where}")
+
+
+def stop_process(process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Terminate ``process``; kill it if it is still there after ``timeout_s``."""
+    process.terminate()
+    try:
+        process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout_s)

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
 from types import TracebackType
 from typing import Any
 
 from ..distributed import find_free_port
 from ..errors import RedisUnavailableError, RolloutSyncError
+from .processes import ServerOutput, stop_process
 
 __all__ = ["RedisServer", "RedisUnavailableError", "require_redis_server"]
 
@@ -41,7 +41,8 @@ def require_redis_server() -> str:
 class RedisServer:
     """``with RedisServer() as server:`` runs one on ``server.port`` until the block ends.
 
-    :meth:`start` waits (up to ``timeout_s``) until it answers PING; :meth:`stop` shuts it down
+    :meth:`start` waits (up to ``timeout_s``) until it prints that it accepts connections;
+    :meth:`stop` shuts it down
     (killing it after ``timeout_s``); :meth:`restart` does both on the same port, losing every
     stream (nothing is persisted).
     """
@@ -65,10 +66,10 @@ class RedisServer:
         return redis.Redis(host="127.0.0.1", port=self.port, **kwargs)
 
     def start(self) -> None:
-        """Start the server and wait until it answers.
+        """Start the server and wait until it prints that it accepts connections.
 
         Raises:
-            RolloutSyncError: it exited, or did not answer within ``timeout_s``.
+            RolloutSyncError: it exited, or was not ready within ``timeout_s``.
         """
         if self._process is not None:
             return
@@ -86,41 +87,20 @@ class RedisServer:
                 "--daemonize",
                 "no",
             ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
         )
-        import redis
-
-        probe = self.client(socket_timeout=1.0, socket_connect_timeout=1.0)
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            if self._process.poll() is not None:
-                code = self._process.returncode
-                self._process = None
-                raise RolloutSyncError(f"redis-server on port {self.port} exited with code {code}")
-            try:
-                if probe.ping():
-                    break
-            except redis.exceptions.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RolloutSyncError(
-                    f"redis-server on port {self.port} did not answer within {self.timeout_s} s"
-                )
-            time.sleep(0.02)  # polling a server that offers no readiness event
-        probe.close()
+        output = ServerOutput(self._process, "Ready to accept connections")
+        try:
+            output.wait_ready(self.timeout_s, f"redis-server on port {self.port}")
+        except RolloutSyncError:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         process, self._process = self._process, None
-        if process is None:
-            return
-        process.terminate()
-        try:
-            process.wait(self.timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(self.timeout_s)
+        if process is not None:
+            stop_process(process, self.timeout_s)
 
     def restart(self) -> None:
         self.stop()

@@ -35,7 +35,6 @@ from rollout_sync.testing import cosmos_rl as harness  # noqa: E402, I001
 
 import redis  # noqa: E402
 import torch  # noqa: E402
-from conftest import wait_until  # noqa: E402
 from cosmos_rl.dispatcher.command import (  # noqa: E402
     PolicyToRolloutUnicastCommand,
     RolloutToRolloutBroadcastCommand,
@@ -352,9 +351,22 @@ class _BlockingSends:
 @pytest.fixture
 def producer(redis_client: Any) -> Any:
     sends: list[harness.Interval] = []
-    with harness.fake_nccl_payload_sends(sends):
+    sent = threading.Semaphore(0)  # released once per send
+    with harness.fake_nccl_payload_sends(sends, on_send=sent.release):
         made = harness.make_producer("holdable", redis_client)
-        made.test_sends = sends
+        made.test_sends, made.test_sent = sends, sent
+        # Released once per request the listener thread defers (cosmos's _dispatch_request
+        # calls the instance's _handle_request).
+        made.test_deferred = deferred = threading.Semaphore(0)
+        handle = made._handle_request
+
+        def handle_and_note(msg: Any) -> None:
+            before = made.hold_stats.deferred
+            handle(msg)
+            if made.hold_stats.deferred > before:
+                deferred.release()
+
+        made._handle_request = handle_and_note
         try:
             yield made
         finally:
@@ -382,13 +394,16 @@ def test_requests_during_a_hold_wait_and_are_answered_after(
     refs = [producer.publish(harness.trajectory(i))["_transfer_id"] for i in range(3)]
     with producer.hold_sends(timeout=5) as stats:
         pending = [_request_in_thread(c, t) for c, t in zip(consumers, refs, strict=True)]
-        wait_until(lambda: stats.deferred == 3, what="three requests deferred")
+        for _ in range(3):
+            assert producer.test_deferred.acquire(timeout=10), "three requests deferred"
         assert producer.test_sends == []  # nothing sent...
         assert all("status" not in p for p in pending)  # ...nothing answered while held
     for p in pending:
         p["thread"].join(10)
     assert all(p["status"] in ("accepted", "complete") for p in pending), pending
-    wait_until(lambda: len(producer.test_sends) == 3, what="each deferred request sent once")
+    for _ in range(3):
+        assert producer.test_sent.acquire(timeout=10), "each deferred request sent"
+    assert len(producer.test_sends) == 3  # once each
     assert stats.answered_after_hold == 3 and stats.expired_in_hold == 0
 
 
@@ -405,7 +420,8 @@ def test_a_request_that_expires_in_a_hold_is_not_answered_late(
     assert producer.test_sends == []  # no late ACCEPTED, no unmatched send
     consumer.request_timeout_s = 5.0
     assert consumer.request(ref, attempt=2) in ("accepted", "complete")  # the retry is served
-    wait_until(lambda: len(producer.test_sends) == 1, what="the retry sent")
+    assert producer.test_sent.acquire(timeout=10), "the retry sent"
+    assert len(producer.test_sends) == 1
 
 
 def test_a_hold_waits_for_an_accepted_send_and_times_out_loudly(
@@ -449,7 +465,7 @@ def test_a_hold_longer_than_consumer_patience_is_reported(
     assert producer.max_hold_s == pytest.approx(4.75)  # 5 s per attempt less cosmos's margin
     producer.max_hold_s = 0.0
     with caplog.at_level(logging.WARNING), producer.hold_sends(timeout=1):
-        time.sleep(0.001)  # a hold of measurable length, past max_hold_s = 0
+        time.sleep(0.001)  # on purpose: a known lower bound for the hold's length (> 0)
     assert producer.hold_stats.overruns == 1
     assert "longer than the consumers' patience" in caplog.text
 
