@@ -89,8 +89,8 @@ def _raw_broadcast_s(nbytes: int, iterations: int) -> list[float]:
 def _bench_model(model_dir: Path, iterations: int, bucket_bytes: int) -> dict[str, Any]:
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from rollout_sync.backends.vllm_client import GuardedWeightSyncClient
-    from rollout_sync.backends.vllm_trainer import MappingSource, RolloutSyncTrainerInitInfo
+    from rollout_sync.backends.vllm.client import GuardedWeightSyncClient
+    from rollout_sync.backends.vllm.trainer import MappingSource, RolloutSyncTrainerInitInfo
 
     backend = VLLMAsyncBackend(
         VLLMEngineConfig(

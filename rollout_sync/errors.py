@@ -379,7 +379,7 @@ class ChildFailure:
 class GroupProcessError(RolloutSyncError, ChildProcessError):
     """One or more processes of a group failed, died or overstayed: children of
     :func:`~rollout_sync.testing.run_processes`, or ranks of a launcher's job
-    (:class:`~rollout_sync.integrations.ray.RayJob`).
+    (:class:`~rollout_sync.launch.ray.RayJob`).
 
     Attributes:
         failures: one :class:`ChildFailure` per failed process, the first to fail first. A

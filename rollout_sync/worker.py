@@ -326,7 +326,7 @@ class WorkerCommandChannel:
     Commands go on each replica's command queue, the one its worker reads
     (``RolloutWorker(commands=...)``): in one process the worker's own ``worker.commands``,
     across processes a ``multiprocessing`` queue, across hosts a
-    :class:`~rollout_sync.integrations.launch.StoreCommandQueue` on the job's rendezvous store.
+    :class:`~rollout_sync.launch.job.StoreCommandQueue` on the job's rendezvous store.
     Every put of one announcement shares its ``timeout``.
 
     Args:

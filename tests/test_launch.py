@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from rollout_sync import P2R, R2R, Stop
 from rollout_sync.errors import RolloutSyncError
-from rollout_sync.integrations.launch import (
+from rollout_sync.launch import (
     JobContext,
     JobLayout,
     Role,

@@ -18,7 +18,7 @@ from conftest import wait_until
 
 from rollout_sync.demos.distributed import DistributedDemoConfig, run_distributed_demo
 from rollout_sync.errors import GroupProcessError
-from rollout_sync.integrations.launch import JobContext
+from rollout_sync.launch import JobContext
 
 pytestmark = [pytest.mark.launcher, pytest.mark.multiprocess]
 
@@ -88,7 +88,7 @@ def _hangs_on_rank_2(context: JobContext) -> int:
 
 @pytest.mark.timeout(240)
 def test_a_failing_ray_job_reports_the_rank_and_cleans_up(no_ray_left: None) -> None:
-    from rollout_sync.integrations.ray import RayJob
+    from rollout_sync.launch.ray import RayJob
 
     # The actors import the entry points from this module: put tests/ on their path.
     tests_path = {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}

@@ -377,9 +377,9 @@ def test_without_the_fill_the_leaves_of_a_failed_relay_wait_out_the_timeout() ->
 
 def monkeypatch_relay_fill_off() -> None:
     """In a child process: the relay no longer sends the void rest after its source died."""
-    from rollout_sync import transfer
+    from rollout_sync.transfer import _pipeline
 
-    transfer._Forward.fill = lambda self: None  # type: ignore[method-assign]
+    _pipeline._Forward.fill = lambda self: None  # type: ignore[method-assign]
 
 
 # -- a torn R2R source aborts -------------------------------------------------------------------

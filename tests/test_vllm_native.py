@@ -29,8 +29,8 @@ from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactor
 
 from rollout_sync import SpanKind, Timeline, TornWeightsError
 from rollout_sync.backends.vllm import VLLMAsyncBackend, greedy_params
-from rollout_sync.backends.vllm_client import GuardedWeightSyncClient
-from rollout_sync.backends.vllm_trainer import (
+from rollout_sync.backends.vllm.client import GuardedWeightSyncClient
+from rollout_sync.backends.vllm.trainer import (
     MappingSource,
     RolloutSyncTrainerEngine,
     RolloutSyncTrainerInitInfo,

@@ -28,7 +28,7 @@ def test_vllms_nccl_engine_through_the_guard(tmp_path: Path) -> None:
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
     from rollout_sync.backends.vllm import VLLMAsyncBackend, VLLMEngineConfig, greedy_params
-    from rollout_sync.backends.vllm_client import GuardedWeightSyncClient
+    from rollout_sync.backends.vllm.client import GuardedWeightSyncClient
     from rollout_sync.testing import (
         build_tiny_llama,
         find_free_port,

@@ -28,9 +28,9 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 from rollout_sync.backends.vllm import VLLMAsyncBackend, greedy_params
-from rollout_sync.backends.vllm_client import GuardedWeightSyncClient
-from rollout_sync.backends.vllm_engine import RolloutSyncUpdateInfo
-from rollout_sync.backends.vllm_trainer import (
+from rollout_sync.backends.vllm.client import GuardedWeightSyncClient
+from rollout_sync.backends.vllm.engine import RolloutSyncUpdateInfo
+from rollout_sync.backends.vllm.trainer import (
     MappingSource,
     RolloutSyncTrainerEngine,
     RolloutSyncTrainerInitInfo,

@@ -27,8 +27,8 @@ import requests
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-from rollout_sync.backends.vllm_client import GuardedWeightSyncClient, HTTPGenerationPauser
-from rollout_sync.backends.vllm_trainer import MappingSource, RolloutSyncTrainerInitInfo
+from rollout_sync.backends.vllm.client import GuardedWeightSyncClient, HTTPGenerationPauser
+from rollout_sync.backends.vllm.trainer import MappingSource, RolloutSyncTrainerInitInfo
 from rollout_sync.errors import ManifestRejected
 from rollout_sync.testing import (
     build_tiny_llama,

@@ -22,10 +22,10 @@ from rollout_sync.backends.vllm import (
     VLLMBlockingBackend,
     VLLMEngineConfig,
     VLLMRequest,
-    _VersionHistory,
     require_vllm,
 )
-from rollout_sync.backends.vllm_worker import Probe, ProbePlan, copy_in_place, verify_written
+from rollout_sync.backends.vllm.generations import VersionHistory
+from rollout_sync.backends.vllm.worker import Probe, ProbePlan, copy_in_place, verify_written
 from rollout_sync.demos import cli
 from rollout_sync.errors import VLLMUnavailableError, WeightsNotLandedError, WriteRefused
 from rollout_sync.testing.tiny_llama import find_sync_split
@@ -39,7 +39,7 @@ def no_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_importing_the_package_and_the_backend_does_not_import_vllm() -> None:
     code = (
-        "import sys, rollout_sync, rollout_sync.backends.vllm, rollout_sync.backends.vllm_worker;"
+        "import sys, rollout_sync, rollout_sync.backends.vllm, rollout_sync.backends.vllm.worker;"
         "assert 'vllm' not in sys.modules, 'vllm was imported'"
     )
     done = subprocess.run(
@@ -84,7 +84,7 @@ def test_the_paused_bracket_is_a_no_op_before_the_engine_exists(tmp_path: Path) 
 
 
 def test_version_history_dates_a_timestamp() -> None:
-    history = _VersionHistory()
+    history = VersionHistory()
     assert history.at(-1e9) == 0 and history.at(0.0) == 0
     history.commit(1, 10.0)
     history.commit(2, 20.0)
@@ -101,7 +101,7 @@ def _output(tokens: list[int], reason: str | None, metrics: object = None) -> Si
 
 
 def test_results_are_dated_by_the_engine_timestamps() -> None:
-    history = _VersionHistory()
+    history = VersionHistory()
     history.commit(1, 100.0)
     history.commit(2, 200.0)
     request = VLLMRequest("r", [1, 2], history)
@@ -117,7 +117,7 @@ def test_results_are_dated_by_the_engine_timestamps() -> None:
 
 
 def test_without_engine_stats_a_straddle_is_never_hidden() -> None:
-    history = _VersionHistory()
+    history = VersionHistory()
     request = VLLMRequest("r", [1], history)  # submitted under version 0
     history.commit(1, time.monotonic())
     request._update(_output([3], "length"))
@@ -127,7 +127,7 @@ def test_without_engine_stats_a_straddle_is_never_hidden() -> None:
 
 
 def test_a_request_that_never_ends_times_out_clearly() -> None:
-    request = VLLMRequest("slow", [1], _VersionHistory())
+    request = VLLMRequest("slow", [1], VersionHistory())
     with pytest.raises(TimeoutError, match="slow did not produce 2 tokens"):
         request.wait_for_tokens(2, timeout=0.01)
     with pytest.raises(TimeoutError, match="slow did not finish"):
@@ -244,7 +244,7 @@ def test_probe_plan_maps_packed_and_stacked_names() -> None:
     pytest.importorskip("vllm")
     from vllm.model_executor.models.utils import WeightsMapper
 
-    from rollout_sync.backends.vllm_worker import build_probe_plan
+    from rollout_sync.backends.vllm.worker import build_probe_plan
 
     model = torch.nn.Module()
     model.layer = torch.nn.Module()
@@ -268,7 +268,7 @@ def test_probe_plan_maps_packed_and_stacked_names() -> None:
 
 def test_checkpoint_specs_read_the_safetensors_header(tmp_path: Path) -> None:
     safetensors_torch = pytest.importorskip("safetensors.torch")
-    from rollout_sync.backends.vllm_worker import checkpoint_specs
+    from rollout_sync.backends.vllm.worker import checkpoint_specs
 
     safetensors_torch.save_file(
         {

@@ -6,7 +6,7 @@ Each backend lives in its own module; import its names from there.
   blocking (:class:`~rollout_sync.backends.torch_lm.TorchLMBackend`) and streaming on the
   scheduler (:class:`~rollout_sync.backends.torch_lm.TorchLMStreamBackend`).
 * :mod:`rollout_sync.backends.vllm` - vLLM (``pip install 'rollout-sync[vllm]'``), with its
-  engine-side worker extension in :mod:`rollout_sync.backends.vllm_worker`. It imports vLLM
+  engine-side worker extension in :mod:`rollout_sync.backends.vllm.worker`. It imports vLLM
   lazily, so ``import rollout_sync`` works without it.
 """
 

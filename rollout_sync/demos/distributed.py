@@ -32,7 +32,8 @@ or sync (on the replicas and on the trainer), that no payload was lost, and that
 ends (and, with ``check_every_step``, is after every version it received) bit-identical to the
 trainer.
 
-The engine is chosen by name from :data:`DEMO_BACKENDS` (see :func:`register_demo_backend`):
+The engine is chosen by name from :data:`~rollout_sync.demos.job.DEMO_BACKENDS` (see
+:func:`~rollout_sync.demos.job.register_demo_backend`; both re-exported here):
 ``torch_lm`` (the default) and ``torn_read``, a fake model whose every tensor carries its
 version (it also runs the async modes).
 """
@@ -44,18 +45,17 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..backend import RolloutBase
-from ..backends.torch_lm import TinyCausalLM, TinyLMConfig, TorchLMStreamBackend
+from ..backends.torch_lm import TinyCausalLM, TorchLMStreamBackend
 from ..errors import PayloadTimeout, ShutdownTimeout
 from ..guard import SyncMode
-from ..integrations.launch import (
+from ..launch import (
     JobContext,
     JobLayout,
     StoreCommandQueue,
@@ -101,6 +101,15 @@ from ..worker import (
     WorkerCommandChannel,
     build_sync_groups,
 )
+from . import vllm_replicas as _vllm_replicas  # noqa: F401  (registers --backend vllm)
+from .job import (
+    DEMO_BACKENDS,
+    DemoBackend,
+    DemoEngine,
+    DistributedDemoConfig,
+    drift_each_step,
+    register_demo_backend,
+)
 
 __all__ = [
     "DEMO_BACKENDS",
@@ -120,108 +129,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class DistributedDemoConfig:
-    """Knobs of the multi-process demo. The defaults finish in ~15 s on two cores."""
-
-    replicas: int = 3
-    steps: int = 30
-    backend: str = "torch_lm"
-    """A key of :data:`DEMO_BACKENDS`."""
-    mode: SyncMode = SyncMode.SYNC
-    guarded: bool = True
-    model: TinyLMConfig = field(default_factory=TinyLMConfig)
-    """torch_lm: the replicas' engine and the trainer's weights (same architecture)."""
-    max_concurrent: int = 8
-    """torch_lm: sequences decoded together; the queue is kept at twice this."""
-    min_new_tokens: int = 4
-    max_new_tokens: int = 48
-    """torch_lm: generations are of mixed length, uniform in [min_new_tokens, max_new_tokens]."""
-    num_tensors: int = 32
-    numel: int = 65536
-    """torn_read: elements (float32) per tensor: 32 x 65536 x 4 B = 8 MiB by default."""
-    bucket_bytes: int = 4 << 20
-    checksums: bool = False
-    pipelined_relay: bool = False
-    """The first replica passes each bucket on to the others as it arrives (``P2R(relay=True)``;
-    the two hops overlap) instead of an R2R after the P2R."""
-    step_interval_s: float = 0.1
-    """The trainer's training step: it takes the payloads that arrive for this long."""
-    payload_capacity: int = 256
-    """Payloads a replica may have registered and not yet sent (backpressure beyond)."""
-    payload_window: int = 64
-    """Payloads the trainer grants each replica credit for at once."""
-    timeout_s: float = 30.0
-    """Limit of every collective, pause, hold, fence and payload wait."""
-    check_every_step: bool = True
-    """Compare every version every replica received with the trainer's (a digest each)."""
-    seed: int = 0
-
-
 # -- engines -----------------------------------------------------------------------------------
-
-
-@dataclass
-class DemoEngine:
-    """What a demo engine factory returns: the engine, and how to read its counters."""
-
-    rollout: RolloutBase
-    """A :class:`~rollout_sync.worker.BackgroundEngine`: the worker starts it inside the first
-    sync and stops it on close; it ships its results through the sender it was given."""
-    counters: Callable[[], dict[str, int]]
-    """``forwards``, ``torn_forwards`` (what the engine's own detector saw),
-    ``generation_pauses`` and ``installs``; engine-specific extras are reported as they are."""
-    close: Callable[[], None] = lambda: None
-    """Release what the engine holds (an engine process), after the replica's report is taken."""
-
-
-EngineFactory = Callable[[DistributedDemoConfig, Timeline, PayloadSender], DemoEngine]
-"""Builds a replica's engine (not started) that ships payloads through the sender."""
-
-TrainerModel = Callable[
-    [DistributedDemoConfig], tuple[dict[str, torch.Tensor], Callable[[int], None]]
-]
-"""The trainer's weights (named like the engine's served tensors) and ``advance(step)``, which
-moves them in place to the version of that step."""
-
-
-@dataclass(frozen=True)
-class DemoBackend:
-    """An engine the demo can run: the replicas' side and the trainer's weights."""
-
-    engine: EngineFactory
-    trainer_model: TrainerModel
-    modes: frozenset[SyncMode]
-    """The sync modes the engine supports (async modes need a weight-buffer backend)."""
-    start_s: float = 0.0
-    """How long starting the engine may take (inside the first sync): added to the run's
-    limit, and to the ``timeout_s`` the command line gives the run."""
-    starts_processes: bool = False
-    """The engine starts processes of its own: the replicas must not be daemonic."""
-
-
-DEMO_BACKENDS: dict[str, DemoBackend] = {}
-"""Engines the demo can run, by name."""
-
-
-def register_demo_backend(
-    name: str,
-    engine: EngineFactory,
-    trainer_model: TrainerModel,
-    *,
-    modes: Iterable[SyncMode] = (SyncMode.SYNC,),
-    start_s: float = 0.0,
-    starts_processes: bool = False,
-) -> None:
-    """Make an engine available as ``--backend name``.
-
-    Register at import time of a module that the demo imports, since the processes are
-    spawned and look the backend up by name. ``start_s`` and ``starts_processes``: see
-    :class:`DemoBackend`.
-    """
-    DEMO_BACKENDS[name] = DemoBackend(
-        engine, trainer_model, frozenset(modes), start_s, starts_processes
-    )
 
 
 class _StreamingLM(TorchLMStreamBackend):
@@ -358,21 +266,6 @@ def _torch_lm_trainer(
     model = TinyCausalLM.build(config.model, seed=config.seed + 1)
     weights = {name: param.detach() for name, param in model.named_parameters()}
     return weights, drift_each_step(weights, seed=config.seed + 2)
-
-
-def drift_each_step(weights: Mapping[str, torch.Tensor], *, seed: int) -> Callable[[int], None]:
-    """A trainer model's ``advance``: every step adds seeded noise (std 0.01) to every tensor in
-    place, so every version differs."""
-    noise = torch.Generator().manual_seed(seed)
-
-    def advance(step: int) -> None:
-        with torch.no_grad():
-            for tensor in weights.values():
-                tensor.add_(
-                    torch.randn(tensor.shape, generator=noise, dtype=tensor.dtype), alpha=1e-2
-                )
-
-    return advance
 
 
 class _SenderPacker:
@@ -742,7 +635,7 @@ def run_distributed_demo(
 
     Args:
         launcher: ``"local"`` spawns the processes here; ``"ray"`` runs them as Ray actors
-            (:class:`~rollout_sync.integrations.ray.RayJob`: a local cluster for the run, or
+            (:class:`~rollout_sync.launch.ray.RayJob`: a local cluster for the run, or
             the one at ``ray_address``). Under torchrun, every rank calls
             :func:`run_demo_under_torchrun` instead.
 
@@ -771,7 +664,7 @@ def run_distributed_demo(
             daemon=not DEMO_BACKENDS[config.backend].starts_processes,
         )
     else:
-        from ..integrations.ray import RayJob
+        from ..launch.ray import RayJob
 
         with RayJob(world, address=ray_address, timeout_s=demo_limit_s(config)) as job:
             values = job.run(demo_process, config)
@@ -938,7 +831,3 @@ def _report(
         "wall_s": wall_s,
         "errors": [e.splitlines()[0] for rep in replicas for e in rep["failed"]][:5],
     }
-
-
-# Engines registered by modules of their own (imported last: they build on this module).
-from . import vllm_replicas as _vllm_replicas  # noqa: E402, F401

@@ -1,6 +1,6 @@
 """vLLM replicas for the multi-process demo: ``rollout-sync demo --backend vllm``.
 
-Registers the demo backend ``vllm`` (:func:`~rollout_sync.demos.distributed.register_demo_backend`).
+Registers the demo backend ``vllm`` (:func:`~rollout_sync.demos.job.register_demo_backend`).
 Each replica process serves a tiny random Llama (built locally, the same checkpoint on every
 replica) on vLLM's ``AsyncLLM`` (:class:`~rollout_sync.backends.vllm.VLLMAsyncBackend`, whose
 engine core is a process of its own) and keeps requests of mixed length decoding throughout;
@@ -34,12 +34,7 @@ from ..backends.vllm import VLLMAsyncBackend, VLLMEngineConfig, VLLMGeneration
 from ..payload import PayloadSender
 from ..testing.tiny_llama import build_tiny_llama
 from ..trace import SpanKind, Timeline
-from .distributed import (
-    DemoEngine,
-    DistributedDemoConfig,
-    drift_each_step,
-    register_demo_backend,
-)
+from .job import DemoEngine, DistributedDemoConfig, drift_each_step, register_demo_backend
 from .vllm import RequestFeeder
 
 __all__ = ["VLLM_START_S", "VLLMReplica"]

@@ -1,10 +1,11 @@
-"""The world outside: launchers that place a job's processes, and other trainers' protocols.
+"""Other frameworks' protocols, driven by this package's guard.
 
-* :mod:`.launch` - launcher-neutral: who is who by rank (:class:`~.launch.JobLayout`), the
-  rendezvous a launcher gives (:class:`~.launch.JobContext`, :func:`~.launch.torchrun_context`),
-  and commands across hosts on the job's store (:class:`~.launch.StoreCommandQueue`).
-* :mod:`.ray` - the job as Ray actors, one placement-group bundle per process
-  (:class:`~.ray.RayJob`); imports Ray only when used.
+* :mod:`.cosmos_rl` - cosmos-rl 0.4.7: the guard installed on its own rollout worker, scheduler,
+  weight-sync thread and payload producer (:mod:`.cosmos_rl_payload`).
+* :mod:`.fast_llm` - a Fast-LLM trainer's weight stream (its wire protocol in
+  :mod:`.fast_llm_wire`) received by guarded replicas.
 
-docs/deploy.md has the commands for torchrun across nodes and for an existing Ray cluster.
+Placing our own job (torchrun, Ray) is :mod:`rollout_sync.launch`; the old paths
+``rollout_sync.integrations.launch`` and ``rollout_sync.integrations.ray`` warn and are kept for
+one release.
 """

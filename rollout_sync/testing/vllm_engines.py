@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backends.vllm_engine import RolloutSyncInitInfo, RolloutSyncWeightTransferEngine
+from ..backends.vllm.engine import RolloutSyncInitInfo, RolloutSyncWeightTransferEngine
 
 __all__ = ["FLAWED_ENGINE_NAME", "FLAWS", "FlawedInitInfo", "FlawedWeightTransferEngine"]
 

@@ -2,7 +2,7 @@
 
 Pass ``engine_kwargs={"worker_extension_cls": STALLING_WORKER_EXTENSION}`` in a
 :class:`~rollout_sync.backends.vllm.VLLMEngineConfig` to get it; everything else is the
-production :class:`~rollout_sync.backends.vllm_worker.RolloutSyncWorkerExtension`.
+production :class:`~rollout_sync.backends.vllm.worker.RolloutSyncWorkerExtension`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..backends.vllm_worker import RolloutSyncWorkerExtension
+from ..backends.vllm.worker import RolloutSyncWorkerExtension
 
 __all__ = ["STALLING_WORKER_EXTENSION", "StallingWorkerExtension"]
 

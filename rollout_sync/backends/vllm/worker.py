@@ -1,0 +1,645 @@
+"""The engine side of the vLLM backend: a worker extension that writes, checks and traces weights.
+
+vLLM mixes ``worker_extension_cls`` into its worker class, in the engine's process, and the
+frontend reaches its methods with ``collective_rpc``. :class:`RolloutSyncWorkerExtension` adds
+the methods the backend in :mod:`rollout_sync.backends.vllm` calls:
+
+* what the engine serves, as checkpoint-format specs (names, shapes, dtypes): read from the
+  safetensors headers of the checkpoint the engine loaded, with the engine's dtype;
+* a weight write (safetensors bytes, or a path to a safetensors file) through vLLM's in-place
+  ``reload_weights`` (the default), or through a plain in-place ``copy_`` into the parameters,
+  which is only right where the platform serves the parameters as they are;
+* a check that the write *landed*, read back through the very kernels the forward uses;
+* forward spans (forward hooks on the model) and write spans, on one clock with the frontend.
+
+Why the read-back: vLLM for CPU repacks linear weights after loading. The parameters a module
+shows become empty (``[0]``) or, for ``lm_head``, stay visible while the forward computes from
+a packed copy. A ``copy_`` into them raises, or is silently ignored. So the check does not look
+at parameters; it multiplies one-hot rows through each module's own ``quant_method.apply``,
+which returns columns of the weight the kernel really multiplies with, exactly (one product by
+1.0 and sums of zeros are exact in every float format). Parameters a forward reads as they are
+(embeddings, norms, biases) are compared directly. Every comparison is bit-exact, so even the
+tiny step between two RL policy versions is told apart from a write that did not land.
+
+This module is imported inside the engine, where vLLM is installed; it imports nothing from
+vLLM at module level so that the frontend can name it without importing vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import WriteRefused
+from ...trace import SpanKind, Timeline
+
+__all__ = [
+    "WORKER_EXTENSION",
+    "Probe",
+    "ProbePlan",
+    "RolloutSyncWorkerExtension",
+    "Witness",
+    "WriteRefused",
+    "build_probe_plan",
+    "checkpoint_specs",
+    "copy_in_place",
+    "decode_payload",
+    "partial_load_groups",
+    "probe_columns",
+    "verify_witnesses",
+    "verify_written",
+    "witness_of",
+]
+
+WORKER_EXTENSION = "rollout_sync.backends.vllm.worker.RolloutSyncWorkerExtension"
+"""The ``worker_extension_cls`` to pass to vLLM (the backend does this for you)."""
+
+WRITE_METHODS = ("reload", "copy")
+
+_SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+# -- what the engine serves --------------------------------------------------------------------
+
+
+def _read_safetensors_header(path: Path) -> dict[str, Any]:
+    with path.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header: dict[str, Any] = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return header
+
+
+def _checkpoint_files(model: str) -> list[Path]:
+    root = Path(model)
+    if not root.is_dir():
+        # A hub id: the engine downloaded it into the local cache when it started.
+        try:
+            from huggingface_hub import snapshot_download
+
+            root = Path(
+                snapshot_download(
+                    model, allow_patterns=["*.safetensors", "*.json"], local_files_only=True
+                )
+            )
+        except Exception as exc:
+            raise FileNotFoundError(
+                f"{model!r} is neither a directory nor a model in the local hub cache; the "
+                "rollout_sync vLLM backend reads the served weight specs from its safetensors "
+                f"headers ({type(exc).__name__}: {exc})"
+            ) from exc
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = sorted({root / f for f in weight_map.values()})
+    else:
+        files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors checkpoint under {root}: the rollout_sync vLLM backend reads the "
+            "served weight names and shapes from safetensors headers; convert the checkpoint "
+            "with transformers' save_pretrained(..., safe_serialization=True)"
+        )
+    return files
+
+
+def checkpoint_specs(
+    model: str, dtype: torch.dtype
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Checkpoint-format names and shapes of what the engine loaded, by name, in name order.
+
+    Floating-point tensors get the engine's ``dtype`` (that is what the engine serves and what
+    a write must send); other tensors keep the checkpoint's.
+    """
+    found: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for path in _checkpoint_files(model):
+        for name, entry in _read_safetensors_header(path).items():
+            stored = _SAFETENSORS_DTYPES.get(entry["dtype"])
+            if stored is None:
+                raise ValueError(f"{path.name}: {name} has an unsupported dtype {entry['dtype']}")
+            found[name] = (
+                tuple(int(d) for d in entry["shape"]),
+                dtype if stored.is_floating_point else stored,
+            )
+    return dict(sorted(found.items()))
+
+
+# -- where each checkpoint tensor lands, and how to read it back -------------------------------
+
+
+@dataclass(frozen=True)
+class Probe:
+    """How to read back one checkpoint tensor from the served model.
+
+    ``kind`` is ``"op"`` for a weight the forward multiplies with through the module's
+    ``quant_method.apply`` (read back by one-hot rows), ``"param"`` for a tensor the forward
+    reads as it is. The tensor occupies rows ``row_offset : row_offset + rows`` of the module's
+    output (a packed module such as ``qkv_proj`` stacks several checkpoint tensors).
+    """
+
+    name: str
+    module: str
+    param: str
+    kind: str
+    row_offset: int
+    rows: int
+
+
+@dataclass
+class ProbePlan:
+    """For every checkpoint name: its probes, and its load group (the module it loads into)."""
+
+    probes: dict[str, list[Probe]] = field(default_factory=dict)
+    groups: dict[str, str] = field(default_factory=dict)
+    unverifiable: dict[str, str] = field(default_factory=dict)
+
+
+def _is_op_module(module: torch.nn.Module) -> bool:
+    """A module whose weight the forward only reaches through ``quant_method.apply``."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    return isinstance(module, (LinearBase, ParallelLMHead)) and hasattr(
+        getattr(module, "quant_method", None), "apply"
+    )
+
+
+def build_probe_plan(
+    model: torch.nn.Module, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+) -> ProbePlan:
+    """Map every checkpoint tensor to the served module rows it loads into (tensor parallel 1).
+
+    Uses the model's own ``packed_modules_mapping`` (``q_proj`` -> ``qkv_proj`` shard 0, ...)
+    and ``hf_to_vllm_mapper`` where it has one. A name that maps nowhere is listed in
+    ``unverifiable`` with the reason.
+    """
+    plan = ProbePlan()
+    packed: Mapping[str, list[str]] = getattr(model, "packed_modules_mapping", None) or {}
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    claimed: set[str] = set()
+    for name, (shape, _dtype) in specs.items():
+        mapped = name
+        if mapper is not None:
+            renamed = mapper.map_name(name)
+            if renamed is None:
+                plan.unverifiable[name] = "the model ignores it when loading"
+                continue
+            mapped = renamed
+        module_path, _, param = mapped.rpartition(".")
+        parent = module_path.rpartition(".")[0]
+        # The packing is read off the checkpoint name: a mapper may already have renamed
+        # q_proj to qkv_proj (vLLM's "stacked" mapping), which loses the shard.
+        leaf = name.rpartition(".")[0].rpartition(".")[2]
+        target, offset = module_path, 0
+        for packed_name, parts in packed.items():
+            if leaf in parts and leaf != packed_name:
+                target = f"{parent}.{packed_name}" if parent else packed_name
+                for sibling in parts[: parts.index(leaf)]:
+                    sibling_name = name.replace(f".{leaf}.", f".{sibling}.")
+                    sibling_spec = specs.get(sibling_name)
+                    if sibling_spec is None:
+                        offset = -1
+                        break
+                    offset += sibling_spec[0][0]
+                break
+        if offset < 0:
+            plan.unverifiable[name] = (
+                f"a part packed with it into {target} is not in the checkpoint"
+            )
+            continue
+        try:
+            module = model.get_submodule(target)
+        except AttributeError:
+            plan.unverifiable[name] = f"no served module {target!r}"
+            continue
+        rows = shape[0] if shape else 1
+        kind = "op" if param == "weight" and len(shape) == 2 and _is_op_module(module) else "param"
+        if kind == "param":
+            if not _holds_rows(getattr(module, param, None), shape, offset, rows):
+                plan.unverifiable[name] = f"{target}.{param} is not served as a plain tensor"
+                continue
+        plan.probes[name] = [Probe(name, target, param, kind, offset, rows)]
+        plan.groups[name] = target
+        claimed.add(target)
+    _add_tied_lm_head(model, plan, claimed)
+    return plan
+
+
+def partial_load_groups(names: Collection[str], groups: Mapping[str, str]) -> list[str]:
+    """One line per load group (a fused module: ``qkv_proj``) that ``names`` touch without
+    naming all of its parts; ``groups`` maps each checkpoint name to its group
+    (:attr:`ProbePlan.groups`). vLLM rebuilds a fused module from all of its parts, so a part
+    sent alone leaves the others uninitialized."""
+    members: dict[str, list[str]] = {}
+    for name, group in groups.items():
+        members.setdefault(group, []).append(name)
+    sent = set(names)
+    problems = []
+    for group in sorted({groups[n] for n in sent if n in groups}):
+        missing = [n for n in members[group] if n not in sent]
+        if missing:
+            problems.append(
+                f"{group}: a fused module must be sent whole; missing {', '.join(missing)}"
+            )
+    return problems
+
+
+def _holds_rows(served: object, shape: Sequence[int], row_offset: int, rows: int) -> bool:
+    """Whether ``served`` is a plain tensor with rows ``row_offset : row_offset + rows`` of a
+    tensor of ``shape`` (not repacked by the platform into another layout, or to nothing)."""
+    return (
+        isinstance(served, torch.Tensor)
+        and served.numel() > 0
+        and tuple(served.shape[1:]) == tuple(shape[1:])
+        and served.shape[0] >= row_offset + rows
+    )
+
+
+def _add_tied_lm_head(model: torch.nn.Module, plan: ProbePlan, claimed: set[str]) -> None:
+    """A tied ``lm_head`` loads from the embedding's checkpoint tensor: probe it there too."""
+    lm_head = getattr(model, "lm_head", None)
+    if lm_head is None or "lm_head" in claimed or not _is_op_module(lm_head):
+        return
+    for name, probes in plan.probes.items():
+        first = probes[0]
+        if first.param == "weight" and first.module.endswith("embed_tokens"):
+            probes.append(Probe(name, "lm_head", "weight", "op", 0, first.rows))
+            return
+
+
+# -- writing and checking ----------------------------------------------------------------------
+
+
+def decode_payload(payload: bytes | str) -> dict[str, torch.Tensor]:
+    """Safetensors bytes, or the path of a safetensors file, to a name -> tensor dict."""
+    import safetensors.torch
+
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        return dict(safetensors.torch.load(bytes(payload)))
+    return dict(safetensors.torch.load_file(payload))
+
+
+def copy_in_place(
+    model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], plan: ProbePlan
+) -> None:
+    """Write by ``param.data[rows].copy_``: right only where parameters are what the forward reads.
+
+    Checks every target first and raises :class:`WriteRefused` (nothing written) if any
+    parameter is not there to be written, e.g. repacked to an empty tensor. It cannot see a
+    parameter that stays visible while the forward reads a packed copy (``lm_head`` on the CPU
+    build): only the read-back after the write can.
+    """
+    targets: list[tuple[torch.Tensor, Probe, torch.Tensor]] = []
+    problems: list[str] = []
+    for name, tensor in tensors.items():
+        probe = plan.probes[name][0]
+        served = getattr(model.get_submodule(probe.module), probe.param)
+        if not _holds_rows(served, tensor.shape, probe.row_offset, probe.rows):
+            problems.append(
+                f"{name}: {probe.module}.{probe.param} is served with shape "
+                f"{list(served.shape)} (repacked by the platform), not writable in place"
+            )
+            continue
+        targets.append((served, probe, tensor))
+    if problems:
+        raise WriteRefused(problems)
+    with torch.no_grad():
+        for served, probe, tensor in targets:
+            served.data[probe.row_offset : probe.row_offset + probe.rows].copy_(tensor)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype:
+        a = a.to(b.dtype)
+    if a.is_floating_point():
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return torch.equal(a, b)
+
+
+@dataclass(frozen=True)
+class Witness:
+    """What the read-back compares one checkpoint tensor with, kept instead of the tensor.
+
+    A receiver that loads tensors as they arrive (vLLM's native weight transfer) cannot keep
+    the whole model to compare after the load; it keeps this: for each ``"op"`` probe the
+    sampled input columns and the tensor's values there (``rows x columns``), for each
+    ``"param"`` probe a checksum of the whole tensor's bytes.
+    """
+
+    name: str
+    width: int
+    """The tensor's input width (its second dimension; 0 for a 1-D tensor)."""
+    op_columns: tuple[tuple[Probe, torch.Tensor, torch.Tensor], ...]
+    """``(probe, columns, tensor[:, columns])`` per ``"op"`` probe."""
+    param_checksums: tuple[tuple[Probe, tuple[int, int]], ...]
+
+
+def probe_columns(module: str, width: int, columns: int, seed: int) -> torch.Tensor:
+    """The sorted input columns read back from ``module``: ``columns`` of ``width`` (all when
+    narrower), a function of the module's name and ``seed`` only, so a witness taken when a
+    tensor arrives and the read-back after the load agree."""
+    count = min(columns, width)
+    generator = torch.Generator().manual_seed(
+        (seed * 1_000_003 + zlib.crc32(module.encode())) % 2**63
+    )
+    return torch.randperm(width, generator=generator)[:count].sort().values
+
+
+def _bytes_checksum(tensor: torch.Tensor) -> tuple[int, int]:
+    from ...transfer import bucket_checksum
+
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    first, second = (int(x) for x in bucket_checksum(flat).tolist())
+    return first, second
+
+
+@torch.no_grad()
+def witness_of(
+    name: str, tensor: torch.Tensor, plan: ProbePlan, *, columns: int, seed: int
+) -> Witness:
+    """The witness of checkpoint tensor ``name`` (``tensor``), for :func:`verify_witnesses`."""
+    ops: list[tuple[Probe, torch.Tensor, torch.Tensor]] = []
+    params: list[tuple[Probe, tuple[int, int]]] = []
+    for probe in plan.probes[name]:
+        if probe.kind == "op":
+            cols = probe_columns(probe.module, tensor.shape[1], columns, seed)
+            ops.append((probe, cols, tensor[:, cols.to(tensor.device)].clone()))
+        else:
+            params.append((probe, _bytes_checksum(tensor)))
+    width = int(tensor.shape[1]) if tensor.dim() == 2 else 0
+    return Witness(name, width, tuple(ops), tuple(params))
+
+
+@torch.no_grad()
+def verify_witnesses(model: torch.nn.Module, witnesses: Sequence[Witness]) -> list[str]:
+    """Every way the served model differs from what the ``witnesses`` saw; empty when the
+    load landed.
+
+    ``"op"`` probes multiply one-hot rows of the witnessed columns through the module's
+    ``quant_method.apply``: the result is those columns of the weight the kernel uses,
+    bit-exact. ``"param"`` probes compare a checksum of the served rows' bytes.
+    """
+    problems: list[str] = []
+    by_module: dict[str, list[tuple[Probe, torch.Tensor, torch.Tensor]]] = {}
+    widths: dict[str, int] = {}
+    for witness in witnesses:
+        for probe, cols, values in witness.op_columns:
+            by_module.setdefault(probe.module, []).append((probe, cols, values))
+            widths[probe.module] = witness.width
+        for probe, checksum in witness.param_checksums:
+            served = getattr(model.get_submodule(probe.module), probe.param)
+            got = served.data[probe.row_offset : probe.row_offset + probe.rows]
+            if _bytes_checksum(got) != checksum:
+                problems.append(
+                    f"{probe.name}: served {probe.module}.{probe.param} differs from what was "
+                    "written"
+                )
+    for module_name, entries in by_module.items():
+        module = model.get_submodule(module_name)
+        cols = entries[0][1]
+        in_width = widths[module_name]
+        dtype = entries[0][2].dtype
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        count = cols.numel()
+        one_hot = torch.zeros(count, in_width, dtype=dtype, device=device)
+        one_hot[torch.arange(count), cols.to(device)] = 1
+        quant_method: Any = getattr(module, "quant_method")  # noqa: B009 - typed as Any
+        out: torch.Tensor = quant_method.apply(module, one_hot)
+        for probe, _cols, values in entries:
+            got = out[:, probe.row_offset : probe.row_offset + probe.rows]
+            want = values.T.to(got.device)
+            if not _same(got, want):
+                problems.append(
+                    f"{probe.name}: the kernel of {module_name} still computes with other weights "
+                    f"(read back {count} of {in_width} input columns; max |diff| "
+                    f"{(got.float() - want.float()).abs().max().item():.3g})"
+                )
+    return problems
+
+
+def verify_written(
+    model: torch.nn.Module,
+    tensors: Mapping[str, torch.Tensor],
+    plan: ProbePlan,
+    *,
+    columns: int,
+    generator: torch.Generator,
+) -> list[str]:
+    """Every way the served model differs from ``tensors``; empty when the write landed.
+
+    :func:`witness_of` every tensor (``columns`` input columns per module, chosen with
+    ``generator``), then :func:`verify_witnesses`.
+    """
+    seed = int(torch.randint(2**31, (1,), generator=generator).item())
+    witnesses = [
+        witness_of(name, tensor, plan, columns=columns, seed=seed)
+        for name, tensor in tensors.items()
+    ]
+    return verify_witnesses(model, witnesses)
+
+
+# -- the extension -----------------------------------------------------------------------------
+
+
+@dataclass
+class _EngineState:
+    plan: ProbePlan
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    timeline: Timeline = field(default_factory=Timeline)
+    hooks: list[Any] = field(default_factory=list)
+    forwards: int = 0
+    writes: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class RolloutSyncWorkerExtension:
+    """Mixed into vLLM's worker (``worker_extension_cls``); called through ``collective_rpc``.
+
+    Every method is prefixed ``rollout_sync_`` so it cannot collide with the worker's own.
+    Arguments and results are plain data (bytes, str, numbers, lists, dicts): in multiprocess
+    mode they cross a process boundary, where tensors do not survive.
+    """
+
+    model_runner: Any
+    model_config: Any
+    reload_weights: Any
+
+    def _rollout_sync_state(self) -> _EngineState:
+        state: _EngineState | None = getattr(self, "_rollout_sync_engine_state", None)
+        if state is None:
+            specs = checkpoint_specs(str(self.model_config.model), self.model_config.dtype)
+            plan = build_probe_plan(self.model_runner.get_model(), specs)
+            state = _EngineState(plan=plan, specs=specs)
+            self._rollout_sync_engine_state = state
+        return state
+
+    def rollout_sync_describe(self) -> dict[str, Any]:
+        """The served weights as checkpoint specs, their load groups, and what cannot be checked."""
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        state = self._rollout_sync_state()
+        return {
+            "specs": [
+                [name, list(shape), str(dtype).removeprefix("torch.")]
+                for name, (shape, dtype) in state.specs.items()
+            ],
+            "groups": dict(state.plan.groups),
+            "unverifiable": dict(state.plan.unverifiable),
+            "tensor_parallel_size": int(get_tensor_model_parallel_world_size()),
+        }
+
+    def rollout_sync_write(
+        self,
+        payload: bytes | str,
+        method: str = "reload",
+        verify_columns: int = 16,
+        probe_seed: int = 0,
+    ) -> dict[str, Any]:
+        """Write the weights in ``payload``, then read them back through the forward's kernels.
+
+        Returns ``{"written": bool, "refused": [...], "problems": [...], "write_ms", ...}``.
+        ``refused`` means nothing was written; ``problems`` lists tensors whose write did not
+        land. An exception from the engine's loader propagates (the write may be partial).
+        """
+        if method not in WRITE_METHODS:
+            return {
+                "written": False,
+                "refused": [f"unknown write method {method!r}"],
+                "problems": [],
+            }
+        state = self._rollout_sync_state()
+        tensors = decode_payload(payload)
+        unknown = [n for n in tensors if n not in state.plan.probes]
+        if unknown:
+            return {
+                "written": False,
+                "problems": [],
+                "refused": [f"{n}: not a verifiable served weight" for n in unknown],
+            }
+        model = self.model_runner.get_model()
+        state.writes += 1
+        start = time.monotonic_ns()
+        try:
+            if method == "reload":
+                self.reload_weights(
+                    weights_iterator=iter(tensors.items()), is_checkpoint_format=True
+                )
+            else:
+                copy_in_place(model, tensors, state.plan)
+        except WriteRefused as refused:
+            return {"written": False, "refused": refused.problems, "problems": []}
+        finally:
+            if state.hooks:
+                state.timeline.add_span(
+                    SpanKind.WEIGHT_WRITE,
+                    f"weight write #{state.writes}",
+                    start,
+                    method=method,
+                    tensors=len(tensors),
+                )
+        written = time.monotonic_ns()
+        generator = torch.Generator().manual_seed(probe_seed)
+        problems = verify_written(
+            model, tensors, state.plan, columns=verify_columns, generator=generator
+        )
+        return {
+            "written": True,
+            "refused": [],
+            "problems": problems,
+            "tensors": len(tensors),
+            "write_ms": (written - start) / 1e6,
+            "verify_ms": (time.monotonic_ns() - written) / 1e6,
+        }
+
+    def rollout_sync_trace(self, enabled: bool = True) -> bool:
+        """Record a ``forward`` span per model forward (and per logits computation)."""
+        state = self._rollout_sync_state()
+        for handle in state.hooks:
+            handle.remove()
+        state.hooks.clear()
+        if not enabled:
+            self._rollout_sync_attach_engine_timeline()
+            return False
+        model = self.model_runner.get_model()
+        modules: list[tuple[str, torch.nn.Module]] = [("forward", model)]
+        logits = getattr(model, "logits_processor", None)
+        if isinstance(logits, torch.nn.Module):
+            modules.append(("logits", logits))
+        started: dict[int, int] = {}
+
+        def pre_hook(module: torch.nn.Module, args: Any) -> None:
+            started[id(module)] = time.monotonic_ns()
+
+        def make_post_hook(label: str) -> Any:
+            def post_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+                start = started.pop(id(module), None)
+                if start is not None:
+                    with state.lock:
+                        state.forwards += 1
+                    state.timeline.add_span(SpanKind.FORWARD, label, start, writes=state.writes)
+
+            return post_hook
+
+        for label, module in modules:
+            state.hooks.append(module.register_forward_pre_hook(pre_hook))
+            state.hooks.append(module.register_forward_hook(make_post_hook(label)))
+        self._rollout_sync_attach_engine_timeline()
+        return True
+
+    def _rollout_sync_attach_engine_timeline(self) -> None:
+        """Let a ``"rollout_sync"`` weight-transfer engine record its loads on this timeline
+        (while tracing is on)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is not None and hasattr(engine, "timeline"):
+            state = self._rollout_sync_state()
+            engine.timeline = state.timeline if state.hooks else None
+
+    def rollout_sync_spans(self, clear: bool = True) -> list[dict[str, Any]]:
+        """The spans recorded since the last collection (``Timeline.to_records`` form)."""
+        state = self._rollout_sync_state()
+        records = state.timeline.to_records()
+        if clear:
+            state.timeline = Timeline()
+            self._rollout_sync_attach_engine_timeline()
+        return records
+
+    def rollout_sync_forward_count(self) -> int:
+        """Forwards traced so far (counts also spans already collected)."""
+        return self._rollout_sync_state().forwards
+
+    def rollout_sync_native_state(self) -> dict[str, Any] | None:
+        """The ``"rollout_sync"`` weight-transfer engine's state (torn or not, updates landed,
+        the last transfer), or ``None`` when the engine runs another weight-transfer backend
+        or none."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        state = getattr(engine, "state", None)
+        return state() if callable(state) else None
+
+
+if "vllm" in sys.modules:
+    # Imported by vLLM inside a worker (as the worker extension): make the "rollout_sync"
+    # weight-transfer engines available there even where the entry point is not visible.
+    from .plugin import register_engines
+
+    register_engines()

@@ -1,0 +1,56 @@
+"""Weight transfer over torch.distributed: P2R and R2R as one validated, bucketed broadcast.
+
+Both commands are the same operation on different groups. **P2R** is a broadcast from the
+trainer to a rollout replica (the group ``{trainer, replica}``); **R2R** is a broadcast from the
+replica that received to the other replicas of its group. :class:`WeightTransfer` does either,
+for gloo (CPU tensors) and NCCL (CUDA tensors) alike: a manifest every rank votes on before
+anything is written, buckets with optional checksums, and a commit vote. A replica that passes
+the weights on relays them bucket by bucket as they arrive, so the two hops overlap.
+
+* :mod:`.manifest` - what a version is made of: :class:`WeightManifest` (its layout into
+  buckets, encoded and checked), :class:`ManifestEntry`, :func:`bucket_checksum`,
+  :class:`OriginChecksums`, :func:`named_weights`.
+* :mod:`.config` - what a caller chooses and gets back: :class:`TransferConfig`,
+  :class:`TransferHooks`, :class:`TransferStats`, :data:`BUFFER_WRITE`.
+* :mod:`.weight_transfer` - :class:`WeightTransfer`, moving a version over a process group:
+  send, receive, stream and relay, with their votes, buffers and timeouts.
+* ``_pipeline`` - buckets in flight: the in-order collective queue, and the relay's second hop
+  (private).
+"""
+
+from ..errors import ChecksumMismatchError as ChecksumMismatchError
+from ..errors import ManifestError as ManifestError
+from ..errors import ManifestRejected as ManifestRejected
+from ..errors import RelayForwardError as RelayForwardError
+from ..errors import WeightTransferError as WeightTransferError
+from ..errors import WeightTransferTimeout as WeightTransferTimeout
+from ..flat import ALIGN_BYTES as ALIGN_BYTES
+from .config import BUFFER_WRITE as BUFFER_WRITE
+from .config import TransferConfig as TransferConfig
+from .config import TransferHooks as TransferHooks
+from .config import TransferStats as TransferStats
+from .manifest import ManifestEntry as ManifestEntry
+from .manifest import OriginChecksums as OriginChecksums
+from .manifest import WeightManifest as WeightManifest
+from .manifest import bucket_checksum as bucket_checksum
+from .manifest import named_weights as named_weights
+from .weight_transfer import WeightTransfer as WeightTransfer
+
+__all__ = [
+    "BUFFER_WRITE",
+    "ChecksumMismatchError",
+    "ManifestEntry",
+    "ManifestError",
+    "ManifestRejected",
+    "OriginChecksums",
+    "RelayForwardError",
+    "TransferConfig",
+    "TransferHooks",
+    "TransferStats",
+    "WeightManifest",
+    "WeightTransfer",
+    "WeightTransferError",
+    "WeightTransferTimeout",
+    "bucket_checksum",
+    "named_weights",
+]

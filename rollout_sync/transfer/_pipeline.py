@@ -1,0 +1,168 @@
+"""Buckets in flight: the collective queue a transfer pipelines through, and the relay's hop.
+
+Both ends of a transfer keep two buckets in flight (the source packs bucket ``k + 1`` while
+bucket ``k`` is on the wire, a receiver unpacks ``k`` while ``k + 1`` arrives). ``_InFlight``
+is the queue that makes this safe: collectives launched on one transfer's group and waited for
+in launch order, each wait bounded by the transfer's timeout and recorded as a
+``weight_collective`` span.
+
+**The pipelined relay.** A replica that receives the P2R and is the R2R source passes bucket
+``k`` on to the R2R group while bucket ``k + 1`` arrives, bytes and checksums exactly as
+received, so the two hops overlap. ``_Forward`` is that second hop; it runs inside
+:meth:`~rollout_sync.transfer.WeightTransfer.relay`, driven by the relay's receive.
+
+Both are private. What they need of the transfer that drives them is the ``_Broadcaster``
+protocol, which :class:`~rollout_sync.transfer.WeightTransfer` satisfies, so this module does
+not import it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from ..distributed import GroupCollectives
+from ..errors import WeightTransferError
+from ..trace import SpanKind, Timeline
+from .manifest import WeightManifest
+
+
+class _Broadcaster(Protocol):
+    """The transfer a pipeline launches its collectives on, and waits and votes through."""
+
+    src: int
+    collectives: GroupCollectives
+    timeline: Timeline | None
+    device: torch.device
+
+    def _wait(self, work: dist.Work, op: str, version: int | None, written: int) -> None: ...
+
+    def _vote_ranks(self, *, ok: bool, op: str, version: int | None, written: int) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class _Launched:
+    work: dist.Work
+    bucket: int
+    what: str
+    start_ns: int
+
+
+class _InFlight:
+    """Collectives launched on one transfer's group, waited for in launch order."""
+
+    def __init__(self, transfer: _Broadcaster, op: str, buckets: int, version: int | None):
+        self.transfer = transfer
+        self.op = op
+        self.buckets = buckets
+        self.version = version
+        self.pending: deque[_Launched] = deque()
+
+    def launch(
+        self, tensor: torch.Tensor, bucket: int, what: str = "bucket", written: int = 0
+    ) -> None:
+        """Start one broadcast; ``written``: target tensors written so far (for the error)."""
+        start_ns = time.monotonic_ns()
+        try:
+            work = self.transfer.collectives.broadcast(tensor, self.transfer.src)
+        except RuntimeError as exc:  # a group already broken by a dead peer refuses new work
+            raise WeightTransferError(
+                f"{self.op}: {what} {bucket + 1}/{self.buckets} could not be started: {exc}",
+                operation=self.op,
+                version=self.version,
+                tensors_written=written,
+            ) from exc
+        assert work is not None
+        self.pending.append(_Launched(work, bucket, what, start_ns))
+
+    def finish_through(self, bucket: int, written: int = 0) -> None:
+        """Wait for every collective of buckets up to ``bucket``, in order."""
+        while self.pending and self.pending[0].bucket <= bucket:
+            launched = self.pending.popleft()
+            name = f"{launched.what} {launched.bucket + 1}/{self.buckets}"
+            try:
+                self.transfer._wait(launched.work, f"{self.op}: {name}", self.version, written)
+            finally:
+                if self.transfer.timeline is not None:
+                    self.transfer.timeline.add_span(
+                        SpanKind.WEIGHT_COLLECTIVE,
+                        name,
+                        launched.start_ns,
+                        src=self.transfer.src,
+                        version=self.version,
+                    )
+
+    def finish_all(self, written: int = 0) -> None:
+        self.finish_through(self.buckets, written)
+
+
+class _Forward:
+    """The relay's second hop: every bucket, once received, broadcast again on the R2R group.
+
+    A failure here (a receiver died, timed out, or rejected) stops the forwarding but not the
+    relay's own receive: it is kept in :attr:`error` and reported after the relay committed.
+    """
+
+    def __init__(
+        self, transfer: _Broadcaster, op: str, manifest: WeightManifest, version: int
+    ) -> None:
+        self.transfer = transfer
+        self.op = op
+        self.version = version
+        self.manifest = manifest
+        self.buckets = manifest.num_buckets
+        self.in_flight = _InFlight(transfer, op, self.buckets, version)
+        self.error: WeightTransferError | None = None
+        self.failed_ranks: list[int] = []
+        self.launched = 0
+
+    def launch(self, bucket: int, flat: torch.Tensor, checksum: torch.Tensor | None) -> None:
+        self.launched = bucket + 1
+        if self.error is not None:
+            return
+        try:
+            self.in_flight.launch(flat, bucket)
+            if checksum is not None:
+                self.in_flight.launch(checksum, bucket, "checksum")
+        except WeightTransferError as exc:
+            self._fail(exc)
+
+    def finish_through(self, bucket: int) -> None:
+        if self.error is None:
+            try:
+                self.in_flight.finish_through(bucket)
+            except WeightTransferError as exc:
+                self._fail(exc)
+
+    def fill(self) -> None:
+        """The relay's source failed: send zeros for the buckets not passed on yet, so the
+        receivers reach the commit vote, where the relay says no, instead of waiting out the
+        timeout."""
+        if self.error is not None or self.launched >= self.buckets:
+            return
+        device = self.transfer.device
+        zeros = torch.zeros(max(self.manifest.bucket_nbytes), dtype=torch.uint8, device=device)
+        checksum = torch.zeros(2, dtype=torch.int64, device=device)
+        for k in range(self.launched, self.buckets):
+            flat = zeros[: self.manifest.bucket_nbytes[k]]
+            self.launch(k, flat, checksum if self.manifest.checksums else None)
+
+    def close(self, *, ok: bool) -> None:
+        """Finish every forward, then the R2R commit vote (this relay's ``ok``)."""
+        self.finish_through(self.buckets)
+        if self.error is None:
+            try:
+                self.failed_ranks = self.transfer._vote_ranks(
+                    ok=ok, op=f"{self.op}: commit vote", version=self.version, written=0
+                )
+            except WeightTransferError as exc:
+                self._fail(exc)
+
+    def _fail(self, exc: WeightTransferError) -> None:
+        self.error = exc
+        self.in_flight.pending.clear()  # a broken group's other works are abandoned, not waited
