@@ -23,15 +23,17 @@ python="${PYTHON:-python3.11}"
 command -v "$python" >/dev/null 2>&1 || python=python3
 
 source "$repo_root/scripts/venv_lib.sh"
-if venv_needs_install "$venv" "$python" "$repo_root/pyproject.toml" "$repo_root/scripts/setup_cosmos_venv.sh"; then
+if venv_needs_install "$venv" "$python" "cosmos-rl 0.4.7 on a CPU torch: about 2-3 minutes" \
+    "$repo_root/pyproject.toml" "$repo_root/scripts/setup_cosmos_venv.sh"; then
     # No --no-compile: pip's bytecode is the only bytecode where PYTHONDONTWRITEBYTECODE is
     # set (as here); without it every cosmos import compiles from source (24 s instead of 6).
     # torch is pinned: 2.13.0 resolves to the CPU build on local disk here; an unpinned torch
     # would pull a multi-GB CUDA build.
-    quiet_pip install -q "torch==2.13.0"
+    setup_step "installing torch 2.13.0 (CPU build)" quiet_pip install -q "torch==2.13.0"
     # What cosmos-rl imports at module top level (versions within its Requires-Dist), then their
     # own dependencies, all pinned so the env is reproducible. One resolver run.
-    quiet_pip install -q \
+    setup_step "installing what cosmos-rl imports (transformers 4.57.6, datasets, ...: 48 pins)" \
+        quiet_pip install -q \
         "transformers==4.57.6" "pydantic==2.14.4" "pillow==13.0.0" "msgpack==1.2.4" \
         "StrEnum==0.4.15" "redis==5.2.1" "pyzmq==27.3.0" "math-verify==0.9.0" \
         "diffusers==0.39.0" "peft==0.21.2" "accelerate==1.15.0" \
@@ -48,13 +50,16 @@ if venv_needs_install "$venv" "$python" "$repo_root/pyproject.toml" "$repo_root/
         "pytest==9.2.0" "pytest-timeout==2.4.0" "hypothesis==6.170.17"
     # --no-deps: see above. Installed after the light packages so pip's resolver never sees its
     # unmet (CUDA) requirements.
-    quiet_pip install -q --no-deps --no-warn-conflicts "cosmos-rl==0.4.7"
+    setup_step "installing cosmos-rl 0.4.7 (--no-deps)" \
+        quiet_pip install -q --no-deps --no-warn-conflicts "cosmos-rl==0.4.7"
     # rollout_sync itself, without its deps (torch, numpy, typing-extensions are above). compat
     # mode: a plain path entry, so a checkout on PYTHONPATH (a worktree) takes precedence.
-    quiet_pip install -q --no-deps --no-warn-conflicts \
+    setup_step "installing rollout_sync itself (editable)" \
+        quiet_pip install -q --no-deps --no-warn-conflicts \
         --config-settings editable_mode=compat -e "$repo_root"
     # FAKE-PACKAGE (above): on the path after site-packages, so a real qwen_vl_utils wins.
     site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     echo "$repo_root/rollout_sync/testing/cpu_stubs" > "$site/zz_rollout_sync_cpu_stubs.pth"
     venv_installed "$venv"
 fi
+setup_finish
