@@ -6,13 +6,17 @@ packer implements, what the trainer side calls, and the errors to catch. Everyth
 importable from its module (``rollout_sync.transfer``, ``rollout_sync.payload``,
 ``rollout_sync.backends.torch_lm``, ...); ``rollout_sync.testing`` is the conformance kit.
 
-Names that this root exported before and no longer does still resolve for one release, with a
+Names that this root exported before 0.2.0 and no longer does still resolve until 0.3.0, with a
 :class:`DeprecationWarning` naming the module to import them from.
+
+``__version__`` is the installed distribution's version (``pyproject.toml``, one source).
 """
 
-import importlib as _importlib
-import warnings as _warnings
+from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
+from importlib.metadata import version as _distribution_version
 from typing import Any as _Any
+
+from ._moved import resolve_moved as _resolve_moved
 
 # Backend authors: engines and their safe points.
 from .backend import KVCachePolicy as KVCachePolicy
@@ -78,7 +82,10 @@ from .worker import SyncGroups as SyncGroups
 from .worker import WorkerCommandChannel as WorkerCommandChannel
 from .worker import build_sync_groups as build_sync_groups
 
-__version__ = "0.2.0"
+try:
+    __version__ = _distribution_version("rollout-sync")
+except _PackageNotFoundError:  # a source tree on sys.path, never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "P2R",
@@ -227,18 +234,11 @@ _MOVED: dict[str, str] = {
     "CommandSource": "worker",
     "WorkerStatistics": "worker",
 }
-"""Names the root exported before 0.2, by the module of ``rollout_sync`` that has them now."""
+"""Names the root exported before 0.2.0, by the module of ``rollout_sync`` that has them now."""
 
 
 def __getattr__(name: str) -> _Any:
     module = _MOVED.get(name)
     if module is None:
         raise AttributeError(f"module 'rollout_sync' has no attribute {name!r}")
-    _warnings.warn(
-        f"rollout_sync.{name} is deprecated: import it from rollout_sync.{module} "
-        f"(from rollout_sync.{module} import {name}). The root keeps the public API by role "
-        "(docs/api.md); this alias goes away in the next release.",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(_importlib.import_module(f"{__name__}.{module}"), name)
+    return _resolve_moved(__name__, f"{__name__}.{module}", name)

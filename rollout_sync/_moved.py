@@ -1,4 +1,5 @@
-"""Old import paths that keep working for one release.
+"""Old import paths that keep working for one release: deprecated in :data:`DEPRECATED_IN`,
+gone in :data:`REMOVED_IN`.
 
 A module that moved leaves a stand-in at its old path. The stand-in's ``__getattr__`` (PEP 562)
 calls :func:`resolve_moved`, which returns the very object the new module has and warns with a
@@ -13,7 +14,12 @@ import importlib
 import warnings
 from typing import Any
 
-__all__ = ["resolve_moved"]
+__all__ = ["DEPRECATED_IN", "REMOVED_IN", "resolve_moved"]
+
+DEPRECATED_IN = "0.2.0"
+"""The release whose paths moved (the package's version, ``rollout_sync.__version__``)."""
+REMOVED_IN = "0.3.0"
+"""The release without the old paths."""
 
 
 def resolve_moved(old_module: str, new_module: str, name: str) -> Any:
@@ -32,8 +38,8 @@ def resolve_moved(old_module: str, new_module: str, name: str) -> Any:
             "which has no such name either)"
         ) from None
     warnings.warn(
-        f"{old_module}.{name} is deprecated: import it from {new_module} "
-        f"(from {new_module} import {name}); the old path is kept for one release",
+        f"{old_module}.{name} is deprecated since {DEPRECATED_IN}: import it from {new_module} "
+        f"(from {new_module} import {name}); the old path goes away in {REMOVED_IN}",
         DeprecationWarning,
         stacklevel=3,
     )

@@ -10,7 +10,8 @@ The families, in the order a weight sync meets them:
   :class:`GateTimeout` and its kinds (:class:`PauseTimeout`, :class:`EgressHoldTimeout`,
   :class:`IngressHoldTimeout`), :class:`FenceTimeout`;
 * the weights: :class:`WeightMismatchError` (validation before any write),
-  :class:`TornWeightsError` (generation refused), :class:`WeightTransferError` and its kinds,
+  :class:`TornWeightsError` (generation refused), :class:`WeightTransferError` and its kinds
+  (:class:`P2RBarrierMismatch`: only one side of a P2R takes the barrier),
   :class:`ManifestError`, :class:`WeightsNotLandedError` (vLLM);
 * processes and collectives: :class:`CollectiveError`, :class:`CollectiveTimeout`,
   :class:`GroupProcessError`;
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 __all__ = [
     "ChecksumMismatchError",
@@ -50,6 +51,7 @@ __all__ = [
     "ManifestError",
     "ManifestRejected",
     "MetricKeyCollisionError",
+    "P2RBarrierMismatch",
     "PauseTimeout",
     "PayloadBackpressureTimeout",
     "PayloadPeerTimeout",
@@ -223,6 +225,34 @@ class ManifestRejected(WeightTransferError):
     ) -> None:
         super().__init__(message, operation=operation, version=version)
         self.rejected_by = tuple(rejected_by)
+
+
+class P2RBarrierMismatch(ManifestRejected):
+    """Only one side of a P2R takes the P2R barrier; nothing was sent or written.
+
+    The trainer's ``TransferWeightPusher(barrier=...)`` and the replica's
+    ``RolloutWorker(p2r_barrier=...)`` must agree: both or neither. The barrier's first
+    collective has the shape of a manifest header, so when they disagree each side finds out on
+    its first collective of the sync and raises this, in a few collectives' time rather than at
+    the timeout. Nothing is written on either side and both took part in the same collectives,
+    so the group stays usable: the next P2R, configured alike on both sides, goes through.
+
+    Attributes:
+        missing_on: ``"trainer"`` or ``"replica"``: the side that takes no barrier.
+        rejected_by: the global rank of that side.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        operation: str,
+        version: int | None,
+        missing_on: Literal["trainer", "replica"],
+        rank: int,
+    ) -> None:
+        super().__init__(message, operation=operation, version=version, rejected_by=(rank,))
+        self.missing_on = missing_on
 
 
 class RelayForwardError(WeightTransferError):

@@ -459,7 +459,9 @@ class TransferWeightPusher:
 
     Args:
         transfer: the P2R transfer on the trainer's rank (its source).
-        barrier: the P2R barrier; ``None``: none (only without a receiver).
+        barrier: the P2R barrier; ``None``: none (only without a receiver). The replica's
+            ``RolloutWorker(p2r_barrier=...)`` must agree: with one side only, both raise
+            :class:`~rollout_sync.errors.P2RBarrierMismatch` (on gloo, at once).
         receiver: the trainer's payload receiver to hold; ``None``: nothing is held (the
             unguarded demo, or a trainer that takes no payloads over the device).
 
@@ -505,6 +507,10 @@ class TransferWeightPusher:
         """Barrier, hold, send; see the class docstring.
 
         Raises:
+            P2RBarrierMismatch: only one side takes the P2R barrier (this pusher's ``barrier``
+                and the replica's ``RolloutWorker(p2r_barrier=...)`` must agree); raised by the
+                barrier, or by the send when the replica takes one and this pusher does not.
+                Nothing was written, and the group is still usable.
             CollectiveTimeout / CollectiveError: the barrier failed (the replica never parked).
             IngressHoldTimeout: a payload receive in flight did not complete within
                 ``timeout``.

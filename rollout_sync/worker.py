@@ -47,7 +47,7 @@ import torch.distributed as dist
 from ._deadline import deadline_after, expired, wait_arg
 from .backend import RolloutBase
 from .buffer import SupportsWeightBuffer, WeightBuffer, WeightSyncThread
-from .distributed import DEFAULT_GROUP_TIMEOUT_S, new_group, wait_work
+from .distributed import DEFAULT_GROUP_TIMEOUT_S, new_group
 from .errors import (
     CommandTimeout,
     InstallTimeout,
@@ -73,6 +73,7 @@ from .transfer import (
     WeightTransferError,
     WeightTransferTimeout,
 )
+from .transfer._barrier import meet_p2r_barrier
 
 __all__ = [
     "P2R",
@@ -209,11 +210,18 @@ class SyncGroups:
         method as ``RolloutWorker(p2r_barrier=...)``); the trainer calls it before it takes its
         payload receive hold and sends (``TransferWeightPusher(barrier=...)``). Passing it tells
         the trainer that the replica can no longer be waiting for the trainer to receive, so the
-        trainer's hold cannot deadlock (docs/transport.md). On gloo it never touches the device.
+        trainer's hold cannot deadlock (docs/transport.md). It never touches the device.
+
+        Both sides take it or neither. Its first collective has the shape of a transfer's
+        manifest header, so on gloo (one group for barrier and transfer) a side that takes no
+        barrier meets it there: both sides raise :class:`~rollout_sync.errors.P2RBarrierMismatch`
+        at once, nothing is written, and the next P2R, configured alike, goes through. On NCCL
+        (a gloo group of its own) that shows only as this barrier's timeout.
 
         Raises:
+            P2RBarrierMismatch: the other side takes no barrier (see above).
             CollectiveTimeout / CollectiveError: the peer did not arrive within ``timeout``
-                seconds, or died.
+                seconds (per collective), or died.
             RuntimeError: no barrier group was built, or this rank is not in the pair.
         """
         if self.p2r_cpu is None:
@@ -224,9 +232,7 @@ class SyncGroups:
             raise RuntimeError(
                 f"rank {dist.get_rank()} is not in the P2R pair {[self.trainer, self.r2r_source]}"
             )
-        work = dist.barrier(group=self.p2r_cpu, async_op=True)
-        if work is not None:
-            wait_work(work, operation="P2R barrier", timeout_s=timeout, group=self.p2r_cpu)
+        meet_p2r_barrier(self.p2r_cpu, self.trainer, timeout)
 
     def p2r_transfer(self, **kwargs: Any) -> WeightTransfer | None:
         """The P2R :class:`WeightTransfer` on this rank, or ``None`` if it takes no part."""
@@ -421,7 +427,9 @@ class RolloutWorker:
         p2r_barrier: called with ``weight_sync_timeout`` inside every P2R bracket (generation
             paused, egress held), before the transfer: a CPU-side barrier with the trainer,
             which takes its payload receive hold once past it (``SyncGroups.p2r_barrier``;
-            docs/transport.md). ``None``: no barrier.
+            docs/transport.md). ``None``: no barrier. It must agree with the trainer's
+            ``TransferWeightPusher(barrier=...)``: with one side only, both raise
+            :class:`~rollout_sync.errors.P2RBarrierMismatch` (on gloo, at once).
         r2r: this replica's R2R transfer (source or receiver; ``None``: no R2R).
         mode: :class:`SyncMode`; async modes need a :class:`SupportsWeightBuffer` backend.
         commands: where :meth:`run` takes commands from (default: a fresh ``queue.Queue``,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.metadata
 import importlib.util
 import inspect
 import pkgutil
@@ -135,6 +136,25 @@ def test_a_name_the_root_no_longer_exports_still_resolves_with_a_deprecation_war
     with pytest.warns(DeprecationWarning, match=rf"rollout_sync\.{rollout_sync._MOVED[name]}"):
         value = getattr(rollout_sync, name)
     assert value is getattr(module, name)
+
+
+def test_the_version_is_the_installed_distributions() -> None:
+    assert rollout_sync.__version__ == importlib.metadata.version("rollout-sync")
+    assert re.fullmatch(r"\d+\.\d+\.\d+", rollout_sync.__version__)
+
+
+def test_a_deprecation_names_the_release_it_refers_to() -> None:
+    from rollout_sync._moved import DEPRECATED_IN, REMOVED_IN
+
+    def release(text: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in text.split("."))
+
+    # Old paths live from the release they moved in until the one that removes them.
+    assert release(DEPRECATED_IN) <= release(rollout_sync.__version__) < release(REMOVED_IN)
+    with pytest.warns(DeprecationWarning) as caught:
+        rollout_sync.TinyCausalLM  # noqa: B018
+    message = str(caught[0].message)
+    assert f"deprecated since {DEPRECATED_IN}" in message and f"away in {REMOVED_IN}" in message
 
 
 def test_from_import_of_an_old_root_name_works_and_warns() -> None:

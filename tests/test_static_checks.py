@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CODE = ["rollout_sync", "tests", "benchmarks"]
+CODE = ["rollout_sync", "tests", "benchmarks", "docs/examples"]
 
 
 def _tool(name: str) -> str:

@@ -6,6 +6,5 @@
   :mod:`.fast_llm_wire`) received by guarded replicas.
 
 Placing our own job (torchrun, Ray) is :mod:`rollout_sync.launch`; the old paths
-``rollout_sync.integrations.launch`` and ``rollout_sync.integrations.ray`` warn and are kept for
-one release.
+``rollout_sync.integrations.launch`` and ``rollout_sync.integrations.ray`` warn, until 0.3.0.
 """

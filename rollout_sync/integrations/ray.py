@@ -1,6 +1,6 @@
 """Deprecated stand-in for :mod:`rollout_sync.launch.ray`.
 
-Every name read here warns and resolves to the new module's; kept for one release.
+Every name read here warns and resolves to the new module's; moved in 0.2.0, gone in 0.3.0.
 """
 
 from typing import Any

@@ -10,7 +10,9 @@ One transfer, in order:
 1. **Manifest.** The source broadcasts a :class:`~rollout_sync.transfer.WeightManifest`: every
    tensor's name, shape, dtype, bucket and byte offset, the weight version, whether it is a full
    sync or a subset, and whether buckets carry checksums. A source that cannot even build one
-   broadcasts an abort instead, so its peers fail fast rather than time out.
+   broadcasts an abort instead, so its peers fail fast rather than time out. A P2R barrier
+   (``SyncGroups.p2r_barrier``) starts with a broadcast of the same shape, so a receiver that
+   takes no barrier meets it here and fails fast too (``_barrier``).
 2. **Vote.** Every receiver checks the manifest against its targets with
    :func:`~rollout_sync.weights.check_weights_match` *before touching any of them*, then every rank
    contributes an ok flag to an all-gather. If any rank said no, every rank raises (the
@@ -75,6 +77,16 @@ from ..errors import (
 )
 from ..trace import SpanKind, Timeline
 from ..weights import check_weights_match
+from ._barrier import (
+    ABORT,
+    HEADER_WORDS,
+    VOTE_BARRIER_SKIPPED,
+    VOTE_NO,
+    VOTE_YES,
+    HeaderKind,
+    barrier_mismatch,
+    header_kind,
+)
 from ._pipeline import _Forward, _InFlight
 from .config import TransferConfig, TransferHooks, TransferStats
 from .manifest import OriginChecksums, WeightManifest, bucket_checksum
@@ -94,10 +106,6 @@ class _Outcome:
     checksums_verified: int = 0
     source_checksums: list[tuple[int, int]] = field(default_factory=list)
     zero_copy_buckets: int = 0
-
-
-_HEADER_WORDS = 2
-"""The header broadcast first: (manifest byte count, or -1 for an abort; weight version)."""
 
 
 class WeightTransfer:
@@ -187,6 +195,8 @@ class WeightTransfer:
 
         Raises:
             ManifestRejected: a receiver rejected the manifest; nothing was written.
+            P2RBarrierMismatch: the receiver voted from inside a P2R barrier this side did not
+                take (``SyncGroups.p2r_barrier``); nothing was written.
             ChecksumMismatchError: a receiver failed after the vote (see ``failed_ranks``).
             WeightTransferTimeout / WeightTransferError: a collective timed out or failed.
         """
@@ -247,7 +257,7 @@ class WeightTransfer:
         (a receiver already dead) is not raised: the reason to abort is the error to report.
         """
         op = f"send version {version} from rank {self.src} to ranks {list(self.ranks)}"
-        header = torch.tensor([-1, version], dtype=torch.int64, device=self.device)
+        header = torch.tensor([ABORT, version], dtype=torch.int64, device=self.device)
         try:
             self._collective(
                 lambda: self.collectives.broadcast(header, self.src),
@@ -371,6 +381,8 @@ class WeightTransfer:
         Raises:
             WeightMismatchError: this rank rejected the manifest; ``into`` is untouched.
             ManifestRejected: another rank rejected it (or the source aborted); untouched.
+            P2RBarrierMismatch: the source sent a P2R barrier where the manifest belongs (it
+                takes a barrier this side does not); untouched.
             ChecksumMismatchError: a bucket arrived corrupted here (writing stopped at it) or
                 another rank reported a failure; see ``tensors_written``.
             WeightTransferTimeout / WeightTransferError: a collective timed out or failed
@@ -692,7 +704,7 @@ class WeightTransfer:
     ) -> tuple[int, WeightManifest | None, bytes, BaseException | None]:
         """Receive and check the manifest (and this rank's ``storage``); (version, manifest,
         its bytes, this rank's objection). An objection is voted, so every peer learns it."""
-        header = torch.zeros(_HEADER_WORDS, dtype=torch.int64, device=self.device)
+        header = torch.zeros(HEADER_WORDS, dtype=torch.int64, device=self.device)
         self._collective(
             lambda: self.collectives.broadcast(header, self.src),
             f"{op}: manifest header",
@@ -700,7 +712,19 @@ class WeightTransfer:
             written=0,
         )
         size, version = (int(x) for x in header.tolist())
-        if size < 0:
+        kind = header_kind(size, version)
+        if kind is HeaderKind.BARRIER:
+            # The source takes a P2R barrier this side does not (docs in _barrier): answer its
+            # vote, so that it hears it and the pair stays in step, then refuse.
+            self._gather_votes(VOTE_NO, op=f"{op}: P2R barrier vote", version=None, written=0)
+            raise barrier_mismatch(
+                "replica",
+                trainer=self.src,
+                replica=self.rank,
+                operation=op,
+                detail=" (this receive found the barrier where a manifest header belongs)",
+            )
+        if kind is HeaderKind.ABORT:
             raise ManifestRejected(
                 f"{op}: the source rank {self.src} aborted the transfer of version {version} "
                 "before sending a manifest (see its log); nothing was written",
@@ -1061,15 +1085,22 @@ class WeightTransfer:
 
     def _vote_ranks(self, *, ok: bool, op: str, version: int | None, written: int) -> list[int]:
         """All-gather an ok flag; the global ranks that said no."""
-        mine = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
-        flags = [torch.zeros(1, dtype=torch.int32, device=self.device) for _ in self.ranks]
+        votes = self._gather_votes(
+            VOTE_YES if ok else VOTE_NO, op=op, version=version, written=written
+        )
+        return [rank for rank, vote in zip(self.ranks, votes, strict=True) if vote != VOTE_YES]
+
+    def _gather_votes(self, vote: int, *, op: str, version: int | None, written: int) -> list[int]:
+        """All-gather a vote (``VOTE_YES``, ``VOTE_NO``, ...); every rank's, in rank order."""
+        mine = torch.tensor([vote], dtype=torch.int32, device=self.device)
+        votes = [torch.zeros(1, dtype=torch.int32, device=self.device) for _ in self.ranks]
         self._collective(
-            lambda: self.collectives.all_gather(flags, mine),
+            lambda: self.collectives.all_gather(votes, mine),
             op,
             version=version,
             written=written,
         )
-        return [rank for rank, flag in zip(self.ranks, flags, strict=True) if not int(flag.item())]
+        return [int(v.item()) for v in votes]
 
     def _vote(
         self,
@@ -1082,10 +1113,25 @@ class WeightTransfer:
         own_error: BaseException | None = None,
     ) -> None:
         """Vote; raise ``own_error`` if this rank said no, :class:`ManifestRejected` if another
-        did. Every rank learns the outcome, so none is left waiting on the next collective."""
-        failed = self._vote_ranks(ok=ok, op=op, version=version, written=written)
+        did (:class:`~rollout_sync.errors.P2RBarrierMismatch` on the source, if a replica voted
+        from inside a P2R barrier this source skipped). Every rank learns the outcome, so none
+        is left waiting on the next collective."""
+        votes = self._gather_votes(
+            VOTE_YES if ok else VOTE_NO, op=op, version=version, written=written
+        )
         if own_error is not None:
             raise own_error
+        skipped = [r for r, v in zip(self.ranks, votes, strict=True) if v == VOTE_BARRIER_SKIPPED]
+        if skipped and self.is_source:
+            raise barrier_mismatch(
+                "trainer",
+                trainer=self.src,
+                replica=skipped[0],
+                operation=op,
+                version=version,
+                detail=" (it voted on this manifest from inside its barrier)",
+            )
+        failed = [r for r, v in zip(self.ranks, votes, strict=True) if v != VOTE_YES]
         if failed:
             raise ManifestRejected(
                 f"{op}: ranks {failed} {reject_message} (see their logs for the problems)",
