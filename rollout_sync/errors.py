@@ -228,18 +228,20 @@ class ManifestRejected(WeightTransferError):
 
 
 class P2RBarrierMismatch(ManifestRejected):
-    """Only one side of a P2R takes the P2R barrier; nothing was sent or written.
+    """Only one side of a P2R takes the P2R barrier; no weights were sent or written.
 
     The trainer's ``TransferWeightPusher(barrier=...)`` and the replica's
     ``RolloutWorker(p2r_barrier=...)`` must agree: both or neither. The barrier's first
-    collective has the shape of a manifest header, so when they disagree each side finds out on
-    its first collective of the sync and raises this, in a few collectives' time rather than at
-    the timeout. Nothing is written on either side and both took part in the same collectives,
-    so the group stays usable: the next P2R, configured alike on both sides, goes through.
+    collective has the shape of a manifest header, so when they disagree each side finds out
+    within its first three collectives of the sync (on gloo, where barrier and transfer share
+    the group) and raises this, rather than waiting out the timeout. Nothing is written on
+    either side and both took part in the same collectives, so the group stays usable: the next
+    P2R, configured alike on both sides, goes through.
 
     Attributes:
         missing_on: ``"trainer"`` or ``"replica"``: the side that takes no barrier.
-        rejected_by: the global rank of that side.
+        rejected_by: the global rank of that side (unlike other :class:`ManifestRejected`, not
+            necessarily a rank that voted no).
     """
 
     def __init__(

@@ -767,7 +767,7 @@ class RolloutWorker:
     def _receive_p2r(self, command: P2R) -> TransferStats:
         assert self.p2r is not None
         forward = self._relay_target(command)
-        self._meet_trainer()
+        self._meet_trainer(forward)
         stats = self._receive_in_place(self.p2r, forward)
         self._keep_origin(stats)
         return stats
@@ -788,11 +788,20 @@ class RolloutWorker:
         if stats.bucket_checksums is not None:
             self._origin = OriginChecksums(stats.version, stats.layout, stats.bucket_checksums)
 
-    def _meet_trainer(self) -> None:
+    def _meet_trainer(self, forward: WeightTransfer | None) -> None:
         """The P2R barrier, inside the bracket: from here on this replica sends no payload
-        until the sync ends, so the trainer may hold its receives."""
-        if self.p2r_barrier is not None:
+        until the sync ends, so the trainer may hold its receives.
+
+        A relay whose barrier fails tells its leaves (already waiting for the R2R manifest)
+        that no version is coming, so they fail at once instead of at their limit."""
+        if self.p2r_barrier is None:
+            return
+        try:
             self.p2r_barrier(self.weight_sync_timeout)
+        except Exception as exc:
+            if forward is not None:
+                forward.abort(f"the relay's P2R barrier failed: {type(exc).__name__}")
+            raise
 
     def _receive_r2r(self, command: R2R) -> TransferStats:
         assert self.r2r is not None
@@ -993,7 +1002,7 @@ class RolloutWorker:
 
     def _async_p2r(self, forward: WeightTransfer | None = None) -> TransferStats:
         assert self.p2r is not None
-        self._meet_trainer()
+        self._meet_trainer(forward)
         stats = self._async_receive(self.p2r, forward)
         self._keep_origin(stats)
         return stats

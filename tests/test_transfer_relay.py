@@ -22,6 +22,7 @@ from rollout_sync.distributed import init_process_group, new_group, wait_work
 from rollout_sync.errors import (
     ChecksumMismatchError,
     ManifestRejected,
+    P2RBarrierMismatch,
     RelayForwardError,
     TornWeightsError,
     WeightMismatchError,
@@ -380,6 +381,82 @@ def monkeypatch_relay_fill_off() -> None:
     from rollout_sync.transfer import _pipeline
 
     _pipeline._Forward.fill = lambda self: None  # type: ignore[method-assign]
+
+
+# -- a relay whose P2R barrier fails ------------------------------------------------------------
+
+
+def _barrier_mismatch_child(rank: int, port: int) -> list[dict[str, Any]]:
+    """Two rounds of a pipelined sync where the relay takes the P2R barrier and the trainer
+    does not: round 1 as shipped, round 2 with the relay's abort disabled (the counterfactual:
+    its leaves are not told)."""
+    _init(rank, port, timeout_s=10)
+    groups = build_sync_groups(0, [1, 2, 3], timeout_s=10)
+    # The replicas leave together: a relay that exits early would close its leaves' waits.
+    replicas = new_group([1, 2, 3], timeout_s=30)
+    config = TransferConfig(bucket_bytes=4096, timeout_s=TIMEOUT_S)
+    out: list[dict[str, Any]] = []
+    if rank == 0:
+        p2r = groups.p2r_transfer(config=config)
+        assert p2r is not None
+        for version in (1, 2):
+            try:
+                p2r.send(_trainer_weights(version), version=version)
+                out.append({"error": None})
+            except WeightTransferError as exc:
+                out.append({"error": type(exc).__name__})
+        return out
+    backend = TorchLMBackend(_LM, pause_timeout=10)
+    worker = RolloutWorker(
+        backend,
+        p2r=groups.p2r_transfer(config=config) if rank == 1 else None,
+        p2r_barrier=groups.p2r_barrier if rank == 1 else None,
+        r2r=groups.r2r_transfer(config=config),
+        weight_sync_timeout=10,
+    )
+    try:
+        for version in (1, 2):
+            if version == 2:
+                WeightTransfer.abort = lambda self, reason, version=0: None  # type: ignore[method-assign]
+            started = time.monotonic()
+            result = worker.handle(
+                P2R(step=version, relay=True) if rank == 1 else R2R(step=version)
+            )
+            out.append(
+                {
+                    "error": None if result.ok else type(result.exception).__name__,
+                    "text": result.error,
+                    "elapsed": time.monotonic() - started,
+                    "version": backend.weight_version,
+                    "torn": backend.weights_torn,
+                }
+            )
+        wait_work(
+            torch.distributed.barrier(group=replicas, async_op=True),
+            operation="replicas leave",
+            timeout_s=30,
+        )
+    finally:
+        worker.close(10)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_relay_whose_p2r_barrier_fails_tells_its_leaves_at_once() -> None:
+    results = _run(_barrier_mismatch_child)
+    assert results[0] == [{"error": P2RBarrierMismatch.__name__}] * 2
+    informed, uninformed = zip(*(results[rank] for rank in (1, 2, 3)), strict=True)
+    assert informed[0]["error"] == P2RBarrierMismatch.__name__, informed[0]["text"]
+    for leaf in informed[1:]:
+        assert leaf["error"] == ManifestRejected.__name__, leaf["text"]
+        assert "aborted" in leaf["text"]
+        assert leaf["elapsed"] < TIMEOUT_S / 2, "the leaves were not told in time"
+    # Without the abort the leaves wait out their limit: the check above can fail.
+    for leaf in uninformed[1:]:
+        assert leaf["error"] == WeightTransferTimeout.__name__, leaf["text"]
+        assert leaf["elapsed"] >= TIMEOUT_S
+    for replica in (*informed, *uninformed):
+        assert replica["version"] == 0 and not replica["torn"]  # nothing written anywhere
 
 
 # -- a torn R2R source aborts -------------------------------------------------------------------

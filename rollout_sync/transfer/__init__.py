@@ -16,6 +16,8 @@ the weights on relays them bucket by bucket as they arrive, so the two hops over
   send, receive, stream and relay, with their votes, buffers and timeouts.
 * ``_pipeline`` - buckets in flight: the in-order collective queue, and the relay's second hop
   (private).
+* ``_barrier`` - the P2R barrier's wire format: a manifest-shaped header and a vote, so that a
+  barrier only one side takes is caught (private; ``SyncGroups.p2r_barrier`` uses it).
 """
 
 from ..errors import ChecksumMismatchError as ChecksumMismatchError

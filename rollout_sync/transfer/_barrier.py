@@ -22,7 +22,8 @@ with that first collective, and each side reads what the other is doing:
   it; both raise. Three collectives each (one, when the trainer aborted instead).
 
 Either way both sides raise :class:`~rollout_sync.errors.P2RBarrierMismatch` within a few
-collectives, nothing is written, and the pair stays in step for the next P2R. That needs the
+collectives (a trainer that aborts instead of sending raises its own error; the replica this),
+nothing is written, and the pair stays in step for the next P2R. That needs the
 barrier on the transfer's own group, where :func:`~rollout_sync.worker.build_sync_groups` puts
 it on gloo. On NCCL the barrier has a gloo group of its own, which a side without the barrier
 never touches: there a one-sided barrier ends in the barrier's timeout.

@@ -31,6 +31,7 @@ from .backend import VLLMBackendStatistics as VLLMBackendStatistics
 from .backend import VLLMBlockingBackend as VLLMBlockingBackend
 from .calls import park_engine as park_engine
 from .calls import run_coroutine as run_coroutine
+from .config import INSTALL_HINT as INSTALL_HINT
 from .config import PauseMode as PauseMode
 from .config import VLLMEngineConfig as VLLMEngineConfig
 from .config import greedy_params as greedy_params

@@ -85,9 +85,10 @@ class VLLMEngineConfig:
         default_factory=lambda: {"backend": NATIVE_ENGINE}
     )
     """vLLM's ``weight_transfer_config``. The default, ``{"backend": "rollout_sync"}``, runs
-    this package's validated engine (:mod:`rollout_sync.backends.vllm.engine`) and
-    :meth:`~_VLLMBackendBase.load_weights` writes through it. ``None`` (no weight-transfer
-    engine) keeps the older write: one safetensors blob through ``collective_rpc``. Another
+    this package's validated engine (:mod:`rollout_sync.backends.vllm.engine`) and the
+    backends' ``load_weights`` (:mod:`rollout_sync.backends.vllm.backend`) writes through it.
+    ``None`` (no weight-transfer engine) keeps the older write: one safetensors blob through
+    ``collective_rpc``. Another
     backend (``{"backend": "nccl"}``) is for a trainer that drives the engine itself."""
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
