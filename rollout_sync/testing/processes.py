@@ -24,7 +24,7 @@ import subprocess
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,13 +83,31 @@ def _destroy_group_quietly() -> None:
             pass
 
 
+_default_start_method = "spawn"
+
+
+def use_start_method(method: str, *, preload: Sequence[str] = ()) -> None:
+    """Make :func:`run_processes` start its children with ``method`` unless a call names one.
+
+    ``"forkserver"`` with ``preload=["torch", ...]`` imports those modules once, in the fork
+    server, and forks every child from it: a child starts with them imported instead of
+    importing torch itself (seconds per child on a small machine). The fork server runs no
+    torch code, so its children are as clean as spawned ones. Call it before the first
+    :func:`run_processes` (a test suite's conftest).
+    """
+    global _default_start_method
+    if method == "forkserver" and preload:
+        multiprocessing.set_forkserver_preload(list(preload))
+    _default_start_method = method
+
+
 def run_processes(
     target: Callable[..., Any],
     nprocs: int,
     args: tuple[Any, ...] = (),
     *,
     timeout_s: float,
-    start_method: str = "spawn",
+    start_method: str | None = None,
     expected_exits: Mapping[int, int] | None = None,
     grace_s: float = 10.0,
     what: str = "run_processes",
@@ -99,8 +117,9 @@ def run_processes(
 ) -> dict[int, Any]:
     """Run ``target(rank, *args)`` in ``nprocs`` fresh processes; return their values by rank.
 
-    ``target`` must be importable by name (a module-level function), as the children are
-    spawned, not forked. A child's return value must be picklable.
+    ``target`` must be importable by name (a module-level function), as the children start
+    fresh (spawned, or forked from a fork server: :func:`use_start_method`), never forked from
+    the caller. A child's return value must be picklable.
 
     Args:
         timeout_s: the limit for the whole group. A child still running then is killed.
@@ -108,7 +127,8 @@ def run_processes(
             reporting (a peer killed mid-transfer in a test); they are not failures.
         grace_s: after the first failure, how long the others get to finish (they usually
             fail fast too, and their tracebacks help) before they are killed.
-        env: environment variables set for the children (inherited by spawn).
+        env: environment variables set for the children (inherited by spawn; a fork server
+            started earlier has the environment it started with).
         intra_op_threads: ``torch.set_num_threads`` in each child. Pass 1 when the group
             oversubscribes the machine's cores: torch's intra-op pool spin-waits, and a copy
             big enough to be split across it can then take tens of times longer.
@@ -121,7 +141,7 @@ def run_processes(
         Every child is joined or killed before this returns or raises.
     """
     # Typed loosely: the stubs' BaseContext lacks Process, which every concrete context has.
-    ctx: Any = multiprocessing.get_context(start_method)
+    ctx: Any = multiprocessing.get_context(start_method or _default_start_method)
     results_queue: multiprocessing.Queue[tuple[str, int, Any]] = ctx.Queue()
     expected = dict(expected_exits or {})
     saved_env = {k: os.environ.get(k) for k in (env or {})}
