@@ -130,7 +130,7 @@ def meet_p2r_barrier(group: dist.ProcessGroup | None, trainer: int, timeout_s: f
         mine = torch.tensor([vote], dtype=torch.int32)
         votes = [torch.zeros(1, dtype=torch.int32) for _ in ranks]
         wait(collectives.all_gather(votes, mine), "vote")
-        return [int(v.item()) for v in votes]
+        return [int(v) for v in torch.cat(votes).tolist()]  # one device-to-host copy
 
     header = torch.tensor([BARRIER, BARRIER_MAGIC] if me == trainer else [0, 0], dtype=torch.int64)
     try:

@@ -1100,7 +1100,7 @@ class WeightTransfer:
             version=version,
             written=written,
         )
-        return [int(v.item()) for v in votes]
+        return [int(v) for v in torch.cat(votes).tolist()]  # one device-to-host copy
 
     def _vote(
         self,
