@@ -8,10 +8,13 @@ trainer's or exactly what they were before.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
+import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,7 @@ from conftest import ThreadRunner
 
 pytest.importorskip("redis")
 
+from rollout_sync.backend import RolloutBase  # noqa: E402
 from rollout_sync.backends.torch_lm import (  # noqa: E402
     TinyCausalLM,
     TinyLMConfig,
@@ -33,10 +37,14 @@ from rollout_sync.errors import (  # noqa: E402
     FastLLMProtocolError,
     ManifestRejected,
     PayloadTimeout,
+    RolloutSyncError,
     TornWeightsError,
     UnsafeHeaderError,
     WeightMismatchError,
+    WeightTransferError,
+    WouldBlock,
 )
+from rollout_sync.gate import Gate  # noqa: E402
 from rollout_sync.integrations.fast_llm import FastLLMReceiver, FastLLMRolloutSender  # noqa: E402
 from rollout_sync.integrations.fast_llm_wire import (  # noqa: E402
     ROLLOUTS_STREAM,
@@ -104,6 +112,33 @@ def joined(runner: ThreadRunner, timeout: float = 60.0) -> None:
 
 def served_digest(rollout: Any) -> str:
     return weights_digest(rollout.served_weights())
+
+
+class PlainEngine(RolloutBase):
+    """A user's engine: ``paused()`` parks its generation, and nothing in it looks at
+    ``weights_torn`` (the package's own backends do; this one relies on the receiver)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weights = trainer_weights(0)
+        self.generation = Gate.for_generation("forward", timeout=30)
+
+    def served_weights(self) -> Mapping[str, torch.Tensor]:
+        return self.weights
+
+    @contextmanager
+    def paused(self, timeout: float | None = None) -> Iterator[None]:
+        with self.generation.exclusive(timeout):
+            yield None
+
+    def can_generate(self) -> bool:
+        """Whether a forward could start now (without waiting for one)."""
+        try:
+            self.generation.enter_section_nowait()
+        except WouldBlock:
+            return False
+        self.generation.exit_section()
+        return True
 
 
 # -- the wire ----------------------------------------------------------------------------------
@@ -216,11 +251,11 @@ def _untouched_after(
     runner.start(lambda: send(trainer), name="trainer")
     event = receiver.next_event(30)
     assert isinstance(event, WeightsReady)
-    with pytest.raises(error, match=match):
+    with pytest.raises(error, match=match) as raised:
         receiver.take(event)
     assert served_digest(rollout) == before
     assert rollout.weight_version == 0 and not rollout.weights_torn
-    return trainer, receiver, rollout, runner
+    return trainer, receiver, rollout, runner, raised.value
 
 
 def test_a_malicious_header_is_refused_before_it_runs(redis: Any, tmp_path: Path) -> None:
@@ -234,7 +269,7 @@ def test_a_malicious_header_is_refused_before_it_runs(redis: Any, tmp_path: Path
         trainer.weights_ready(1, 8)
         trainer.broadcast_raw(pickle.dumps(Evil()))
 
-    trainer, receiver, _, runner = _untouched_after(redis, send, UnsafeHeaderError, "system")
+    trainer, receiver, _, runner, _ = _untouched_after(redis, send, UnsafeHeaderError, "system")
     joined(runner)
     assert not marker.exists()
     assert receiver.group is None  # out of step with the trainer: abandoned
@@ -272,7 +307,7 @@ def test_a_header_the_receiver_cannot_afford_is_refused_before_allocating(
         trainer.weights_ready(1, 8)
         send_header(trainer)
 
-    trainer, receiver, _, runner = _untouched_after(
+    trainer, receiver, _, runner, _ = _untouched_after(
         redis, send, UnsafeHeaderError, match, **receiver_kwargs
     )
     joined(runner)
@@ -302,9 +337,11 @@ def test_a_stream_that_does_not_match_is_refused_whole_and_the_next_lands(
         trainer.push(1, 8, bad)
         trainer.push(2, 16, weights)  # the receiver stayed in step: this one lands
 
-    trainer, receiver, rollout, runner = _untouched_after(
+    trainer, receiver, rollout, runner, error = _untouched_after(
         redis, send, WeightMismatchError, "nothing written"
     )
+    if damage in ("shape", "dtype"):  # it came, refused: named once, never as missing
+        assert str(error).count(names[1]) == 1 and "did not come" not in str(error)
     event = receiver.next_event(30)
     assert isinstance(event, WeightsReady)
     receiver.take(event)
@@ -312,6 +349,93 @@ def test_a_stream_that_does_not_match_is_refused_whole_and_the_next_lands(
     assert served_digest(rollout) == weights_digest(weights) and rollout.weight_version == 16
     trainer.close()
     receiver.close()
+
+
+def test_a_tensor_shorter_than_its_header_is_refused_whole(redis: Any) -> None:
+    """gloo completes a receive whose sender sent fewer bytes than the buffer holds, writing
+    its front only: the receiver still refuses the version whole, naming the tensor and the
+    byte counts, and stays in step (the next version lands). Three receivers, since gloo's
+    broadcast is a tree: rank 3 gets rank 1's whole buffer, not the trainer's short tensor.
+    Rank 2 receives in place into an engine that never looks at ``weights_torn``: torn, and
+    parked until the next version lands."""
+    weights = trainer_weights(7)
+    name, full = next((n, t) for n, t in weights.items() if t.dim() == 2)
+    short = full[:-1].clone()  # one row short, under the whole tensor's header
+    problem = f"{name}: {short.nbytes} of the {full.nbytes} bytes its header announces arrived"
+    port = find_free_port()
+    trainer = FastLLMTrainerStandIn(redis, host="127.0.0.1", port=port, world_size=4, timeout_s=30)
+    rollouts: dict[int, Any] = {
+        1: TorchLMBackend(CONFIG),
+        2: PlainEngine(),
+        3: TorchLMBackend(CONFIG),
+    }
+    receivers = {
+        rank: FastLLMReceiver(
+            rollout,
+            redis=redis,
+            group_address=("127.0.0.1", port),
+            rank=rank,
+            world_size=4,
+            timeout_s=30,
+            stage=rank != 2,
+        )
+        for rank, rollout in rollouts.items()
+    }
+    before = {rank: served_digest(rollout) for rank, rollout in rollouts.items()}
+    runner = ThreadRunner()
+    runner.start(trainer.connect, name="trainer-connect")
+    for rank in (1, 2):
+        runner.start(receivers[rank].connect, name=f"receiver-{rank}-connect")
+    receivers[3].connect()
+    joined(runner)
+
+    def train() -> None:
+        trainer.weights_ready(1, 8)
+        for n, t in weights.items():
+            header = pickle.dumps(("weights", n, t.shape, t.dtype))
+            trainer.broadcast_raw(header, short if n == name else t)
+        trainer.broadcast_raw(pickle.dumps(None))
+        trainer.push(2, 16, weights)
+
+    # What each rank saw after the refusal; checked once every rank took the next version
+    # (a rank that stopped early would leave the others waiting in the broadcast).
+    refusals: dict[int, tuple[Exception | None, bool, bool, bool]] = {}
+
+    def receive(rank: int) -> None:
+        receiver, rollout = receivers[rank], rollouts[rank]
+        refused = receiver.next_event(30)
+        assert isinstance(refused, WeightsReady)
+        error: Exception | None = None
+        try:
+            receiver.take(refused)
+        except Exception as exc:  # noqa: BLE001 - checked below
+            error = exc
+        untouched = served_digest(rollout) == before[rank] and rollout.weight_version == 0
+        parked = isinstance(rollout, PlainEngine) and not rollout.can_generate()
+        refusals[rank] = (error, untouched, rollout.weights_torn, parked)
+        landed = receiver.next_event(30)
+        assert isinstance(landed, WeightsReady)
+        receiver.take(landed)
+
+    runner.start(train, name="trainer")
+    for rank in (1, 2):
+        runner.start(functools.partial(receive, rank), name=f"receiver-{rank}")
+    receive(3)
+    joined(runner)
+    for rank in (1, 3):  # staged: refused whole, nothing written
+        error, untouched, torn, _ = refusals[rank]
+        assert isinstance(error, WeightMismatchError) and "nothing written" in str(error)
+        assert [p[: len(problem)] for p in error.problems] == [problem]
+        assert untouched and not torn
+    error, _, torn, parked = refusals[2]  # in place: torn, and parked by the receiver
+    assert isinstance(error, WeightTransferError) and problem in str(error)
+    assert error.tensors_written == len(weights) and torn and parked
+    for rollout in rollouts.values():
+        assert served_digest(rollout) == weights_digest(weights) and rollout.weight_version == 16
+    assert not rollouts[2].weights_torn and rollouts[2].can_generate()
+    trainer.close()
+    for receiver in receivers.values():
+        receiver.close()
 
 
 def test_a_version_the_group_replica_refuses_is_aborted_for_its_r2r_receivers(redis: Any) -> None:
@@ -390,10 +514,10 @@ def _dies_mid_stream(
 
 @pytest.mark.parametrize("stage", [True, False])
 def test_a_trainer_killed_mid_stream(redis: Any, redis_server: RedisServer, stage: bool) -> None:
-    """Staged: a clear error, the weights untouched. In place: the error, and the weights
-    marked torn (generation may not serve them)."""
-    rollout = TorchLMBackend(CONFIG)
-    rollout.ensure_initialized()
+    """Staged: a clear error, the weights untouched. In place: the error names the in-place
+    writes, the weights are marked torn, and generation stays parked although the engine
+    never looks at ``weights_torn`` (the receiver holds its pause), until ``stop_engine``."""
+    rollout = PlainEngine()
     before = served_digest(rollout)
     port = find_free_port()
     runner = ThreadRunner()
@@ -413,16 +537,31 @@ def test_a_trainer_killed_mid_stream(redis: Any, redis_server: RedisServer, stag
     receiver.connect()
     event = receiver.next_event(30)
     assert isinstance(event, WeightsReady)
-    with pytest.raises(CollectiveError):
+    with pytest.raises((CollectiveError, WeightTransferError)) as raised:
         receiver.take(event)
     joined(runner)
     assert receiver.group is None
+    # gloo's words for a peer that died; which one depends on timing (docs/fast_llm.md).
+    broken = "Connection (reset|closed) by peer"
     if stage:
+        assert isinstance(raised.value, CollectiveError)
+        assert re.search(broken, str(raised.value))
         assert served_digest(rollout) == before and not rollout.weights_torn
+        assert rollout.can_generate()
     else:
+        assert isinstance(raised.value, WeightTransferError)
+        assert isinstance(raised.value.__cause__, CollectiveError)
+        assert re.search(broken, str(raised.value)) and raised.value.tensors_written == 3
         assert rollout.weights_torn
-        with pytest.raises(TornWeightsError, match="written in place"):
+        with pytest.raises(TornWeightsError, match="written before the transfer failed"):
             rollout.check_servable()
+        assert not rollout.can_generate()  # parked though the engine never checks
+        elsewhere = ThreadRunner()  # the pause is this thread's: another cannot release it
+        elsewhere.start(receiver.stop_engine, name="other-thread")
+        assert [type(e) for e in elsewhere.join_all(30)] == [RolloutSyncError]
+        assert not rollout.can_generate()
+        receiver.stop_engine()  # the end of serving lets it go
+        assert rollout.can_generate()
     assert rollout.weight_version == 0
 
 

@@ -21,13 +21,16 @@ side:
   :class:`~rollout_sync.integrations.fast_llm_wire.HeaderUnpickler` (the protocol's types only)
   and capped in length. The stream has no manifest, so each header is checked against the
   served weights as it arrives (name, shape, dtype); tensors are staged and written only after
-  the end marker. A wrong name, shape or dtype, or a stream that ends without a served name,
-  is still received to the end (staying in step with the trainer) and the version refused
-  there; a malicious or oversized header, a trainer that dies or stalls mid-stream abandon it
-  (the receiver leaves the group). In every case the served weights are untouched. With
-  ``stage=False`` (no second copy of the model) each tensor is received straight into the
-  served one as its header is accepted: a failure after the first write marks the weights
-  torn, and generation stays parked until a complete version lands.
+  the end marker. A wrong name, shape or dtype, a tensor that arrives shorter than its header
+  (gloo completes such a receive silently; a sentinel over each buffer's tail catches it), or
+  a stream that ends without a served name, is still received to the end (staying in step
+  with the trainer) and the version refused there; a malicious or oversized header, a
+  trainer that dies or stalls mid-stream abandon it (the receiver leaves the group). In every
+  case the served weights are untouched. With ``stage=False`` (no second copy of the model)
+  each tensor is received straight into the served one as its header is accepted: a failure
+  after the first write raises :class:`~rollout_sync.errors.WeightTransferError` and marks
+  the weights torn as the rollout worker does, and the receiver keeps generation parked (it
+  holds ``paused()``) until a complete version lands, whatever the backend.
   Tensors of other shard categories (Fast-LLM's own format sends optimizer state after the
   weights) are received and dropped, as the protocol requires.
 * **Fan-out.** The replica in the trainer's group passes each version on R2R with the package's
@@ -42,10 +45,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +88,14 @@ from .fast_llm_wire import (
 
 __all__ = ["FastLLMReceiver", "FastLLMRolloutSender", "ReceivedVersion"]
 
+_SENTINEL_CHECK_BYTES = 8
+"""A received tensor whose last 8 bytes still hold the sentinel arrived short (an honest one
+holds it by chance with probability 2**-64)."""
+_SENTINEL_SPAN_BYTES = 1 << 14
+"""How much of a receive buffer's tail the sentinel covers: a shortfall up to 16 KiB is counted
+to the byte in the error, a longer one as "at most". Kept under torch's parallel grain (a
+64 KiB ``uint8`` copy took 16 ms on two busy cores, against microseconds for 16 KiB)."""
+
 
 @dataclass(frozen=True)
 class ReceivedVersion:
@@ -117,7 +130,8 @@ class FastLLMReceiver:
         data_packer: the payload sender the guard holds (a :class:`FastLLMRolloutSender`).
         timeout_s: bounds the rendezvous, every receive, pause, hold and fence.
         stage: receive into staging buffers and write after the end marker (default); ``False``
-            receives in place (no second copy; torn on a failure mid-stream).
+            receives in place (no second copy; torn, and generation kept parked, on a failure
+            after the first write).
         allow_subset: accept a stream that leaves served names out (default: every served
             tensor must come).
         timeline: records the bracket's spans, the writes and (through the engine) forwards.
@@ -180,6 +194,12 @@ class FastLLMReceiver:
         self._last_event_id: bytes | str | None = None
         self._redis_run_id: str | None = None
         self._engine_started = False
+        self._torn_park: ExitStack | None = None
+        """Holds ``rollout.paused()`` from a receive that left the weights torn until the next
+        complete version lands here (or ``stop_engine``); ``None`` otherwise."""
+        self._park_thread: int | None = None
+        """The thread that took ``_torn_park`` (a pause is released by the thread that took
+        it); set exactly while ``_torn_park`` is."""
 
     # -- the worker contract the guard reads --------------------------------------------------
 
@@ -209,7 +229,8 @@ class FastLLMReceiver:
             )
 
     def close(self) -> None:
-        """Leave the trainer's group (idempotent)."""
+        """Leave the trainer's group (idempotent). Torn weights stay parked: see
+        :meth:`stop_engine`."""
         group, self.group = self.group, None
         if group is not None:
             group.close()
@@ -289,9 +310,14 @@ class FastLLMReceiver:
         Raises:
             FastLLMProtocolError: Redis failed, a bad event, or a stream that broke the
                 protocol (the group is left; nothing of that version was written).
-            WeightMismatchError: a version whose tensors do not match the served weights
-                (received in full, nothing written; the receiver stays in the group).
+            WeightMismatchError: a version whose tensors do not match the served weights, or
+                one that arrived shorter than its header (received in full, nothing written;
+                the receiver stays in the group).
             CollectiveError: the trainer died or stopped sending mid-stream.
+            WeightTransferError: ``stage=False``, any of the above after an in-place write
+                (a failure chained as its cause, a refusal's problems in its message): the
+                weights are torn and generation stays parked until a complete version lands
+                (or :meth:`stop_engine`).
             FastLLMEventTimeout: no event for ``idle_timeout_s``.
         """
         if self._last_event_id is None:
@@ -345,20 +371,26 @@ class FastLLMReceiver:
         return received
 
     def _receive(self, event: WeightsReady) -> ReceivedVersion:
-        self.rollout.ensure_initialized()
-        served = self.rollout.served_weights()
-        start = time.perf_counter()
-        if self.group is not None:
-            tensors, dropped, nbytes = self._stream_into(served, event)
-            version = event.version
-        elif self.r2r is not None and not self.r2r.is_source:
-            stats = self._receive_r2r(served)
-            tensors, dropped, nbytes, version = stats.tensors, 0, stats.nbytes, stats.version
-        else:
-            raise RolloutSyncError(
-                "this FastLLMReceiver is neither in the trainer's group nor an R2R receiver"
-            )
-        self.rollout.commit_weight_version(version)
+        try:
+            self._check_park_thread("serve()/take()")
+            self.rollout.ensure_initialized()
+            served = self.rollout.served_weights()
+            start = time.perf_counter()
+            if self.group is not None:
+                tensors, dropped, nbytes = self._stream_into(served, event)
+                version = event.version
+            elif self.r2r is not None and not self.r2r.is_source:
+                stats = self._receive_r2r(served)
+                tensors, dropped, nbytes, version = stats.tensors, 0, stats.nbytes, stats.version
+            else:
+                raise RolloutSyncError(
+                    "this FastLLMReceiver is neither in the trainer's group nor an R2R receiver"
+                )
+            self.rollout.commit_weight_version(version)
+        except BaseException:
+            self._park_while_torn()
+            raise
+        self._unpark()
         if not self._engine_started and isinstance(self.rollout, BackgroundEngine):
             self.rollout.start()  # inside the first sync's bracket: it begins parked
             self._engine_started = True
@@ -404,10 +436,48 @@ class FastLLMReceiver:
     """The R2R broadcast to the other replicas: reads the served tensors, egress held."""
 
     def stop_engine(self, timeout: float = 60.0) -> None:
-        """Stop a background engine this receiver started (after ``serve`` returns)."""
+        """End serving (after ``serve`` returns): let generation go if torn weights kept it
+        parked (an engine stops only unparked), then stop a background engine this receiver
+        started.
+
+        Raises:
+            RolloutSyncError: called on another thread than the one whose failed receive
+                parked generation (that thread must release the pause).
+        """
+        self._check_park_thread("stop_engine()")
+        self._unpark()
         if self._engine_started and isinstance(self.rollout, BackgroundEngine):
             self._engine_started = False
             self.rollout.stop(timeout)
+
+    # -- torn weights stay parked -------------------------------------------------------------
+
+    def _park_while_torn(self) -> None:
+        """After a failed receive: if the served weights are torn, keep generation parked by
+        holding ``rollout.paused()`` past the sync, until a complete version lands.
+
+        Taken inside the failed sync's bracket (``paused()`` is re-entrant), so no forward runs
+        between the failure and the park. The package parks, not the backend: a backend that
+        never looks at ``weights_torn`` is parked all the same, as long as its ``paused()``
+        parks its generation.
+        """
+        if self._torn_park is None and self.rollout.weights_torn:
+            park = ExitStack()
+            park.enter_context(self.rollout.paused(self.weight_sync_timeout))
+            self._torn_park, self._park_thread = park, threading.get_ident()
+
+    def _unpark(self) -> None:
+        park, self._torn_park, self._park_thread = self._torn_park, None, None
+        if park is not None:
+            park.close()
+
+    def _check_park_thread(self, what: str) -> None:
+        if self._torn_park is not None and self._park_thread != threading.get_ident():
+            raise RolloutSyncError(
+                f"FastLLMReceiver.{what} was called on another thread than the one whose failed "
+                "receive parked generation on torn weights; a pause is released by the thread "
+                f"that took it: call {what} on that thread"
+            )
 
     # -- the stream ---------------------------------------------------------------------------
 
@@ -417,6 +487,10 @@ class FastLLMReceiver:
         """Receive one whole stream; write it into ``served`` (staged: after the end marker).
 
         Returns (tensors written, tensors dropped, bytes received).
+
+        Raises:
+            WeightTransferError: ``stage=False`` and the stream failed (chained as its cause)
+                or was refused after an in-place write: the weights are marked torn.
         """
         group = self.group
         assert group is not None
@@ -424,7 +498,9 @@ class FastLLMReceiver:
         # allocation is made for more than 8x the largest served tensor (float64 for float8).
         largest = 8 * max((t.numel() * t.element_size() for t in served.values()), default=0)
         staged: dict[str, torch.Tensor] = {}
+        came: set[str] = set()  # served names whose tensor came, accepted or refused
         problems: list[str] = []
+        sentinels = _TailSentinels(event.step)
         written = dropped = nbytes = 0
         drop: torch.Tensor | None = None  # where dropped tensors are received, reused
         what = f"Fast-LLM weights of step {event.step}"
@@ -448,6 +524,8 @@ class FastLLMReceiver:
                         f"{what}: {header.name} ({header.shard}) announces {header.nbytes} bytes, "
                         f"more than 8x any served tensor ({largest})"
                     )
+                if header.shard == "weights" and header.name in served:
+                    came.add(header.name)
                 target, problem = self._target(header, served, staged)
                 if problem is not None:
                     problems.append(problem)
@@ -455,27 +533,34 @@ class FastLLMReceiver:
                     if drop is None or drop.numel() < header.nbytes:  # one buffer, grown
                         drop = torch.empty(header.nbytes, dtype=torch.uint8, device=group.device)
                     scratch = drop[: header.nbytes].view(header.dtype).view(header.shape)
+                    sentinels.arm(scratch, header)
                     group.receive(scratch, f"{what}: {header.name}")
                     dropped += header.shard != "weights"
                 elif self.stage:
+                    armed = sentinels.arm(target, header)
                     group.receive(target, f"{what}: {header.name}")
+                    sentinels.watch(armed)
                     staged[header.name] = target
                 else:
                     with self._write_span(header.name):
                         written += 1  # counted first: a failed receive leaves it half-written
+                        armed = sentinels.arm(target, header)
                         group.receive(target, f"{what}: {header.name}")
+                    sentinels.watch(armed)
                     staged[header.name] = target
                 nbytes += header.nbytes
         except BaseException as exc:
             # Out of step with the trainer (or it is gone): leave the group.
             self.close()
             if written and not self.stage:
-                self.rollout.mark_weights_torn(
-                    f"{written} tensor(s) of step {event.step} were written in place before the "
-                    f"Fast-LLM stream failed: {type(exc).__name__}"
+                torn = self._torn(
+                    served, event, written, "the stream failed", f". {type(exc).__name__}: {exc}"
                 )
+                if isinstance(exc, Exception):
+                    raise torn from exc
             raise
-        missing = [] if self.allow_subset else sorted(set(served) - set(staged))
+        problems.extend(sentinels.shortfalls())
+        missing = [] if self.allow_subset else sorted(set(served) - came)
         if missing:
             problems.append(
                 f"{len(missing)} served tensor(s) did not come: {', '.join(missing[:5])}"
@@ -483,11 +568,13 @@ class FastLLMReceiver:
             )
         if problems:
             if written:
-                self.rollout.mark_weights_torn(
-                    f"step {event.step} was written in place and then refused"
-                )
-                raise WeightMismatchError(
-                    problems, context=f"{what}: refused after {written} in-place writes (torn)"
+                more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+                raise self._torn(
+                    served,
+                    event,
+                    written,
+                    f"refused at the end marker ({len(problems)} problem(s))",
+                    ":\n  " + "\n  ".join(problems[:20]) + more,
                 )
             raise WeightMismatchError(problems, context=f"{what}: refused, nothing written")
         if self.stage:
@@ -495,6 +582,28 @@ class FastLLMReceiver:
         else:
             reload_received(self.rollout, served)
         return len(staged), dropped, nbytes
+
+    def _torn(
+        self,
+        served: Mapping[str, torch.Tensor],
+        event: WeightsReady,
+        written: int,
+        why: str,
+        detail: str,
+    ) -> WeightTransferError:
+        """The error of a version that failed after ``written`` served tensors were written;
+        the weights are marked torn as the rollout worker marks them
+        (:func:`~rollout_sync.worker.settle_failed_receive`)."""
+        error = WeightTransferError(
+            f"Fast-LLM weights of step {event.step}: {why} after {written} served tensor(s) "
+            "were written, so the served weights are torn: generation stays parked until a "
+            f"complete version lands{detail}",
+            operation=f"receive Fast-LLM weights of step {event.step}",
+            version=event.version,
+            tensors_written=written,
+        )
+        settle_failed_receive(self.rollout, served, error)
+        return error
 
     def _target(
         self,
@@ -527,7 +636,11 @@ class FastLLMReceiver:
         event: WeightsReady,
     ) -> None:
         """Write a complete, accepted version into the served weights (an engine's own
-        ``load_weights`` marks its weights torn itself when a write fails half-way)."""
+        ``load_weights`` marks its weights torn itself when a write fails half-way).
+
+        Raises:
+            WeightTransferError: a copy failed (its cause chained); the weights are marked torn.
+        """
         if type(self.rollout).load_weights is not RolloutBase.load_weights:
             self.rollout.load_weights(staged, require_all=not self.allow_subset)
             return
@@ -536,20 +649,124 @@ class FastLLMReceiver:
             with torch.no_grad():
                 for name, tensor in staged.items():
                     with self._write_span(name):
+                        written += 1  # counted first: a failed copy leaves it half-written
                         served[name].copy_(tensor)
-                    written += 1
         except BaseException as exc:
             if written:
-                self.rollout.mark_weights_torn(
-                    f"{written} tensor(s) of step {event.step} were written before the copy "
-                    f"failed: {type(exc).__name__}"
+                torn = self._torn(
+                    served, event, written, "a copy failed", f". {type(exc).__name__}: {exc}"
                 )
+                if isinstance(exc, Exception):
+                    raise torn from exc
             raise
 
     def _write_span(self, name: str) -> AbstractContextManager[Any]:
         if self.timeline is None:
             return contextlib.nullcontext()
         return self.timeline.span(SpanKind.WEIGHT_WRITE, name)
+
+
+@dataclass(frozen=True)
+class _Armed:
+    """A receive buffer whose tail holds the sentinel of ``header``'s tensor."""
+
+    header: TensorHeader
+    raw: torch.Tensor
+    """The buffer's bytes (a flat ``uint8`` view)."""
+    tile: torch.Tensor
+    """The sentinel bytes written over the last ``tile.numel()`` of them."""
+
+
+class _TailSentinels:
+    """Catches a tensor that arrives shorter than its header announced.
+
+    On gloo a broadcast whose sender sends fewer bytes than the receive buffer holds completes
+    without an error, writing the front of the buffer only, and the stream stays in step (the
+    next receive gets the next frame); the protocol has no checksum. So before each receive
+    :meth:`arm` writes a pattern over the buffer's tail (its last 16 KiB at most), and after the
+    end marker :meth:`shortfalls` names every tensor whose last 8 bytes still hold it.
+
+    The pattern is the 8-byte blake2b digest of the version's step and the tensor's shard and
+    name, repeated:
+
+    * every receiver derives the same one: gloo's broadcast is a tree, and a receiver relays its
+      whole buffer, pattern included, to the next, which must recognise it (a pattern drawn at
+      random by each receiver would pass a relayed short tensor as complete);
+    * it is unrelated to weight values and new for every tensor and version, so an honest
+      tensor's last 8 bytes equal it with probability 2**-64 whatever the values are (a fixed
+      pattern, a NaN payload or zeros, coincides with real weights), and a coincidence does not
+      repeat at the next version.
+
+    No check of the received bytes can be exact: a tensor short by ``d`` bytes differs from an
+    honest one only in the ``d`` bytes the sender never wrote, so catching every ``d``-byte
+    shortfall would refuse honest tensors with probability ``256**-d``. A shortfall of 8 bytes
+    or more is always caught; a smaller one (under two float32 elements) is not. A tensor of
+    fewer than 8 bytes is checked over all its bytes.
+
+    Bookkeeping only (the receives are the caller's): nothing here waits for the device before
+    :meth:`shortfalls`, which reads every check in one transfer.
+    """
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self._watched: list[tuple[_Armed, torch.Tensor]] = []
+        """Per tensor to be written: its armed buffer and a 0-dim bool on its device, true
+        when its last bytes still held the pattern after the receive."""
+
+    def arm(self, buffer: torch.Tensor, header: TensorHeader) -> _Armed:
+        """Write ``header``'s pattern over the tail of ``buffer`` (contiguous), before the
+        receive into it. Every receive is armed, refused and dropped tensors too: a receiver
+        relays its buffer down gloo's tree."""
+        raw = buffer.view(-1).view(torch.uint8)
+        span = min(raw.numel(), _SENTINEL_SPAN_BYTES)
+        digest = hashlib.blake2b(
+            f"{self.step}/{header.shard}/{header.name}".encode(), digest_size=8
+        ).digest()
+        word = int.from_bytes(digest, sys.byteorder, signed=True)
+        tile = torch.full((-(-span // 8),), word, dtype=torch.int64, device=raw.device)
+        armed = _Armed(header, raw, tile.view(torch.uint8)[:span])
+        if span:
+            with torch.no_grad():
+                raw[raw.numel() - span :].copy_(armed.tile)
+        return armed
+
+    def watch(self, armed: _Armed) -> None:
+        """After the receive into ``armed``'s buffer (a tensor to be written): note whether its
+        last bytes still hold the pattern."""
+        n = armed.raw.numel()
+        if n:
+            width = min(n, _SENTINEL_CHECK_BYTES)
+            span = armed.tile.numel()
+            flag = (armed.raw[n - width :] == armed.tile[span - width :]).all()
+            self._watched.append((armed, flag))
+
+    def shortfalls(self) -> list[str]:
+        """One problem per watched tensor that arrived short, naming it and the byte counts."""
+        if not self._watched:
+            return []
+        device = self._watched[0][1].device
+        short = torch.stack([flag.to(device) for _, flag in self._watched]).tolist()
+        return [_shortfall(armed) for (armed, _), s in zip(self._watched, short, strict=True) if s]
+
+
+def _shortfall(armed: _Armed) -> str:
+    """What arrived of ``armed``'s tensor: the bytes before the last one that differs from the
+    pattern (rounded up to whole elements: a real byte equal to the pattern's is counted as
+    missing, with probability ``256**-element_size``)."""
+    header, raw, tile = armed.header, armed.raw, armed.tile
+    n, span = raw.numel(), tile.numel()
+    differs = (raw[n - span :] != tile).nonzero()
+    if differs.numel():
+        element = header.dtype.itemsize
+        arrived = n - span + int(differs[-1]) + 1
+        arrived = min(-(-arrived // element) * element, n - min(n, _SENTINEL_CHECK_BYTES))
+        count = f"{arrived} of the {n} bytes"
+    else:
+        count = f"{'at most ' if n > span else ''}{n - span} of the {n} bytes"
+    return (
+        f"{header.name}: {count} its header announces arrived ({list(header.shape)} "
+        f"{header.dtype}): the trainer sent a shorter tensor"
+    )
 
 
 def _socket_timeout(redis: Any) -> float | None:
