@@ -22,6 +22,7 @@ pytest.importorskip("transformers")
 
 from rollout_sync import RolloutBase, SpanKind
 from rollout_sync.backends.vllm import KVCachePolicy, VLLMBlockingBackend, greedy_params
+from rollout_sync.backends.vllm.client import GuardedWeightSyncClient, LLMWeightSyncClient
 from rollout_sync.trace import find_overlaps
 
 pytestmark = pytest.mark.vllm
@@ -131,3 +132,27 @@ def test_no_forward_overlaps_a_write_in_the_step_hook_case(world: World) -> None
     assert len([s for s in spans if s.kind == SpanKind.WEIGHT_WRITE]) == 3
     assert len([s for s in spans if s.kind == SpanKind.FORWARD]) >= 40
     assert find_overlaps(spans, NO_FORWARD_DURING) == []
+
+
+class _NothingToPause:
+    """``vllm.LLM`` generates on its caller's thread: between two ``generate`` calls there is
+    nothing to pause."""
+
+    def pause_generation(self, *, mode: str, clear_cache: bool) -> None:
+        pass
+
+    def resume_generation(self) -> None:
+        pass
+
+
+@pytest.mark.timeout(60)
+def test_the_llm_client_reports_the_engine_state_a_guard_over_it_reads(world: World) -> None:
+    """``LLMWeightSyncClient`` reads the ``"rollout_sync"`` engine's state, so a guard over it
+    (no ``rollout=``) tells an update the engine refused before loading anything from a torn
+    one (docs/vllm.md); the AsyncLLM client's end to end is in tests/test_vllm_native.py."""
+    client = LLMWeightSyncClient(world.backend.llm, timeout_s=30)
+    state = client.native_transfer_state()
+    assert state is not None and state["torn"] is None and state["updates"] >= 1
+    assert state == world.backend.native_transfer_state()
+    guard = GuardedWeightSyncClient(client, pauser=_NothingToPause())
+    assert guard.engine_state == client.native_transfer_state

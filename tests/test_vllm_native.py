@@ -285,6 +285,112 @@ def test_payload_sends_are_held_for_each_update_and_released_after_a_failed_one(
     assert [r.error is None for r in guarded.reports] == [True, True, False, True]
 
 
+@pytest.mark.timeout(180)
+def test_through_the_asyncllm_client_alone_a_refused_manifest_resumes_on_the_served_version(
+    native: Native,
+) -> None:
+    """No ``rollout=``: the guard pauses through the ``AsyncLLMWeightSyncClient`` and reads the
+    engine's state through it (docs/vllm.md). A manifest the engine refuses loads nothing, so
+    generation resumes on the served version: a request in flight across the refused update
+    ends exactly as one with no update does, every token labelled with the served version."""
+    inner = native.backend.weight_sync_client()
+    guard = GuardedWeightSyncClient(inner)
+    assert guard.pauser is inner
+    served = native.engine.version
+    bad = dict(native.weights_of(served + 1))
+    name = "model.layers.1.self_attn.o_proj.weight"
+    bad[name] = bad[name].to(torch.float16)  # a wrong dtype: refused whole
+    n = 200
+    request = native.backend.submit(PROMPT, greedy_params(n))
+    native.engine.client = guard
+    try:
+        request.wait_for_tokens(8, timeout=60)
+        with pytest.raises(ManifestRejected):
+            native.push(bad)
+        assert len(request.tokens()) < n  # still in flight when the refused update ended
+        assert guard.torn is None and not guard.parked, guard.torn
+        result = request.result(timeout=120)
+    finally:
+        native.engine.client = native.client
+        if guard.parked:  # the failure shown: the engine left paused, for nothing
+            inner.resume_generation()
+    assert native.backend.native_transfer_state()["torn"] is None
+    assert guard.reports[-1].error is not None and guard.reports[-1].paused
+    undisturbed = native.backend.generate([PROMPT], greedy_params(n), timeout=60)[0]
+    assert result.ok and result.token_ids == undisturbed.token_ids
+    assert list(result.token_ids[:16]) == native.greedy(served, PROMPT, 16)
+    assert result.weight_versions == ((str(served), 0, n),)
+    assert _served_version(native) == str(served)
+
+
+class _FinishAfterTokens:
+    """vLLM's plain client, unguarded, that lets a request in flight decode ``extra`` more
+    tokens between the update landing (``update_weights``) and ``finish_weight_update`` (which
+    sets vLLM's version label): the window every unguarded update has, made wide enough to
+    see."""
+
+    def __init__(self, inner: Any, request: Any, extra: int) -> None:
+        self.inner, self.request, self.extra = inner, request, extra
+        self.tokens_at_update = 0
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.inner.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        self.inner.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        self.inner.update_weights(update_info)
+        self.tokens_at_update = len(self.request.tokens())
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.request.wait_for_tokens(self.tokens_at_update + self.extra, timeout=60)
+        self.inner.finish_weight_update(weight_version)
+
+
+@pytest.mark.timeout(240)
+def test_unguarded_the_rollout_sync_engine_survives_a_mid_generation_update_silently_wrong(
+    native: Native,
+) -> None:
+    """What docs/vllm.md says of the ``"rollout_sync"`` engine without the guard: the engine
+    survives (the trainer engine's one chunk is final: loaded and finalized in one RPC, so no
+    forward meets a layer on the meta device), and the damage is silent: tokens the new
+    weights computed carry the old version's label until finish, and the sequence in flight
+    continues from KV the old weights computed (no split "old, then exactly new" explains
+    its tokens; the guarded update of the first test has one)."""
+    old = native.engine.version
+    n = 200
+    request = native.backend.submit(PROMPT, greedy_params(n))
+    request.wait_for_tokens(12, timeout=60)
+    plain = _FinishAfterTokens(native.client.inner, request, extra=24)
+    native.engine.client = plain
+    try:
+        new = native.push()
+    finally:
+        native.engine.client = native.client
+    result = request.result(timeout=120)
+    assert result.ok and len(result.token_ids) == n  # the engine survived
+    assert native.backend.native_transfer_state()["torn"] is None
+    assert result.weight_versions is not None
+    (label, _, end), (next_label, _, _) = result.weight_versions
+    assert (label, next_label) == (str(old), str(new))
+    assert plain.tokens_at_update + plain.extra <= end
+    tokens = list(result.token_ids)
+    old_greedy = native.greedy(old, PROMPT, end)
+    diverged = next(i for i in range(end) if tokens[i] != old_greedy[i])
+    assert 12 <= diverged < end  # tokens of other weights, labelled with the old version
+    # A split "old, then exactly new" would lie at or before the first token that leaves
+    # the old weights' continuation; at none of them do the next 8 tokens follow the new
+    # weights' own continuation: the old weights' KV under the new weights.
+    for k in range(12, diverged + 1):
+        assert tokens[k : k + 8] != native.greedy(new, PROMPT + tokens[:k], 8), k
+    # The prefix cache still holds blocks the old weights computed: a guarded update (which
+    # clears it, and commits the backend's version) before the tests that follow.
+    version = native.push()
+    result = native.backend.generate([PROMPT], greedy_params(16), timeout=60)[0]
+    assert list(result.token_ids) == native.greedy(version, PROMPT, 16)
+
+
 # -- the trainer in a process of its own -------------------------------------------------------
 
 

@@ -27,8 +27,13 @@ import requests
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-from rollout_sync.backends.vllm.client import GuardedWeightSyncClient, HTTPGenerationPauser
+from rollout_sync.backends.vllm.client import (
+    GuardedWeightSyncClient,
+    HTTPEngineState,
+    HTTPGenerationPauser,
+)
 from rollout_sync.backends.vllm.trainer import MappingSource, RolloutSyncTrainerInitInfo
+from rollout_sync.backends.vllm.worker import WORKER_EXTENSION
 from rollout_sync.errors import ManifestRejected
 from rollout_sync.testing import (
     build_tiny_llama,
@@ -69,6 +74,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
             str(port),
             "--weight-transfer-config",
             '{"backend": "rollout_sync"}',
+            # Reports the engine's state (/collective_rpc): a refused update resumes.
+            "--worker-extension-cls",
+            WORKER_EXTENSION,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -125,14 +133,21 @@ def test_a_served_engine_takes_guarded_native_updates_over_http(server: dict[str
             }
             assert _complete(base, model, [1, 5, 9], 12) == reference(current, [1, 5, 9], 12)
 
-        # A wrong manifest: refused in the server's worker, nothing loaded, generation resumed
-        # (without an engine-state probe over HTTP the guard cannot know: it stays parked)...
+        # A wrong manifest: refused in the server's worker, nothing loaded. The server's
+        # /collective_rpc says so (the worker extension's state), so generation resumes on
+        # the version served, which is still served exactly.
+        served = dict(current)
         name = "model.layers.0.mlp.up_proj.weight"
         current[name] = current[name][:-1].contiguous()
         with pytest.raises(ManifestRejected):
             engine.send_weights(5)
-        assert client.torn is not None and client.parked
-        # ... until a complete update lands.
+        assert client.torn is None and not client.parked, client.torn
+        assert client.reports[-1].error is not None
+        state = HTTPEngineState(base).native_transfer_state()
+        assert state is not None and state["torn"] is None and state["updates"] == 2
+        assert _complete(base, model, [2, 9, 4], 12) == reference(served, [2, 9, 4], 12)
+        assert requests.get(f"{base}/weight_info", timeout=10).json() == {"weight_version": "4"}
+        # The next complete update lands.
         current.clear()
         current.update(random_llama_weights(shapes, seed=6))
         engine.send_weights(6)

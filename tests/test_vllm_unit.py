@@ -24,6 +24,7 @@ from rollout_sync.backends.vllm import (
     VLLMRequest,
     require_vllm,
 )
+from rollout_sync.backends.vllm.client import AsyncLLMWeightSyncClient, GuardedWeightSyncClient
 from rollout_sync.backends.vllm.generations import VersionHistory
 from rollout_sync.backends.vllm.worker import Probe, ProbePlan, copy_in_place, verify_written
 from rollout_sync.demos import cli
@@ -144,6 +145,123 @@ def test_find_sync_split() -> None:
     assert find_sync_split(tokens, old, new_from) == 3
     assert find_sync_split(tokens, old, new_from, at_least=4) is None
     assert find_sync_split([1, 2, 7, 9, 9, 9], old, new_from) is None
+
+
+# -- the guarded client's decision after a failed update, on a fake engine ---------------------
+
+
+class _FailingEngine:
+    """vLLM's client protocol (and pause, resume and the engine's state) over a pretend
+    ``"rollout_sync"`` engine whose ``update_weights`` fails: before loading anything
+    (``loaded=False``: a refused manifest) or mid-load. ``state_error``: what asking for its
+    state raises instead (an engine without the worker extension)."""
+
+    def __init__(self, *, loaded: bool, state_error: Exception | None = None) -> None:
+        self.loaded, self.state_error = loaded, state_error
+        self.state: dict[str, object] = {"torn": None, "updates": 3}
+        self.paused = False
+
+    def init_weight_transfer_engine(self, init_info: dict[str, object]) -> None:
+        pass
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, update_info: object) -> None:
+        if self.loaded:
+            self.state["torn"] = "an update failed mid-load"
+        raise RuntimeError("the update failed")
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        pass
+
+    def native_transfer_state(self) -> dict[str, object] | None:
+        if self.state_error is not None:
+            raise self.state_error
+        return dict(self.state)
+
+    def pause_generation(self, *, mode: str, clear_cache: bool) -> None:
+        self.paused = True
+
+    def resume_generation(self) -> None:
+        self.paused = False
+
+
+def _fail_one_update(engine: _FailingEngine) -> GuardedWeightSyncClient:
+    guard = GuardedWeightSyncClient(engine, timeout=5.0)
+    guard.start_weight_update()
+    assert engine.paused and guard.parked
+    with pytest.raises(RuntimeError, match="the update failed"):
+        guard.update_weights({})
+    return guard
+
+
+def test_a_failed_update_the_engine_loaded_nothing_of_resumes_generation() -> None:
+    """The inner client's ``native_transfer_state`` says the engine is untouched (the
+    ``"rollout_sync"`` engine refused the manifest): generation resumes on the served version."""
+    engine = _FailingEngine(loaded=False)
+    guard = _fail_one_update(engine)
+    assert guard.torn is None and not guard.parked and not engine.paused
+    assert guard.reports[-1].error == "RuntimeError: the update failed"
+
+
+def test_a_failed_update_the_engine_loaded_part_of_stays_parked_and_torn() -> None:
+    engine = _FailingEngine(loaded=True)
+    guard = _fail_one_update(engine)
+    assert guard.torn is not None and "update_weights" in guard.torn
+    assert guard.parked and engine.paused
+
+
+def _no_call(coroutine: object, timeout: float, what: str) -> object:
+    """An engine loop that must not be reached."""
+    raise AssertionError(f"{what} reached the engine")
+
+
+def test_an_engine_that_cannot_report_its_state_is_taken_as_torn_and_the_reason_says_why() -> None:
+    """An ``AsyncLLM`` running the ``"rollout_sync"`` engine without the worker extension: its
+    client cannot ask (and says which setting is missing); the guard keeps generation parked
+    and its ``torn`` carries that fix."""
+    vllm_config = SimpleNamespace(
+        weight_transfer_config=SimpleNamespace(backend="rollout_sync"),
+        parallel_config=SimpleNamespace(worker_extension_cls=""),
+    )
+    client = AsyncLLMWeightSyncClient(SimpleNamespace(vllm_config=vllm_config), run=_no_call)
+    with pytest.raises(TypeError) as caught:
+        client.native_transfer_state()
+    engine = _FailingEngine(loaded=False, state_error=caught.value)
+    guard = _fail_one_update(engine)
+    assert guard.parked and engine.paused
+    assert guard.torn is not None and "the engine's state could not be read" in guard.torn
+    assert "worker_extension_cls='rollout_sync.backends.vllm.worker." in guard.torn
+    # Another weight-transfer backend has no such state to report: nothing to ask.
+    vllm_config.weight_transfer_config.backend = "nccl"
+    assert client.native_transfer_state() is None
+
+
+def test_one_state_for_all_of_an_engines_workers_is_torn_if_any_is() -> None:
+    """``collective_rpc`` answers once per worker; the clients report one state for all."""
+    pytest.importorskip("vllm")  # resolves the worker extension's path
+    from rollout_sync.backends.vllm.client import LLMWeightSyncClient
+    from rollout_sync.backends.vllm.worker import WORKER_EXTENSION
+
+    answers: list[dict[str, object] | None] = []
+    vllm_config = SimpleNamespace(
+        weight_transfer_config=SimpleNamespace(backend="rollout_sync"),
+        parallel_config=SimpleNamespace(worker_extension_cls=WORKER_EXTENSION),
+    )
+    llm = SimpleNamespace(
+        llm_engine=SimpleNamespace(vllm_config=vllm_config),
+        collective_rpc=lambda method, timeout: list(answers),
+    )
+    client = LLMWeightSyncClient(llm, timeout_s=5.0)
+    whole = {"torn": None, "updates": 4, "initialized": True}
+    torn = {"torn": "mid-load", "updates": 3, "initialized": True}
+    answers[:] = [whole, whole]
+    assert client.native_transfer_state() == whole
+    answers[:] = [whole, torn]
+    assert client.native_transfer_state() == {**whole, "torn": "mid-load", "updates": 3}
+    answers[:] = [whole, None]  # a worker without the "rollout_sync" engine
+    assert client.native_transfer_state() is None
 
 
 # -- read-back: the CPU build's packed-copy trap, on a fake module -----------------------------

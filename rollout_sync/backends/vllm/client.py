@@ -14,8 +14,10 @@ client and brackets every update, in this order::
                            -> release egress -> resume generation
 
 A failure anywhere leaves generation **parked** and the replica **torn** (``torn`` says why)
-until a complete update lands; egress is released. Every wait is bounded (``timeout``) and its
-error names what it waited for. Each update yields a :class:`~rollout_sync.SyncReport`.
+until a complete update lands; egress is released. The exception: the engine says it loaded
+nothing (the ``"rollout_sync"`` engine refused the manifest), so it still serves the version it
+served, and generation resumes on it. Every wait is bounded (``timeout``) and its error names
+what it waited for. Each update yields a :class:`~rollout_sync.SyncReport`.
 
 What it pauses:
 
@@ -30,6 +32,15 @@ What it pauses:
   (:class:`AsyncLLMWeightSyncClient` does), or, for vLLM's own clients,
   :class:`HTTPGenerationPauser` (the ``/pause`` and ``/resume`` routes of a server with
   ``VLLM_SERVER_DEV_MODE=1``) and :class:`RayGenerationPauser` (the actors' methods).
+
+Where it reads the engine's state (:class:`EngineStateSource`: ``native_transfer_state()``, the
+worker extension's ``rollout_sync_native_state`` RPC) to tell a refused update from a torn one:
+``engine_state=``, else ``rollout=`` or the inner client where they have it
+(:class:`AsyncLLMWeightSyncClient` and :class:`LLMWeightSyncClient` do), else for vLLM's HTTP
+client :class:`HTTPEngineState` (the server's ``/collective_rpc``). Every one of them needs the
+engine started with the worker extension
+(:class:`~rollout_sync.backends.vllm.worker.RolloutSyncWorkerExtension`); without an answer a
+failed update is taken as torn, and ``torn`` says why.
 
 :class:`AsyncLLMWeightSyncClient` is the client for an ``AsyncLLM`` in this process, on the
 event loop it runs on.
@@ -53,11 +64,15 @@ from ...errors import EngineCallTimeout, PauseTimeout
 from ...guard import DEFAULT_SYNC_TIMEOUT_S, SyncMode, SyncReport, device_fence
 from ...trace import SpanKind, Timeline
 from .calls import park_engine, run_coroutine
+from .plugin import ENGINE_NAME
+from .worker import WORKER_EXTENSION, RolloutSyncWorkerExtension
 
 __all__ = [
     "AsyncLLMWeightSyncClient",
+    "EngineStateSource",
     "GenerationPauser",
     "GuardedWeightSyncClient",
+    "HTTPEngineState",
     "HTTPGenerationPauser",
     "LLMWeightSyncClient",
     "RayGenerationPauser",
@@ -68,6 +83,9 @@ T = TypeVar("T")
 _THREAD_SLACK_S = 5.0
 """Beyond a pause's own limit, how long its holder thread may take to report."""
 
+_STATE_RPC = RolloutSyncWorkerExtension.rollout_sync_native_state.__name__
+"""The worker extension's RPC that reports the ``"rollout_sync"`` engine's state."""
+
 
 @runtime_checkable
 class GenerationPauser(Protocol):
@@ -76,6 +94,59 @@ class GenerationPauser(Protocol):
     def pause_generation(self, *, mode: str, clear_cache: bool) -> None: ...
 
     def resume_generation(self) -> None: ...
+
+
+@runtime_checkable
+class EngineStateSource(Protocol):
+    """What tells :class:`GuardedWeightSyncClient` whether a failed update loaded anything.
+
+    ``native_transfer_state()`` returns the ``"rollout_sync"`` weight-transfer engine's state
+    (the dict of the worker extension's ``rollout_sync_native_state``: ``torn``, ``updates``,
+    ...; over several workers one dict, torn if any worker is, ``updates`` the fewest), or
+    ``None`` when the engine runs another weight-transfer backend. It raises when it cannot
+    ask.
+    """
+
+    def native_transfer_state(self) -> dict[str, Any] | None: ...
+
+
+def _merged_native_state(states: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """One state for an engine's workers (``collective_rpc`` answers one per worker): the
+    first worker's, torn if any worker is (its reason), ``updates`` the fewest any landed;
+    ``None`` if a worker runs no ``"rollout_sync"`` engine (or none answered)."""
+    if not states or any(state is None for state in states):
+        return None
+    known = [state for state in states if state is not None]
+    torn = next((state["torn"] for state in known if state["torn"] is not None), None)
+    return {**known[0], "torn": torn, "updates": min(int(state["updates"]) for state in known)}
+
+
+def _reports_native_state(vllm_config: Any) -> bool:
+    """Whether an engine started with ``vllm_config`` has a ``"rollout_sync"`` state to report
+    (``False``: it runs another weight-transfer backend, or none).
+
+    Raises:
+        TypeError: it runs the ``"rollout_sync"`` engine without the worker extension that
+            reports its state.
+    """
+    transfer = vllm_config.weight_transfer_config
+    if transfer is None or transfer.backend != ENGINE_NAME:
+        return False
+    extension = vllm_config.parallel_config.worker_extension_cls
+    if extension:
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+
+        extension_cls = resolve_obj_by_qualname(extension)
+        if isinstance(extension_cls, type) and issubclass(
+            extension_cls, RolloutSyncWorkerExtension
+        ):
+            return True
+    raise TypeError(
+        f"the engine runs the {ENGINE_NAME!r} weight-transfer engine but its worker extension "
+        f"({extension or 'none'}) cannot report that engine's state, so a guard cannot tell an "
+        f"update the engine refused from a torn one: start the engine with "
+        f"worker_extension_cls={WORKER_EXTENSION!r} (or a subclass of it)"
+    )
 
 
 # -- clients and pausers -------------------------------------------------------------------------
@@ -155,6 +226,22 @@ class AsyncLLMWeightSyncClient:
     def resume_generation(self) -> None:
         self._call(self.engine.resume_generation(), "resume_generation")
 
+    def native_transfer_state(self) -> dict[str, Any] | None:
+        """The ``"rollout_sync"`` engine's state in the engine's workers, merged
+        (:class:`EngineStateSource`); ``None`` when the engine runs another weight-transfer
+        backend or none.
+
+        Raises:
+            TypeError: the engine was started without the worker extension that reports it
+                (``worker_extension_cls``; the message names the setting).
+        """
+        if not _reports_native_state(self.engine.vllm_config):
+            return None
+        states: list[dict[str, Any] | None] = self._call(
+            self.engine.collective_rpc(_STATE_RPC, timeout=self.timeout_s), _STATE_RPC
+        )
+        return _merged_native_state(states)
+
 
 class LLMWeightSyncClient:
     """vLLM's client protocol over an offline ``vllm.LLM`` in this process (each call an engine
@@ -196,6 +283,22 @@ class LLMWeightSyncClient:
         )
         return version
 
+    def native_transfer_state(self) -> dict[str, Any] | None:
+        """The ``"rollout_sync"`` engine's state in the engine's workers, merged
+        (:class:`EngineStateSource`); ``None`` when the engine runs another weight-transfer
+        backend or none.
+
+        Raises:
+            TypeError: the engine was started without the worker extension that reports it
+                (``worker_extension_cls``; the message names the setting).
+        """
+        if not _reports_native_state(self.llm.llm_engine.vllm_config):
+            return None
+        states: list[dict[str, Any] | None] = self.llm.collective_rpc(
+            _STATE_RPC, timeout=self.timeout_s
+        )
+        return _merged_native_state(states)
+
     def _bounded(self, call: Callable[[], T], what: str) -> T:
         """``call()`` on a helper thread, waited for at most ``timeout_s`` (the engine's version
         calls take no timeout of their own)."""
@@ -231,6 +334,43 @@ class HTTPGenerationPauser:
         response.raise_for_status()
 
 
+class HTTPEngineState:
+    """The ``"rollout_sync"`` engine's state in a ``vllm serve``, through its
+    ``/collective_rpc`` route (:class:`EngineStateSource`).
+
+    The route exists with ``VLLM_SERVER_DEV_MODE=1``, and the worker's answer needs the server
+    started with ``--worker-extension-cls`` naming
+    :class:`~rollout_sync.backends.vllm.worker.RolloutSyncWorkerExtension` (or a subclass).
+    """
+
+    def __init__(self, base_url: str, timeout: float = DEFAULT_SYNC_TIMEOUT_S) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+
+    def native_transfer_state(self) -> dict[str, Any] | None:
+        """The state (see the class); ``None`` when the server runs another weight-transfer
+        backend.
+
+        Raises:
+            RuntimeError: the server did not answer with it (the message names the flags).
+        """
+        import requests
+
+        response = requests.post(
+            f"{self.base_url}/collective_rpc",
+            json={"method": _STATE_RPC, "timeout": self.timeout},
+            timeout=self.timeout,
+        )
+        if not response.ok:
+            raise RuntimeError(
+                f"{self.base_url}/collective_rpc did not report the engine's state (HTTP "
+                f"{response.status_code}): start the server with VLLM_SERVER_DEV_MODE=1 and "
+                f"--worker-extension-cls {WORKER_EXTENSION}"
+            )
+        states: list[dict[str, Any] | None] = response.json()["results"]
+        return _merged_native_state(states)
+
+
 class RayGenerationPauser:
     """Pause and resume vLLM engines that run as Ray actors (each call waits for all)."""
 
@@ -261,6 +401,22 @@ def default_pauser(inner: object, timeout: float) -> GenerationPauser | None:
         return HTTPGenerationPauser(inner.base_url, getattr(inner, "timeout", timeout))  # type: ignore[attr-defined]
     if kind == "RayVLLMWeightSyncClient":
         return RayGenerationPauser(inner.handles, timeout)  # type: ignore[attr-defined]
+    return None
+
+
+def default_engine_state(
+    inner: object, rollout: object, timeout: float
+) -> Callable[[], dict[str, Any] | None] | None:
+    """Where :class:`GuardedWeightSyncClient` reads the engine's state when not told: ``rollout``
+    or ``inner`` if it is an :class:`EngineStateSource`, else for vLLM's HTTP client the
+    server's ``/collective_rpc``; ``None`` if nowhere (vLLM's Ray client: the actors' methods
+    are the user's)."""
+    for source in (rollout, inner):
+        if isinstance(source, EngineStateSource):
+            return source.native_transfer_state
+    if type(inner).__name__ == "HTTPVLLMWeightSyncClient":
+        http = HTTPEngineState(inner.base_url, getattr(inner, "timeout", timeout))  # type: ignore[attr-defined]
+        return http.native_transfer_state
     return None
 
 
@@ -355,11 +511,13 @@ class GuardedWeightSyncClient:
         fence: called after ``finish`` with ``timeout``, before egress is released.
         timeline: records each update's body as a ``weight_sync`` span.
         on_report: called with each update's :class:`~rollout_sync.SyncReport`.
-        engine_state: asked after a failure whether the engine is untouched (a dict whose
-            ``"torn"`` is ``None``: the ``"rollout_sync"`` engine refused the update before
-            loading anything); then generation resumes on the version it served. Default:
-            ``native_transfer_state`` of ``rollout`` or ``inner`` where they have it; without
-            one every failure is taken as torn.
+        engine_state: asked at the first start and after a failure whether the engine is
+            untouched (a dict whose ``"torn"`` is ``None`` and whose ``"updates"`` did not
+            change: the ``"rollout_sync"`` engine refused the update before loading
+            anything); then generation resumes on the version it served. Default:
+            :func:`default_engine_state` (``rollout``'s or ``inner``'s
+            ``native_transfer_state``, or the HTTP server's ``/collective_rpc``); without one,
+            or without an answer, every failure is taken as torn (``torn`` then says why).
         max_update_s: the longest an update may stay open (start to finish). Past it the
             update is taken as abandoned: the weights are marked torn (generation stays
             parked) and egress is released.
@@ -399,7 +557,7 @@ class GuardedWeightSyncClient:
         self.engine_state = (
             engine_state
             if engine_state is not None
-            else getattr(rollout if rollout is not None else inner, "native_transfer_state", None)
+            else default_engine_state(inner, rollout, self.timeout)
         )
         self.kv_cache_policy = kv_cache_policy
         self.fence = fence
@@ -417,6 +575,8 @@ class GuardedWeightSyncClient:
         self._held: _HeldBracket | None = None
         self._egress = EgressHoldReport()
         self._engine_updates: int | None = None
+        self._state_error: str | None = None
+        """Why the engine's state could not be read (at the last time it was asked)."""
         self._times: dict[str, float] = {}
         self._body_start_ns = 0
 
@@ -581,6 +741,11 @@ class GuardedWeightSyncClient:
                 self._release()
             else:
                 reason = f"the native weight update failed in {where}: {type(exc).__name__}: {exc}"
+                if self._state_error is not None:
+                    reason += (
+                        f" (taken as torn: the engine's state could not be read, "
+                        f"{self._state_error})"
+                    )
                 self.torn = reason
                 if self.rollout is not None:
                     # Torn: the backend stays parked when its pause ends, refuses new requests,
@@ -607,23 +772,27 @@ class GuardedWeightSyncClient:
         """How many updates the engine has landed (``None``: it cannot say). Asked at the first
         start and after a failure; counted here after each update that lands (an update by
         another trainer meanwhile only makes a later failure count as torn: the safe side)."""
+        state = self._read_engine_state()
+        return None if state is None else int(state.get("updates", -1))
+
+    def _read_engine_state(self) -> dict[str, Any] | None:
+        """The engine's state, or ``None`` (no source, another weight-transfer backend, or no
+        answer: then ``_state_error`` says why)."""
+        self._state_error = None
         if self.engine_state is None:
             return None
         try:
-            state = self.engine_state()
-        except Exception:  # an engine that cannot answer is not known to be untouched
+            return self.engine_state()
+        except Exception as exc:  # an engine that cannot answer is not known to be untouched
+            self._state_error = f"{type(exc).__name__}: {exc}"
             return None
-        return None if state is None else int(state.get("updates", -1))
 
     def _engine_untouched(self) -> bool:
         """Whether the engine says nothing was loaded since this update started (not torn, no
         update landed), so it still serves the version it served."""
         if self.torn is not None or self._engine_updates is None:
             return False
-        try:
-            state = self.engine_state() if self.engine_state is not None else None
-        except Exception:  # an engine that cannot answer is not known to be untouched
-            return False
+        state = self._read_engine_state()
         return (
             state is not None
             and state.get("torn") is None
