@@ -178,6 +178,10 @@ class WeightSyncBracket:
                 self._stack.enter_context(self._rollout.paused(self._timeout))
             self._parked = self._drained = time.perf_counter()
             if self._hold:
+                if self._timeline is not None:
+                    # Unwound after the egress release and before the resume: the span ends
+                    # when sends may run again.
+                    self._stack.callback(self._record_hold, time.monotonic_ns())
                 self._egress = self._stack.enter_context(
                     payload_egress_held(*self._egress_components, timeout=self._timeout)
                 )
@@ -217,6 +221,14 @@ class WeightSyncBracket:
                 raise
             finally:
                 self._finish(body_done, fence_done, error)
+
+    def _record_hold(self, start_ns: int) -> None:
+        """A ``payload_hold`` span from asking for the hold until its release, if anything was
+        held (a hold that timed out on entry, or only flushed, held nothing)."""
+        if self._timeline is not None and self._egress.held:
+            self._timeline.add_span(
+                SpanKind.PAYLOAD_HOLD, "payload sends held", start_ns, held=self._egress.held
+            )
 
     def _finish(
         self, body_done: float | None, fence_done: float | None, error: BaseException | None
@@ -265,7 +277,8 @@ def weight_sync_bracket(
         timeout: seconds for the pause, each egress hold and the fence.
         fence: called with ``timeout`` after the body (also a failed one), before egress is
             released.
-        timeline: records the body as a ``weight_sync`` span.
+        timeline: records the body as a ``weight_sync`` span, and the egress hold (when
+            something was held) as a ``payload_hold`` span.
 
     Raises whatever the pause, holds, body or fence raise; generation is resumed and egress
     released in every case, and ``report`` is set either way.
@@ -324,7 +337,8 @@ class WeightSyncWorker(Protocol):
       and keep the hold.
     * ``weight_sync_timeout``: seconds (a positive number; ``None``: each part's default) for
       the pause, each egress hold and the fence.
-    * ``timeline``: a :class:`~rollout_sync.Timeline` (or ``None``) to record the sync span.
+    * ``timeline``: a :class:`~rollout_sync.Timeline` (or ``None``) to record the sync and
+      hold spans.
     * ``weight_sync_fence(timeout)``: the device fence (``None``: none); default
       :func:`device_fence`.
     * ``on_weight_sync_report(report)``: called with the :class:`SyncReport` of each sync,

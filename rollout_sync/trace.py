@@ -4,7 +4,8 @@ The guard's claims are about time: no forward overlaps a weight write, no payloa
 overlaps a weight collective. A :class:`Timeline` records spans on any thread (and, merged, from
 several processes: timestamps are ``time.monotonic_ns``, one clock for the whole machine), the
 checker lists every forbidden overlap, and :meth:`Timeline.to_chrome_trace` writes JSON that
-chrome://tracing and https://ui.perfetto.dev open as is.
+chrome://tracing and https://ui.perfetto.dev open as is (:func:`read_chrome_trace` reads it
+back; :mod:`rollout_sync.trace_plot` draws it).
 
 Recording is optional everywhere: code takes ``timeline: Timeline | None`` and does nothing when
 it is ``None``.
@@ -14,10 +15,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,12 +27,15 @@ from typing import Any
 
 __all__ = [
     "FORBIDDEN_OVERLAPS",
+    "REPORT_METADATA_KEY",
     "Overlap",
     "Span",
     "SpanKind",
     "Timeline",
     "find_overlaps",
+    "read_chrome_trace",
     "step_intervals_ms",
+    "torn_forwards",
 ]
 
 
@@ -45,6 +50,9 @@ class SpanKind:
     PAUSE = "pause"
     SYNC = "weight_sync"
     """The body of a guarded sync (after pause and egress hold, before release)."""
+    PAYLOAD_HOLD = "payload_hold"
+    """Payload transfers held for a weight sync: a replica's sends (the bracket's egress hold,
+    from asking for it until its release) or the trainer's receives (the P2R push's hold)."""
 
 
 FORBIDDEN_OVERLAPS: tuple[tuple[str, str], ...] = (
@@ -55,6 +63,10 @@ FORBIDDEN_OVERLAPS: tuple[tuple[str, str], ...] = (
     (SpanKind.PAYLOAD_RECV, SpanKind.SYNC),
 )
 """Pairs of kinds that must never overlap in time within one process."""
+
+REPORT_METADATA_KEY = "rollout_sync_report"
+"""The key under ``otherData`` of a Chrome trace where ``rollout-sync demo --trace`` keeps the
+run's report (so that ``rollout-sync plot`` can title the picture with it)."""
 
 
 @dataclass(frozen=True)
@@ -88,11 +100,12 @@ class Overlap:
 
 
 class Timeline:
-    """A thread-safe recorder of :class:`Span` s."""
+    """A thread-safe recorder of :class:`Span` s, and the names of the processes they ran in."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._spans: list[Span] = []
+        self._process_names: dict[int, str] = {}
 
     @contextmanager
     def span(self, kind: str, name: str = "", **args: Any) -> Iterator[None]:
@@ -127,6 +140,17 @@ class Timeline:
     def __len__(self) -> int:
         return len(self._spans)
 
+    def name_process(self, pid: int, name: str) -> None:
+        """Call process ``pid`` ``name`` (``"trainer"``, ``"replica 2"``): the trace's process
+        name in Perfetto, and the lane's label in the picture."""
+        with self._lock:
+            self._process_names[pid] = name
+
+    def process_names(self) -> dict[int, str]:
+        """The names given by :meth:`name_process`, by pid (a copy)."""
+        with self._lock:
+            return dict(self._process_names)
+
     def overlaps(self, pairs: Sequence[tuple[str, str]] = FORBIDDEN_OVERLAPS) -> list[Overlap]:
         """Every forbidden overlap in this timeline; see :func:`find_overlaps`."""
         return find_overlaps(self.spans(), pairs)
@@ -141,11 +165,18 @@ class Timeline:
         timeline.extend(Span(**r) for r in records)
         return timeline
 
-    def to_chrome_trace(self) -> dict[str, Any]:
-        """The Chrome/Perfetto trace-event form: complete ("X") events, microseconds."""
+    def to_chrome_trace(self, metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The Chrome/Perfetto trace-event form: complete ("X") events, microseconds from the
+        first span, a ``process_name`` metadata ("M") event per named process, and
+        ``metadata`` (a run's report, say) as ``otherData``, with every non-finite float
+        made ``null`` so that the file stays strict JSON."""
         spans = self.spans()
         origin = min((s.start_ns for s in spans), default=0)
-        events = [
+        events: list[dict[str, Any]] = [
+            {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}}
+            for pid, name in sorted(self.process_names().items())
+        ]
+        events += [
             {
                 "name": s.name,
                 "cat": s.kind,
@@ -158,12 +189,82 @@ class Timeline:
             }
             for s in spans
         ]
-        return {"traceEvents": events, "displayTimeUnit": "ms"}
+        trace: dict[str, Any] = {"traceEvents": events, "displayTimeUnit": "ms"}
+        if metadata is not None:
+            trace["otherData"] = _json_safe(metadata)
+        return trace
 
-    def write_chrome_trace(self, path: str | os.PathLike[str]) -> Path:
+    def write_chrome_trace(
+        self, path: str | os.PathLike[str], metadata: Mapping[str, Any] | None = None
+    ) -> Path:
+        """Write :meth:`to_chrome_trace` to ``path`` (``.json``) and return the path."""
         out = Path(path)
-        out.write_text(json.dumps(self.to_chrome_trace()))
+        out.write_text(json.dumps(self.to_chrome_trace(metadata)))
         return out
+
+    @classmethod
+    def from_chrome_trace(cls, trace: Mapping[str, Any]) -> Timeline:
+        """The timeline of a trace :meth:`to_chrome_trace` wrote (or any trace of complete
+        events): each "X" event a span (``cat`` its kind), each ``process_name`` event a
+        process name. Times are counted from the trace's origin, to the nanosecond, so
+        :meth:`overlaps` finds what it found before the export. Other events are skipped.
+
+        Raises:
+            ValueError: ``trace`` has no ``traceEvents`` list (not a trace-event file).
+        """
+        events = trace.get("traceEvents")
+        if not isinstance(events, list):
+            raise ValueError(
+                "not a Chrome trace: no 'traceEvents' list (rollout-sync demo --trace and "
+                "Timeline.write_chrome_trace write one)"
+            )
+        timeline = cls()
+        for e in events:
+            if e.get("ph") == "X":
+                start = round(float(e["ts"]) * 1e3)
+                timeline.add(
+                    Span(
+                        str(e.get("cat", "")),
+                        str(e.get("name", "")),
+                        start,
+                        start + round(float(e.get("dur", 0.0)) * 1e3),
+                        int(e.get("pid", 0)),
+                        int(e.get("tid", 0)),
+                        dict(e.get("args") or {}),
+                    )
+                )
+            elif e.get("ph") == "M" and e.get("name") == "process_name":
+                timeline.name_process(int(e["pid"]), str(e["args"]["name"]))
+        return timeline
+
+
+def read_chrome_trace(path: str | os.PathLike[str]) -> tuple[Timeline, dict[str, Any]]:
+    """Read a trace file: its :class:`Timeline` (:meth:`Timeline.from_chrome_trace`) and its
+    ``otherData`` (``{}`` when it has none).
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it is not JSON, or not a trace-event file.
+    """
+    try:
+        trace = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not a JSON trace file: {exc}") from None
+    if not isinstance(trace, dict):
+        raise ValueError(f"{path} is not a Chrome trace (a JSON object with 'traceEvents')")
+    other = trace.get("otherData")
+    return Timeline.from_chrome_trace(trace), dict(other) if isinstance(other, dict) else {}
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float (a percentile of no samples) made ``None``."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def find_overlaps(
@@ -200,6 +301,18 @@ def _intersections(a: list[Span], b: list[Span]) -> Iterator[Overlap]:
             if b[j].end_ns > x.start_ns:
                 yield Overlap(x, b[j])
             j += 1
+
+
+def torn_forwards(forwards: Iterable[Span], overlaps: Iterable[Overlap]) -> list[Span]:
+    """The forwards that read torn weights, each once, in start order: those the engine's own
+    detector flagged (``args["torn"]``: a seqlock, version stamps) and those that overlap a
+    weight write (``overlaps``, as :func:`find_overlaps` found them)."""
+    torn: dict[tuple[int, int, int, int], Span] = {}
+    flagged = [s for s in forwards if s.args.get("torn")]
+    overlapping = [o.first for o in overlaps if o.first.kind == SpanKind.FORWARD]
+    for span in (*flagged, *overlapping):
+        torn.setdefault((span.pid, span.tid, span.start_ns, span.end_ns), span)
+    return sorted(torn.values(), key=lambda s: s.start_ns)
 
 
 def step_intervals_ms(forwards: Iterable[Span], *, gaps: Iterable[Span] = ()) -> list[float]:

@@ -8,7 +8,7 @@ python="${PYTHON:-python3}"
 
 source "$repo_root/scripts/venv_lib.sh"
 if venv_needs_install "$venv" "$python" \
-    "torch 2.13.0 CPU, vLLM for CPU, Ray, Redis: about 4-5 minutes" \
+    "torch 2.13.0 CPU, vLLM for CPU, Ray, Redis, matplotlib: about 4-5 minutes" \
     "$repo_root/pyproject.toml" "$repo_root/scripts/setup_venv.sh"; then
     # torch is pinned: 2.13.0 resolves to the CPU build on local disk here; an unpinned torch
     # would pull a multi-GB CUDA build.
@@ -24,9 +24,13 @@ if venv_needs_install "$venv" "$python" \
     setup_step "installing Ray 2.60.0" quiet_pip install -q "ray==2.60.0"
     # The Redis client for the Fast-LLM receiver (its server is the system package, below).
     setup_step "installing the Redis client (redis 5.2.1)" quiet_pip install -q "redis==5.2.1"
+    # matplotlib draws a run's timeline (the plot extra: rollout-sync demo --plot, rollout-sync
+    # plot, tests/test_plot.py).
+    setup_step "installing matplotlib 3.10.9 (the plot extra)" \
+        quiet_pip install -q "matplotlib==3.10.9"
     # compat mode: a plain path entry, so a checkout on PYTHONPATH (a worktree) takes precedence.
-    setup_step "installing rollout_sync itself (editable, with its test tools)" \
-        quiet_pip install -q --config-settings editable_mode=compat -e "${repo_root}[test]"
+    setup_step "installing rollout_sync itself (editable, with its test tools and plot extra)" \
+        quiet_pip install -q --config-settings editable_mode=compat -e "${repo_root}[test,plot]"
     venv_installed "$venv"
 fi
 

@@ -7,18 +7,38 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from rollout_sync.demos.cli import main
 from rollout_sync.demos.distributed import DistributedDemoConfig, run_distributed_demo
 from rollout_sync.guard import SyncMode
-from rollout_sync.trace import Span, SpanKind, Timeline
+from rollout_sync.trace import (
+    REPORT_METADATA_KEY,
+    Span,
+    SpanKind,
+    Timeline,
+    read_chrome_trace,
+)
 
 pytestmark = pytest.mark.multiprocess
 
 _FAST = {"step_interval_s": 0.05, "timeout_s": 20.0}
 _SMALL = {"num_tensors": 16, "numel": 4096, "bucket_bytes": 64 << 10, **_FAST}
+
+
+def _picture(timeline: Timeline, report: dict[str, Any]) -> tuple[Any, dict[str, int]]:
+    """The run drawn (rollout_sync.trace_plot; tests/test_plot.py has the rest), and the
+    rectangles of the whole run's axes by gid (``"<style>|<lane>"``, ``"overlap|<lane>"``).
+    Skips, after the run's own checks, where the plot extra is not installed."""
+    pytest.importorskip("matplotlib")
+    from rollout_sync.trace_plot import plot_timeline
+
+    drawn = plot_timeline(timeline, report=report)
+    whole = drawn.figure.axes[0]
+    return drawn, {c.get_gid(): len(c.get_paths()) for c in whole.collections if c.get_gid()}
 
 
 def _by_pid(timeline: Timeline, kind: str) -> dict[int, list[Span]]:
@@ -89,15 +109,29 @@ def test_the_default_demo_is_clean_bit_identical_and_loses_no_payload(
     for key in ("time_to_park_ms", "egress_drain_ms", "handler_ms", "fence_ms", "sync_ms"):
         assert report[f"{key}_p50"] >= 0 and report[f"{key}_p99"] >= report[f"{key}_p50"]
     assert report["transfer_mb_per_s"] > 0
+    # Its picture: a lane per process, nothing in red, a park on each receiver and a hold on
+    # every process per sync (the trainer holds its receives for each push).
+    drawn, rectangles = _picture(timeline, report)
+    assert drawn.lanes == ("trainer", "replica 1", "replica 2", "replica 3")
+    assert drawn.overlaps == drawn.torn_reads == 0
+    assert not any(gid.startswith(("overlap", "torn")) for gid in rectangles)
+    assert rectangles["hold|trainer"] == rectangles["park|replica 2"] == steps
+    assert rectangles["hold|replica 1"] == (1 if pipelined_relay else 2) * steps
+    names = timeline.process_names()
+    assert rectangles["forward|replica 3"] == sum(
+        names[s.pid] == "replica 3" for s in timeline.spans(SpanKind.FORWARD)
+    )
 
 
 @pytest.mark.timeout(90)
 def test_the_unguarded_demo_shows_torn_reads_and_payload_overlaps(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     """The harness above can fail: the same run without the guard sees both hazards, on the
     replicas and on the trainer (which then receives payloads through its weight sends)."""
-    code = main(["demo", "--replicas", "2", "--steps", "12", "--unguarded", "--json"])
+    trace = tmp_path / "unguarded.json"
+    argv = ["demo", "--replicas", "2", "--steps", "12", "--unguarded", "--json"]
+    code = main([*argv, "--trace", str(trace)])
     out = capsys.readouterr().out
     report = json.loads(out.strip().splitlines()[-1])
     assert code == 0, out  # hazards are the expected outcome of an unguarded run
@@ -111,6 +145,17 @@ def test_the_unguarded_demo_shows_torn_reads_and_payload_overlaps(
     # The bytes still arrive intact; what breaks is who read (and sent) when.
     assert report["bit_identical"] and report["payloads_lost"] == 0
     assert "Unguarded:" in out
+    # Its picture, from the trace written: every overlap the report counts is marked in red,
+    # on the trainer too, and every torn read; nothing was held.
+    timeline, metadata = read_chrome_trace(trace)
+    assert metadata[REPORT_METADATA_KEY]["torn_reads"] == report["torn_reads"]
+    drawn, rectangles = _picture(timeline, metadata[REPORT_METADATA_KEY])
+    assert drawn.overlaps == report["forward_write_overlaps"] + report["egress_overlaps"]
+    assert drawn.torn_reads == report["torn_reads"]
+    assert sum(n for gid, n in rectangles.items() if gid.startswith("overlap|")) == drawn.overlaps
+    assert rectangles.get("overlap|trainer", 0) == report["trainer_egress_overlaps"]
+    assert not any(gid.startswith("hold|") for gid in rectangles)
+    assert "UNGUARDED" in drawn.figure.get_suptitle()
 
 
 @pytest.mark.timeout(90)

@@ -12,9 +12,11 @@ from conftest import ThreadRunner, wait_until
 from rollout_sync import (
     EgressHoldTimeout,
     PauseTimeout,
+    SpanKind,
     SyncMode,
     SyncReport,
     ThreadedRolloutBackend,
+    Timeline,
     WeightSyncWorker,
     WorkerContractError,
     holds_payload_egress,
@@ -300,6 +302,24 @@ def test_holding_egress_before_pausing_deadlocks_and_our_order_does_not() -> Non
     finally:
         backend.stop()
         packer.stop()
+
+
+def test_the_bracket_records_its_egress_hold_when_it_held_something() -> None:
+    """A ``payload_hold`` span from asking for the hold until its release, around the body's
+    ``weight_sync`` span; none when nothing was held (hold off, or nothing to hold)."""
+    timeline = Timeline()
+    packer = RecordingPacker(timeline=timeline)
+    with weight_sync_bracket(None, [packer], timeout=5, timeline=timeline):
+        assert packer.egress_gate.held
+    with weight_sync_bracket(None, [packer], hold=False, timeline=timeline):
+        pass
+    with weight_sync_bracket(None, [], timeout=5, timeline=timeline):
+        pass
+    (hold,) = timeline.spans(SpanKind.PAYLOAD_HOLD)
+    body = timeline.spans(SpanKind.SYNC)
+    assert len(body) == 3
+    assert hold.start_ns <= body[0].start_ns and body[0].end_ns <= hold.end_ns
+    assert hold.args == {"held": 1}
 
 
 # -- the worker contract -----------------------------------------------------------------------

@@ -9,7 +9,13 @@ import pytest
 
 from rollout_sync import SpanKind, Timeline
 from rollout_sync.demos.in_process import InProcessDemoConfig, run_in_process_demo
-from rollout_sync.trace import Span, find_overlaps, step_intervals_ms
+from rollout_sync.trace import (
+    Span,
+    find_overlaps,
+    read_chrome_trace,
+    step_intervals_ms,
+    torn_forwards,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -65,6 +71,35 @@ def test_demo_trace_exports_valid_chrome_json(tmp_path: Path) -> None:
     } <= kinds
     assert all(e["ph"] == "X" and e["dur"] >= 0 and e["ts"] >= 0 for e in events)
     assert sum(e["cat"] == SpanKind.SYNC for e in events) == 10
+
+
+def test_a_trace_file_reads_back_to_the_nanosecond_with_process_names_and_metadata(
+    tmp_path: Path,
+) -> None:
+    t0 = 1_234_567_891_234  # a monotonic_ns value: the file counts from the first span
+    timeline = Timeline()
+    for s in (
+        Span(SpanKind.FORWARD, "f", t0, t0 + 1_001, 7, 1, {"torn": False}),
+        Span(SpanKind.WEIGHT_WRITE, "w", t0 + 1_000, t0 + 2_000, 7, 2),  # overlaps by 1 ns
+        Span(SpanKind.FORWARD, "g", t0 + 2_000, t0 + 3_000, 7, 1),  # touches: no overlap
+        Span(SpanKind.PAYLOAD_RECV, "r", t0 + 5, t0 + 6, 8, 1),
+    ):
+        timeline.add(s)
+    timeline.name_process(7, "replica 1")
+    out = timeline.write_chrome_trace(tmp_path / "t.json", metadata={"p50": float("nan"), "n": 3})
+    assert "NaN" not in out.read_text()  # strict JSON: Perfetto refuses NaN
+    copy, metadata = read_chrome_trace(out)
+    assert metadata == {"p50": None, "n": 3}
+    assert copy.process_names() == {7: "replica 1"}
+    assert [(s.kind, s.name, s.start_ns, s.end_ns, s.pid, s.tid) for s in copy.spans()] == [
+        (s.kind, s.name, s.start_ns - t0, s.end_ns - t0, s.pid, s.tid) for s in timeline.spans()
+    ]
+    assert [(o.first.name, o.second.name) for o in copy.overlaps()] == [("f", "w")]
+    assert [s.name for s in torn_forwards(copy.spans(SpanKind.FORWARD), copy.overlaps())] == ["f"]
+    not_a_trace = tmp_path / "r.json"
+    not_a_trace.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="not a Chrome trace"):
+        read_chrome_trace(not_a_trace)
 
 
 def test_step_intervals_leave_out_the_intervals_that_hold_a_pause() -> None:

@@ -11,6 +11,8 @@ import torch
 
 import rollout_sync.trainer as trainer_module
 from rollout_sync import (
+    SpanKind,
+    Timeline,
     TrainerCallback,
     TrainerCallbacks,
     TransferWeightPusher,
@@ -330,8 +332,9 @@ class _SourceTransfer:
 
     is_source = True
 
-    def __init__(self, log: EventLog) -> None:
+    def __init__(self, log: EventLog, timeline: Timeline | None = None) -> None:
         self.log = log
+        self.timeline = timeline
 
     def send(self, weights: Mapping[str, torch.Tensor], *, version: int) -> TransferStats:
         self.log.add(f"send:v{version}")
@@ -353,14 +356,17 @@ class _HoldingReceiver:
 
 def test_the_transfer_pusher_meets_the_replica_then_holds_receives_then_sends() -> None:
     log = EventLog()
+    timeline = Timeline()
     pusher = TransferWeightPusher(
-        _SourceTransfer(log),  # type: ignore[arg-type]
+        _SourceTransfer(log, timeline),  # type: ignore[arg-type]
         barrier=lambda timeout: log.add(f"barrier:{timeout}"),
         receiver=_HoldingReceiver(log),
     )  # type: ignore[arg-type]
     pusher.push_weights(_weights(), version=3, timeout=5.0)
     assert log.events == ["barrier:5.0", "hold:5.0", "send:v3", "release"]
     assert pusher.last_stats is not None and pusher.last_stats.version == 3
+    # The hold is on the transfer's timeline (the trainer's lane of the picture).
+    assert [s.name for s in timeline.spans(SpanKind.PAYLOAD_HOLD)] == ["payload receives held"]
 
 
 def test_the_transfer_pusher_refuses_a_receive_hold_without_the_barrier() -> None:

@@ -1,4 +1,5 @@
-"""The ``rollout-sync`` command: ``rollout-sync demo`` runs the main job and prints a report."""
+"""The ``rollout-sync`` command: ``rollout-sync demo`` runs the main job and prints a report;
+``rollout-sync plot`` draws a trace written earlier."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from ..errors import MatplotlibUnavailableError
 from ..guard import SyncMode
-from ..trace import Timeline
+from ..trace import REPORT_METADATA_KEY, Timeline, read_chrome_trace
 from .distributed import (
     DEMO_BACKENDS,
     LAUNCHED_AT_ENV,
@@ -135,14 +138,92 @@ def _build_parser() -> argparse.ArgumentParser:
         "ray://head:10001) instead of starting a local one",
     )
     demo.add_argument(
-        "--trace", metavar="PATH", help="write the timeline as Chrome/Perfetto trace JSON"
+        "--trace",
+        metavar="PATH",
+        help="write the timeline as Chrome/Perfetto trace JSON (with the report, for "
+        "rollout-sync plot)",
+    )
+    demo.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="draw the timeline as a PNG: a lane per process, the whole run and one sync "
+        "zoomed, overlaps in red, the report's headline in the title (needs the extra: pip "
+        "install 'rollout-sync[plot]')",
     )
     demo.add_argument(
         "--json",
         action="store_true",
         help="also print the report as one JSON object on the last line",
     )
+    plot = commands.add_parser(
+        "plot",
+        help="draw a trace written earlier (--trace, Timeline.write_chrome_trace) as a PNG",
+        description="Draws a Chrome/Perfetto trace written by rollout-sync demo --trace (or by "
+        "Timeline.write_chrome_trace in any job): a lane per process (trainer, replicas) with "
+        "its decode steps, parks, weight collectives, writes, payload transfers and holds; the "
+        "whole run on top and one sync zoomed below; every forbidden overlap (what the report "
+        "counts) marked in red; the report's headline figures in the title (from the trace "
+        "itself when it holds no report). Needs matplotlib: pip install 'rollout-sync[plot]'.",
+    )
+    plot.add_argument("trace", metavar="TRACE", help="the trace JSON file")
+    plot.add_argument(
+        "-o",
+        "--output",
+        metavar="PATH",
+        help="the picture (PNG; default: TRACE with the suffix .png)",
+    )
+    plot.add_argument("--dpi", type=int, default=PLOT_DPI, help=f"resolution (default {PLOT_DPI})")
     return parser
+
+
+PLOT_DPI = 100
+
+
+def _draw(timeline: Timeline, path: str, report: dict[str, Any] | None, dpi: int) -> str:
+    """Save the picture; the line that says where it is and what it marks."""
+    from ..trace_plot import save_timeline_plot
+
+    try:
+        drawn = save_timeline_plot(timeline, path, report=report, dpi=dpi)
+    except OSError as exc:
+        raise SystemExit(f"rollout-sync: cannot write the picture {path}: {exc}") from None
+    marked = f"{drawn.overlaps} overlaps" if drawn.overlaps else "no overlap"
+    lanes = f"{len(drawn.lanes)} process{'es' if len(drawn.lanes) != 1 else ''}"
+    return f"plot: {path} ({lanes}; {marked} marked in red)"
+
+
+def _plot_unavailable(command: str) -> str | None:
+    """The error line when matplotlib is missing, before anything runs; ``None`` if it is
+    there."""
+    from ..trace_plot import require_matplotlib
+
+    try:
+        require_matplotlib()
+    except MatplotlibUnavailableError as exc:
+        return f"rollout-sync {command}: {exc}"
+    return None
+
+
+def _run_plot(args: argparse.Namespace) -> int:
+    if args.dpi < 1:
+        raise SystemExit(f"rollout-sync plot: --dpi must be at least 1, not {args.dpi}")
+    unavailable = _plot_unavailable("plot")
+    if unavailable is not None:
+        print(unavailable, file=sys.stderr)
+        return 2
+    try:
+        timeline, metadata = read_chrome_trace(args.trace)
+    except OSError as exc:
+        raise SystemExit(f"rollout-sync plot: cannot read {args.trace}: {exc}") from None
+    except ValueError as exc:
+        raise SystemExit(f"rollout-sync plot: {exc}") from None
+    report = metadata.get(REPORT_METADATA_KEY)
+    output = args.output or str(Path(args.trace).with_suffix(".png"))
+    try:
+        print(_draw(timeline, output, report if isinstance(report, dict) else None, args.dpi))
+    except ValueError as exc:
+        raise SystemExit(f"rollout-sync plot: {args.trace}: {exc}") from None
+    return 0
 
 
 def _distributed_config(args: argparse.Namespace, mode: SyncMode) -> DistributedDemoConfig:
@@ -301,6 +382,11 @@ def _start_torchrun(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def _run_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    if args.plot is not None:
+        unavailable = _plot_unavailable("demo --plot")
+        if unavailable is not None:  # said before the run, not after it
+            print(unavailable, file=sys.stderr)
+            return 2
     timeline = Timeline()
     mode = SyncMode(args.mode)
     if args.launcher != "local" and (args.in_process or args.backend == "vllm"):
@@ -363,8 +449,10 @@ def _run_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
             )
     print(_format_report(report))
     if args.trace:
-        path = timeline.write_chrome_trace(args.trace)
+        path = timeline.write_chrome_trace(args.trace, metadata={REPORT_METADATA_KEY: report})
         print(f"trace: {path} ({len(timeline)} spans; open in https://ui.perfetto.dev)")
+    if args.plot:
+        print(_draw(timeline, args.plot, report, PLOT_DPI))
     print(_verdict(report))
     if args.json:
         print(json.dumps(report))
@@ -377,6 +465,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     if args.command == "demo":
         return _run_demo(args, argv)
+    if args.command == "plot":
+        return _run_plot(args)
     raise AssertionError(f"unhandled command {args.command!r}")
 
 

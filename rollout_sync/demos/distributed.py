@@ -85,7 +85,7 @@ from ..testing import (
     run_processes,
     weights_digest,
 )
-from ..trace import Span, SpanKind, Timeline, step_intervals_ms
+from ..trace import SpanKind, Timeline, step_intervals_ms, torn_forwards
 from ..trainer import (
     TrainerCallbacks,
     TransferWeightPusher,
@@ -118,6 +118,7 @@ __all__ = [
     "DemoBackend",
     "DemoEngine",
     "DistributedDemoConfig",
+    "add_process_spans",
     "check_demo_config",
     "decode_step_ms_p50",
     "demo_limit_s",
@@ -706,9 +707,11 @@ def _report_of(
     wall_s: float,
     launcher: str,
 ) -> dict[str, Any]:
-    for value in values.values():
-        timeline.extend(Timeline.from_records(value["spans"]).spans())
     layout = JobLayout(config.replicas + 1)
+    for rank, value in values.items():
+        add_process_spans(
+            timeline, value["spans"], "trainer" if rank == layout.trainer else f"replica {rank}"
+        )
     report = _report(
         config, values[layout.trainer], [values[r] for r in layout.replicas], timeline, wall_s
     )
@@ -727,8 +730,13 @@ def decode_step_ms_p50(timeline: Timeline) -> float:
     return percentile(step_intervals_ms(steps, gaps=timeline.spans(SpanKind.PAUSE)), 50)
 
 
-def _span_key(span: Span) -> tuple[int, int, int, int]:
-    return (span.pid, span.tid, span.start_ns, span.end_ns)
+def add_process_spans(timeline: Timeline, records: Sequence[dict[str, Any]], name: str) -> None:
+    """Merge one process's spans (:meth:`~rollout_sync.Timeline.to_records`) into ``timeline``
+    and name their process (the picture's lane, Perfetto's process name)."""
+    spans = Timeline.from_records(records).spans()
+    timeline.extend(spans)
+    for pid in {s.pid for s in spans}:
+        timeline.name_process(pid, name)
 
 
 def _report(
@@ -743,8 +751,7 @@ def _report(
     forward_writes = [o for o in overlaps if o.first.kind == SpanKind.FORWARD]
     # A forward is torn if the engine's own detector saw it (the LM's seqlock, the stamps of
     # the fake model) or if it overlapped a weight write: counted once either way.
-    torn = {_span_key(s) for s in timeline.spans(SpanKind.FORWARD) if s.args.get("torn")}
-    torn |= {_span_key(o.first) for o in forward_writes}
+    torn = torn_forwards(timeline.spans(SpanKind.FORWARD), forward_writes)
     # The R2R source only reads its weights and is not paused; phases are the receivers'.
     receives = [r for rep in replicas for r in rep["reports"] if "send" not in r["handler"]]
 

@@ -41,13 +41,13 @@ from ..metrics import percentile
 from ..testing import find_free_port, run_processes, weights_digest
 from ..testing.fast_llm_trainer import FastLLMTrainerStandIn
 from ..testing.redis_server import RedisServer
-from ..trace import SpanKind, Timeline
+from ..trace import SpanKind, Timeline, torn_forwards
 from ..transfer import TransferConfig, WeightTransfer
 from .distributed import (
     DistributedDemoConfig,
-    _span_key,
     _StreamingLM,
     _torch_lm_trainer,
+    add_process_spans,
     decode_step_ms_p50,
     demo_limit_s,
     park_steps,
@@ -280,13 +280,12 @@ def _report(
 ) -> dict[str, Any]:
     trainer = values[0]
     replicas = [values[r] for r in range(1, config.replicas + 1)]
-    for rep in replicas:
-        timeline.extend(Timeline.from_records(rep["spans"]).spans())
+    for rank, rep in enumerate(replicas, start=1):
+        add_process_spans(timeline, rep["spans"], f"replica {rank}")
     overlaps = timeline.overlaps()
     egress = [o for o in overlaps if o.first.kind == SpanKind.PAYLOAD_SEND]
     forward_writes = [o for o in overlaps if o.first.kind == SpanKind.FORWARD]
-    torn = {_span_key(s) for s in timeline.spans(SpanKind.FORWARD) if s.args.get("torn")}
-    torn |= {_span_key(o.first) for o in forward_writes}
+    torn = torn_forwards(timeline.spans(SpanKind.FORWARD), forward_writes)
     # The R2R source only reads its weights and is not paused; phases are the receivers'.
     reports = [r for rep in replicas for r in rep["reports"] if "send" not in r["handler"]]
     mismatches = checked = 0
