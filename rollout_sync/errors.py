@@ -19,9 +19,11 @@ The families, in the order a weight sync meets them:
 * the trainer side: :class:`WeightBroadcastError`, :class:`MetricKeyCollisionError`,
   :class:`HarvestTimeout`;
 * engines and threads: :class:`SchedulerTimeout`, :class:`GenerationTimeout`,
-  :class:`EngineCallTimeout`, :class:`CommandTimeout`, :class:`InstallTimeout`,
+  :class:`EngineCallTimeout`, :class:`CommandTimeout`, :class:`RunInterrupted`,
+  :class:`InstallTimeout`,
   :class:`ShutdownTimeout`, :class:`WeightSyncThreadError`, :class:`VLLMUnavailableError`,
-  :class:`RayUnavailableError`.
+  :class:`RayUnavailableError`;
+* seeing what happened: :class:`MatplotlibUnavailableError` (the picture of a timeline).
 """
 
 from __future__ import annotations
@@ -50,11 +52,13 @@ __all__ = [
     "InstallTimeout",
     "ManifestError",
     "ManifestRejected",
+    "MatplotlibUnavailableError",
     "MetricKeyCollisionError",
     "P2RBarrierMismatch",
     "PauseTimeout",
     "PayloadBackpressureTimeout",
     "PayloadPeerTimeout",
+    "PayloadSendersFailed",
     "PayloadTimeout",
     "PayloadTransportError",
     "PayloadsExhausted",
@@ -64,6 +68,7 @@ __all__ = [
     "RedisUnavailableError",
     "RelayForwardError",
     "RolloutSyncError",
+    "RunInterrupted",
     "SchedulerTimeout",
     "ShutdownTimeout",
     "TornWeightsError",
@@ -457,6 +462,22 @@ class PayloadsExhausted(PayloadTransportError):
     """Every payload sender has closed and every payload it sent was taken: the stream ended."""
 
 
+class PayloadSendersFailed(PayloadsExhausted):
+    """The stream ended, but not cleanly: at least one sender failed (its process died, say)
+    instead of closing, so whatever it had not sent, and what it had in flight, never came.
+    :meth:`~rollout_sync.PayloadReceiver.iter_payloads` raises it where a clean end returns.
+
+    Attributes:
+        failed_senders: rank -> how that sender failed (``"closed"``, ``"timeout"``, ...).
+        lost: payloads that were in flight from failed senders (the receiver's ``lost``).
+    """
+
+    def __init__(self, message: str, *, failed_senders: dict[int, str], lost: int) -> None:
+        super().__init__(message)
+        self.failed_senders = failed_senders
+        self.lost = lost
+
+
 class PayloadTimeout(RolloutSyncError, TimeoutError):
     """A payload wait ran past its limit (a receive, a drain, a close).
 
@@ -556,6 +577,20 @@ class CommandTimeout(RolloutSyncError, TimeoutError):
     alive?)."""
 
 
+class RunInterrupted(RolloutSyncError):
+    """:meth:`~rollout_sync.RolloutWorker.run` left its loop because
+    :meth:`~rollout_sync.RolloutWorker.interrupt` was called (a controller saw the job break and
+    the replica must recover); the command being handled, if any, finished first.
+
+    Attributes:
+        reason: what the interrupting caller said.
+    """
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class InstallTimeout(RolloutSyncError, TimeoutError):
     """An async-mode weight version was not installed at a safe point within the limit (is the
     backend generating?)."""
@@ -580,6 +615,11 @@ class RedisUnavailableError(RolloutSyncError, ImportError):
 
 class VLLMUnavailableError(RolloutSyncError, ImportError):
     """vLLM is not installed (or fails to import); the message says how to install it."""
+
+
+class MatplotlibUnavailableError(RolloutSyncError, ImportError):
+    """matplotlib, which draws the picture of a timeline (:mod:`rollout_sync.trace_plot`), is
+    not installed (or fails to import); the message names the extra that installs it."""
 
 
 class FastLLMProtocolError(RolloutSyncError):

@@ -51,6 +51,7 @@ from .errors import (
 )
 from .metrics import TimedSample, WeightSyncTimer
 from .payload.receiver import PayloadReceiver
+from .trace import SpanKind
 from .transfer import TransferConfig, TransferStats, WeightTransfer
 from .weights import WeightMismatchError
 
@@ -449,7 +450,7 @@ class TransferWeightPusher:
        (:meth:`~rollout_sync.worker.SyncGroups.p2r_barrier`), which the receiving replica
        reaches inside its bracket, paused and with its payload egress held;
     2. ``receiver.hold_receives(timeout)``: no payload receive runs on the data communicator
-       from here until the send returns;
+       from here until the send returns (a ``payload_hold`` span on the transfer's timeline);
     3. ``transfer.send(weights, version=version)``: manifest, vote, buckets, commit vote;
        each collective bounded by the transfer's own ``TransferConfig.timeout_s``.
 
@@ -524,9 +525,17 @@ class TransferWeightPusher:
         hold: AbstractContextManager[None] = (
             nullcontext() if self.receiver is None else self.receiver.hold_receives(timeout)
         )
-        with hold:
-            held = time.perf_counter()
-            self.last_stats = self.transfer.send(weights, version=version)
+        hold_start_ns = time.monotonic_ns()
+        held = math.nan
+        try:
+            with hold:
+                held = time.perf_counter()
+                self.last_stats = self.transfer.send(weights, version=version)
+        finally:
+            # From asking for the hold until its release; none when the hold timed out.
+            timeline = self.transfer.timeline
+            if self.receiver is not None and timeline is not None and not math.isnan(held):
+                timeline.add_span(SpanKind.PAYLOAD_HOLD, "payload receives held", hold_start_ns)
         self.last_barrier_s = barrier_done - start
         self.last_hold_s = held - barrier_done
 
@@ -749,6 +758,20 @@ class WeightBroadcastCallback(TrainerCallback):
         self._window_syncs += 1
         self._window_bytes += nbytes
         return version
+
+    def use_pusher(
+        self,
+        pusher: WeightPusher | Callable[..., object],
+        *,
+        channel: CommandChannel | None,
+    ) -> None:
+        """Push through ``pusher`` and announce on ``channel`` from now on: the new job's after
+        a recovery (:mod:`rollout_sync.recovery`), whose groups and command queues replaced the
+        broken ones. The version count, the timer and the metrics go on: the next push is
+        ``version + 1``, and :attr:`version` is what the recovery re-seeded the replicas to
+        (``recover_weights(..., version=callback.version)``)."""
+        self.pusher = pusher if isinstance(pusher, WeightPusher) else _FunctionPusher(pusher)
+        self.channel = channel
 
     def _announce_and_push(self, step: int, version: int) -> int:
         weights = self.weights()

@@ -52,6 +52,7 @@ from .errors import (
     CommandTimeout,
     InstallTimeout,
     RolloutSyncError,
+    RunInterrupted,
     WeightBroadcastTimeout,
 )
 from .guard import (
@@ -491,6 +492,7 @@ class RolloutWorker:
         self.sync_thread: WeightSyncThread | None = None
         self._engine_started = False
         self._stopped = False
+        self._interrupted: str | None = None
         self._generation_steps = 0
         self._origin: OriginChecksums | None = None
         self._async_results: queue.SimpleQueue[CommandResult] = queue.SimpleQueue()
@@ -570,15 +572,24 @@ class RolloutWorker:
         """Take and handle commands until :class:`Stop`; return every result.
 
         Between commands the engine generates: a :class:`BackgroundEngine` on its own, a
-        blocking one through ``step_generation`` (skipped while the weights are torn).
+        blocking one through ``step_generation`` (skipped while the weights are torn). A
+        :class:`Stop` ends this call only: after a recovery, ``run()`` again takes commands
+        (from ``worker.commands``, which the recovery replaces).
 
         Raises:
+            RunInterrupted: :meth:`interrupt` was called (before this call too, if no
+                :meth:`use_groups` came in between); within ``poll_s`` of it when waiting for a
+                command, else once the command being handled finished (bounded by its limit).
             CommandTimeout: no command arrived for ``idle_timeout_s`` seconds (is the controller
                 alive?).
-            RolloutSyncError: a command failed and ``stop_on_error`` is set.
+            RolloutSyncError: a command failed and ``stop_on_error`` is set; or the command
+                source raised (a :class:`~rollout_sync.launch.StoreCommandQueue` whose store is
+                gone: the trainer's process died).
         """
         last_command = time.monotonic()
+        self._stopped = False
         while not self._stopped:
+            self._raise_if_interrupted()
             self._deliver_async_results()
             generate = (
                 self.step_generation is not None
@@ -607,6 +618,29 @@ class RolloutWorker:
                 ) from result.exception
         self._deliver_async_results()
         return list(self.results)
+
+    def interrupt(self, reason: str = "interrupted") -> None:
+        """Make :meth:`run` leave its loop with :class:`~rollout_sync.errors.RunInterrupted`.
+
+        Thread-safe: for whoever learns that the job broke while this replica's loop is waiting
+        for commands that will never come (a controller that saw another process die, on a
+        thread of its own). The command being handled, if any, finishes first; generation
+        stops with the loop. The interruption stays until a :meth:`run` raises it or
+        :meth:`use_groups` (the recovery) clears it, so one that arrives just before ``run()``
+        is not lost.
+        """
+        with self._lock:
+            self._interrupted = reason
+
+    def _raise_if_interrupted(self) -> None:
+        with self._lock:
+            reason, self._interrupted = self._interrupted, None
+        if reason is not None:
+            self._deliver_async_results()
+            raise RunInterrupted(
+                f"RolloutWorker.run interrupted: {reason} (recover, then call run() again)",
+                reason=reason,
+            )
 
     def wait_for_install(self, timeout: float = 60.0) -> int:
         """Async modes: wait until a safe point installed the newest buffer version.
@@ -648,7 +682,10 @@ class RolloutWorker:
         """Take this replica's P2R transfer, P2R barrier and R2R transfer from ``groups`` (new
         groups after a recovery, :mod:`rollout_sync.recovery`). ``transfer_kwargs`` go to
         :meth:`SyncGroups.p2r_transfer` / :meth:`SyncGroups.r2r_transfer` (``config=``,
-        ``timeline=``, ...)."""
+        ``timeline=``, ...). Clears a pending :meth:`interrupt`: the recovery it asked for is
+        under way."""
+        with self._lock:
+            self._interrupted = None
         self.p2r = groups.p2r_transfer(**transfer_kwargs)
         self.p2r_barrier = groups.p2r_barrier if self.p2r is not None else None
         self.r2r = groups.r2r_transfer(**transfer_kwargs)

@@ -310,7 +310,7 @@ def _payload(sender: int, i: int, tag: str = "") -> tuple[dict[str, torch.Tensor
 
 
 def _payload_death_child(index: int, port0: int, port1: int, acked_file: str) -> dict[str, Any]:
-    from rollout_sync.errors import PayloadsExhausted, PayloadTimeout
+    from rollout_sync.errors import PayloadSendersFailed, PayloadsExhausted
     from rollout_sync.payload import PayloadReceiver, PayloadSender, new_payload_groups
 
     world, victim = 3, 2
@@ -326,19 +326,13 @@ def _payload_death_child(index: int, port0: int, port1: int, acked_file: str) ->
         groups = new_payload_groups(timeout=30)
         if rank == 0:
             receiver = PayloadReceiver(groups, [1, 2], window=4, default_timeout=TIMEOUT_S)
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                stats = receiver.statistics()
-                if (
-                    victim in stats.failed_senders
-                    and sum(r.startswith("1-") for r in received) == _PER_SENDER
-                ):
-                    break
-                try:
-                    received.append(receiver.get(timeout=0.2).meta["id"])
-                except PayloadTimeout:
-                    continue
-            receiver.close(30)  # sender 1's goodbye (sender 2 failed): nothing more comes
+            # A consumer's plain loop: it must learn that the stream did not end cleanly.
+            try:
+                for payload in receiver.iter_payloads(timeout=60):
+                    received.append(payload.meta["id"])
+            except PayloadSendersFailed as exc:
+                out["gen0_end"] = {"failed_senders": exc.failed_senders, "lost": exc.lost}
+            receiver.close(30)
             out["gen0"] = receiver.statistics()
         else:
             sender = PayloadSender(groups, 0, capacity=64, default_timeout=TIMEOUT_S)
@@ -410,6 +404,8 @@ def test_a_sender_killed_mid_payload_loses_nothing_acknowledged(tmp_path: Any) -
     # and went on receiving from the other sender.
     assert gen0.failed_senders == {2: "closed"}
     assert gen0.lost >= 1
+    # The trainer's plain `for` loop over iter_payloads ended with the loss, not quietly.
+    assert trainer.get("gen0_end") == {"failed_senders": {2: "closed"}, "lost": gen0.lost}
     received = trainer["received"]
     assert {f"1-{i}" for i in range(_PER_SENDER)} <= set(received)
     # Nothing the dead sender was told was acknowledged is missing.

@@ -459,6 +459,73 @@ def test_a_relay_whose_p2r_barrier_fails_tells_its_leaves_at_once() -> None:
         assert replica["version"] == 0 and not replica["torn"]  # nothing written anywhere
 
 
+def _trainer_dies_at_barrier_child(rank: int, port: int) -> dict[str, Any]:
+    """Version 1 syncs through the pipelined relay, P2R barrier on both sides; at version 2
+    the trainer dies at its barrier, with the relay and the leaves waiting."""
+    from rollout_sync.trainer import TransferWeightPusher
+
+    _init(rank, port, timeout_s=10)
+    groups = build_sync_groups(0, [1, 2, 3], timeout_s=10)
+    survivors = new_group([1, 2, 3], timeout_s=30)
+    config = TransferConfig(bucket_bytes=4096, timeout_s=TIMEOUT_S)
+    if rank == 0:
+        p2r = groups.p2r_transfer(config=config)
+        assert p2r is not None
+        TransferWeightPusher(p2r, barrier=groups.p2r_barrier).push_weights(
+            _trainer_weights(1), version=1, timeout=10
+        )
+
+        def die(timeout_s: float) -> None:
+            os._exit(17)
+
+        TransferWeightPusher(p2r, barrier=die).push_weights(
+            _trainer_weights(2), version=2, timeout=10
+        )
+        return {}
+    backend = TorchLMBackend(_LM, pause_timeout=10)
+    worker = RolloutWorker(
+        backend,
+        p2r=groups.p2r_transfer(config=config) if rank == 1 else None,
+        p2r_barrier=groups.p2r_barrier if rank == 1 else None,
+        r2r=groups.r2r_transfer(config=config),
+        weight_sync_timeout=10,
+    )
+    try:
+        out: dict[str, Any] = {}
+        for version in (1, 2):
+            started = time.monotonic()
+            result = worker.handle(
+                P2R(step=version, relay=True) if rank == 1 else R2R(step=version)
+            )
+            out[f"v{version}"] = {
+                "error": None if result.ok else type(result.exception).__name__,
+                "text": result.error,
+                "elapsed": time.monotonic() - started,
+            }
+        out["version"] = backend.weight_version
+        out["torn"] = backend.weights_torn
+        _linger(survivors)
+        return out
+    finally:
+        worker.close(10)
+
+
+@pytest.mark.timeout(120)
+def test_a_trainer_dying_at_the_p2r_barrier_fails_the_relays_leaves_at_once() -> None:
+    results = _run(_trainer_dies_at_barrier_child, expected_exits={0: 17})
+    relay = results[1]
+    assert relay["v1"]["error"] is None, relay["v1"]["text"]
+    assert relay["v2"]["error"] is not None and relay["v2"]["elapsed"] < TIMEOUT_S / 2
+    for rank in (2, 3):
+        leaf = results[rank]
+        assert leaf["v1"]["error"] is None, leaf["v1"]["text"]
+        assert leaf["v2"]["error"] == ManifestRejected.__name__, leaf["v2"]["text"]
+        assert "aborted the transfer before sending a manifest" in leaf["v2"]["text"]
+        assert leaf["v2"]["elapsed"] < TIMEOUT_S / 2, "the leaves were not told in time"
+    for rank in (1, 2, 3):  # nothing written: every replica still serves version 1, whole
+        assert results[rank]["version"] == 1 and not results[rank]["torn"]
+
+
 # -- a torn R2R source aborts -------------------------------------------------------------------
 
 
@@ -516,7 +583,8 @@ def test_a_torn_r2r_source_aborts_so_its_receivers_fail_at_once(informed: bool) 
         assert leaf["version"] == 1 and leaf["servable"] is True
         if informed:
             assert leaf["error"] == ManifestRejected.__name__, leaf["text"]
-            assert "aborted the transfer" in leaf["text"]
+            # The torn source has no version to send: the message names none (not "0").
+            assert "aborted the transfer before sending a manifest" in leaf["text"], leaf["text"]
             assert leaf["elapsed"] < 1.0
         else:
             assert leaf["error"] == WeightTransferTimeout.__name__, leaf["text"]

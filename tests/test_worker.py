@@ -16,6 +16,7 @@ from conftest import wait_until
 
 from rollout_sync.errors import (
     ChecksumMismatchError,
+    RunInterrupted,
     TornWeightsError,
     WeightTransferError,
     WeightTransferTimeout,
@@ -317,6 +318,69 @@ def test_registry_unknown_commands_custom_handlers_and_stop() -> None:
     assert [r.ok for r in results] == [False, True, False, True]
     assert "without a P2R transfer" in (results[2].error or "")
     assert len(seen) == 1
+
+
+def test_a_stop_ends_one_run_and_the_next_run_takes_commands_again() -> None:
+    """After a recovery a replica calls run() again: the Stop that ended the first loop must
+    not end the second at once."""
+    worker = RolloutWorker(RecordingRollout(EventLog()))
+    seen: list[object] = []
+
+    class Ping:
+        pass
+
+    worker.register_handler(Ping, seen.append)
+    worker.submit(Stop())
+    worker.run(idle_timeout_s=10)
+    worker.submit(Ping())
+    worker.submit(Stop())
+    worker.run(idle_timeout_s=10)
+    assert len(seen) == 1
+
+
+def test_interrupt_makes_a_waiting_run_raise_and_a_recovery_clears_a_stale_one() -> None:
+    worker = RolloutWorker(RecordingRollout(EventLog()))
+    waiting = threading.Event()
+
+    class Marker:
+        pass
+
+    worker.register_handler(Marker, lambda command: waiting.set())
+    worker.submit(Marker())
+    outcome: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            worker.run(idle_timeout_s=30, poll_s=0.01)
+        except RunInterrupted as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    assert waiting.wait(10)  # the loop is running, waiting for its next command
+    worker.interrupt("rank 3 died")
+    thread.join(10)
+    assert not thread.is_alive() and len(outcome) == 1
+    assert outcome[0].reason == "rank 3 died" and "rank 3 died" in str(outcome[0])
+    # An interruption that comes before run() is not lost ...
+    worker.interrupt("again")
+    with pytest.raises(RunInterrupted, match="again"):
+        worker.run(idle_timeout_s=5)
+    # ... and one that the recovery has dealt with (use_groups) does not end the next loop.
+    worker.interrupt("stale")
+    worker.use_groups(_NoGroups())  # type: ignore[arg-type]
+    worker.submit(Stop())
+    assert [type(r.command) for r in worker.run(idle_timeout_s=5)][-1] is Stop
+
+
+class _NoGroups:
+    """SyncGroups of a replica that takes part in no transfer."""
+
+    def p2r_transfer(self, **kwargs: Any) -> None:
+        return None
+
+    def r2r_transfer(self, **kwargs: Any) -> None:
+        return None
 
 
 def test_run_gives_up_when_no_command_arrives() -> None:

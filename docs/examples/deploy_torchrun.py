@@ -66,6 +66,12 @@ if __name__ == "__main__":  # under torchrun
     context = torchrun_context()
     results = results_on_trainer(context, entry(context))  # {rank: value} on the trainer
     # [/doc:entry]
+    # Leave together, in order: rank 0 hosts the rendezvous store, and a store torn down at
+    # interpreter exit while peers still hold connections has aborted rank 0 (seen once).
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
     if context.is_trainer:
         assert results is not None and len(results) == 3, results
         assert len(set(results.values())) == 1, f"ranks differ: {results}"

@@ -29,7 +29,7 @@ def run(rank, timeline):
 
     if rank == 0:  # the trainer
         receiver = rs.PayloadReceiver(groups, sender_ranks=[1, 2], window=64, timeline=timeline)
-        for payload in receiver.iter_payloads(timeout=30):  # ends when every sender has closed
+        for payload in receiver.iter_payloads(timeout=30):  # ends when every sender closed
             print(payload.source, payload.seq, payload.tensors, payload.meta)
         receiver.close(timeout=30)
 

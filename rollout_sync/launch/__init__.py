@@ -16,6 +16,7 @@ from .job import JobLayout as JobLayout
 from .job import QueueStore as QueueStore
 from .job import Role as Role
 from .job import StoreCommandQueue as StoreCommandQueue
+from .job import command_queues as command_queues
 from .job import results_on_trainer as results_on_trainer
 from .ray import RayJob as RayJob
 from .torchrun import torchrun_context as torchrun_context
@@ -27,6 +28,7 @@ __all__ = [
     "RayJob",
     "Role",
     "StoreCommandQueue",
+    "command_queues",
     "results_on_trainer",
     "torchrun_context",
 ]

@@ -28,7 +28,7 @@ import enum
 import json
 import queue
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol, cast
@@ -45,6 +45,7 @@ __all__ = [
     "QueueStore",
     "Role",
     "StoreCommandQueue",
+    "command_queues",
     "results_on_trainer",
 ]
 
@@ -132,9 +133,23 @@ class JobContext:
         commands from (``RolloutWorker(commands=...)``); :meth:`StoreCommandQueue.close` it when
         done. Call once per process: each call makes new queue objects on the same store keys.
         """
-        store = _job_store()
-        ranks = self.layout.replicas if self.is_trainer else (self.rank,)
-        return {rank: StoreCommandQueue(store, rank) for rank in ranks}
+        return command_queues(self.layout.replicas if self.is_trainer else (self.rank,))
+
+
+def command_queues(replicas: Iterable[int]) -> dict[int, StoreCommandQueue]:
+    """Command queues of ``replicas`` on the store of the default group as it is now, by
+    replica rank.
+
+    After :func:`~rollout_sync.recovery.rejoin` that is the new job's store: the trainer makes
+    every replica's (for its new :class:`~rollout_sync.WorkerCommandChannel`), each replica its
+    own (its worker's new ``commands``). Queues on the old store are useless then (every
+    ``get`` raises once that store is gone); :meth:`StoreCommandQueue.close` them.
+
+    Raises:
+        RuntimeError: no default group (join the job, or rejoin, first).
+    """
+    store = _job_store()
+    return {rank: StoreCommandQueue(store, rank) for rank in replicas}
 
 
 # -- commands across hosts ---------------------------------------------------------------------

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from .._deadline import expired, wait_arg
 from ..errors import (
     IngressHoldTimeout,
+    PayloadSendersFailed,
     PayloadsExhausted,
     PayloadTimeout,
     PayloadTransportError,
@@ -440,12 +441,7 @@ class PayloadReceiver(TransportEnd):
                     break
                 self._raise_if_failed("receive a payload")
                 if self._state.all_closed:
-                    failed = {p.rank: p.failed for p in self._state.peers.values() if p.failed}
-                    raise PayloadsExhausted(
-                        f"no more payloads: all {len(self.sender_ranks)} senders have closed "
-                        "and every payload they sent was taken"
-                        + (f" (failed, by rank: {failed})" if failed else "")
-                    )
+                    raise self._exhausted()
                 if expired(deadline):
                     raise PayloadTimeout(
                         f"no payload arrived within {limit:.1f} s ({self._idle_reason()})",
@@ -459,14 +455,38 @@ class PayloadReceiver(TransportEnd):
     def iter_payloads(self, timeout: float | None = None) -> Iterator[ReceivedPayload]:
         """Every payload until all senders have closed; ``timeout`` bounds each wait.
 
-        Raises what :meth:`get` raises, except :class:`PayloadsExhausted`, which ends it.
+        A clean end (every sender closed) ends the loop. An end where a sender failed instead
+        (its process died, say: what it had not sent never comes) raises
+        :class:`~rollout_sync.errors.PayloadSendersFailed` once the others are done, so a
+        plain ``for`` loop learns that data was lost. Otherwise raises what :meth:`get`
+        raises.
         """
         while True:
             try:
                 payload = self.get(timeout)
+            except PayloadSendersFailed:
+                raise
             except PayloadsExhausted:
                 return
             yield payload
+
+    def _exhausted(self) -> PayloadsExhausted:
+        """What :meth:`get` raises once every sender has closed or failed (under the lock)."""
+        failed = {p.rank: p.failed for p in self._state.peers.values() if p.failed}
+        n = len(self.sender_ranks)
+        if not failed:
+            return PayloadsExhausted(
+                f"no more payloads: all {n} senders have closed and every payload they sent "
+                "was taken"
+            )
+        lost = self._state.lost
+        return PayloadSendersFailed(
+            f"no more payloads, but the stream did not end cleanly: sender(s) {failed} of {n} "
+            f"failed instead of closing (whatever they had not sent never comes; {lost} in "
+            "flight lost); every payload that arrived was taken",
+            failed_senders=failed,
+            lost=lost,
+        )
 
     def get_nowait(self) -> ReceivedPayload:
         """The next payload if one is queued; raise :class:`WouldBlock` if none is."""

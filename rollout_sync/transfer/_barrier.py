@@ -46,6 +46,8 @@ HEADER_WORDS = 2
 """A transfer's first collective: ``[manifest bytes, or ABORT or BARRIER; version or magic]``."""
 ABORT = -1
 """First header word of a source that aborted before sending a manifest."""
+UNKNOWN_VERSION = -1
+"""Second header word of an abort whose source does not know the version it cannot send."""
 BARRIER = -2
 """First header word of the trainer's P2R barrier."""
 BARRIER_MAGIC = 0x5032_5242  # "P2RB"

@@ -80,6 +80,7 @@ from ..weights import check_weights_match
 from ._barrier import (
     ABORT,
     HEADER_WORDS,
+    UNKNOWN_VERSION,
     VOTE_BARRIER_SKIPPED,
     VOTE_NO,
     VOTE_YES,
@@ -248,16 +249,20 @@ class WeightTransfer:
             zero_copy,
         )
 
-    def abort(self, reason: str, *, version: int = 0) -> None:
+    def abort(self, reason: str, *, version: int | None = None) -> None:
         """Tell the receivers waiting for this transfer's manifest that none is coming.
 
         On the source only, in place of :meth:`send` (a source that cannot send, say because
         its own weights are torn): every receiver raises :class:`ManifestRejected` at once,
-        writing nothing, instead of waiting out the timeout. A failure to deliver the abort
-        (a receiver already dead) is not raised: the reason to abort is the error to report.
+        writing nothing, instead of waiting out the timeout. ``version``: the version that is
+        not coming, if the source knows it (the receivers' message names it). A failure to
+        deliver the abort (a receiver already dead) is not raised: the reason to abort is the
+        error to report.
         """
-        op = f"send version {version} from rank {self.src} to ranks {list(self.ranks)}"
-        header = torch.tensor([ABORT, version], dtype=torch.int64, device=self.device)
+        what = "a version" if version is None else f"version {version}"
+        op = f"send {what} from rank {self.src} to ranks {list(self.ranks)}"
+        word = UNKNOWN_VERSION if version is None else version
+        header = torch.tensor([ABORT, word], dtype=torch.int64, device=self.device)
         try:
             self._collective(
                 lambda: self.collectives.broadcast(header, self.src),
@@ -523,7 +528,7 @@ class WeightTransfer:
             )
         except WeightTransferError as exc:
             reason = f"the relay's source failed: {type(exc).__name__}"
-            forward.abort(reason, version=exc.version or 0)
+            forward.abort(reason, version=exc.version)
             raise
         op = f"relay version {version} from rank {self.src} on rank {me}"
         fop = f"forward version {version} from rank {me} to ranks {list(forward.ranks)}"
@@ -725,11 +730,13 @@ class WeightTransfer:
                 detail=" (this receive found the barrier where a manifest header belongs)",
             )
         if kind is HeaderKind.ABORT:
+            known = version != UNKNOWN_VERSION
             raise ManifestRejected(
-                f"{op}: the source rank {self.src} aborted the transfer of version {version} "
-                "before sending a manifest (see its log); nothing was written",
+                f"{op}: the source rank {self.src} aborted the transfer"
+                + (f" of version {version}" if known else "")
+                + " before sending a manifest (see its log); nothing was written",
                 operation=op,
-                version=version,
+                version=version if known else None,
                 rejected_by=(self.src,),
             )
         payload = torch.empty(size, dtype=torch.uint8, device=self.device)
