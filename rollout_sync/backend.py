@@ -16,17 +16,23 @@ import math
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from .errors import ShutdownTimeout, TornWeightsError
+from .errors import RolloutSyncError, ShutdownTimeout, TornWeightsError
 from .gate import Gate
 from .trace import SpanKind, Timeline
 from .weights import check_weights_match, specs_of
 
-__all__ = ["BackendStatistics", "KVCachePolicy", "RolloutBase", "ThreadedRolloutBackend"]
+__all__ = [
+    "BackendStatistics",
+    "KVCachePolicy",
+    "RolloutBase",
+    "ThreadedRolloutBackend",
+    "TornWeightsPark",
+]
 
 
 class KVCachePolicy(enum.Enum):
@@ -189,6 +195,63 @@ class BackendStatistics:
     parked: bool
     weight_version: int
     weights_torn: bool
+
+
+class TornWeightsPark:
+    """Keeps generation parked while the served weights are torn, whatever the backend.
+
+    A receive that writes the served tensors in place and fails part-way marks them torn
+    (:meth:`~rollout_sync.RolloutBase.mark_weights_torn`). A backend that checks
+    ``weights_torn`` refuses to generate; one that never looks would serve them. So the
+    receiving side (the :class:`~rollout_sync.RolloutWorker`, the Fast-LLM receiver) calls
+    :meth:`hold_if_torn` inside the failed sync's bracket: it enters ``rollout.paused()`` once
+    more (``paused()`` is re-entrant) and keeps it past the bracket, so no forward runs between
+    the failure and the park. :meth:`release` lets generation go: after a complete version
+    commits, or when serving ends. A pause is released by the thread that took it:
+    :meth:`check_thread` says so clearly instead of breaking the pause.
+
+    This parks a backend whose ``paused()`` parks its generation; the default ``paused()`` of
+    a blocking engine does nothing, and such an engine must check ``weights_torn`` itself (the
+    package's own blocking backends do, at every step).
+    """
+
+    def __init__(self, rollout: RolloutBase, owner: str) -> None:
+        self._rollout = rollout
+        self._owner = owner
+        self._park: ExitStack | None = None
+        self._thread: int | None = None
+        """The thread that took ``_park``; set exactly while ``_park`` is."""
+
+    @property
+    def held(self) -> bool:
+        return self._park is not None
+
+    def hold_if_torn(self, timeout: float | None) -> None:
+        """If the served weights are torn and generation is not parked yet, park it."""
+        if self._park is None and self._rollout.weights_torn:
+            park = ExitStack()
+            park.enter_context(self._rollout.paused(timeout))
+            self._park, self._thread = park, threading.get_ident()
+
+    def release(self) -> None:
+        """Let generation go (nothing if it is not parked here)."""
+        park, self._park, self._thread = self._park, None, None
+        if park is not None:
+            park.close()
+
+    def check_thread(self, what: str) -> None:
+        """Raise if generation is parked here by another thread than this one.
+
+        Raises:
+            RolloutSyncError: ``what`` was called on another thread than the one whose failed
+                receive parked generation on torn weights.
+        """
+        if self._park is not None and self._thread != threading.get_ident():
+            raise RolloutSyncError(
+                f"{self._owner}.{what} was called on another thread than the one whose failed "
+                "receive parked generation on torn weights; a pause is released by the thread "
+                f"that took it: call {what} on that thread"
+            )
 
 
 class ThreadedRolloutBackend(RolloutBase):

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ._deadline import deadline_after, expired, wait_arg
-from .backend import RolloutBase
+from .backend import RolloutBase, TornWeightsPark
 from .buffer import SupportsWeightBuffer, WeightBuffer, WeightSyncThread
 from .distributed import DEFAULT_GROUP_TIMEOUT_S, new_group
 from .errors import (
@@ -493,6 +493,10 @@ class RolloutWorker:
         self._engine_started = False
         self._stopped = False
         self._interrupted: str | None = None
+        self._torn_park = TornWeightsPark(rollout, "RolloutWorker")
+        """Parks a background engine from a receive that left its weights torn until a
+        complete version commits (or :meth:`close`): it generates on its own, and need not
+        look at ``weights_torn`` itself."""
         self._generation_steps = 0
         self._origin: OriginChecksums | None = None
         self._async_results: queue.SimpleQueue[CommandResult] = queue.SimpleQueue()
@@ -666,7 +670,15 @@ class RolloutWorker:
         return self.rollout.weight_version
 
     def close(self, timeout: float = 60.0) -> None:
-        """Stop the weight-sync thread and the engine (if this worker started it)."""
+        """Stop the weight-sync thread and the engine (if this worker started it); a background
+        engine parked on torn weights is let go first (an engine stops only unparked).
+
+        Raises:
+            RolloutSyncError: called on another thread than the one whose failed receive
+                parked the engine (that thread must release the pause).
+        """
+        self._torn_park.check_thread("close()")
+        self._torn_park.release()
         try:
             if self.sync_thread is not None:
                 self.sync_thread.stop(timeout)
@@ -868,6 +880,7 @@ class RolloutWorker:
     def _receive_in_place(
         self, transfer: WeightTransfer, forward: WeightTransfer | None = None
     ) -> TransferStats:
+        self._torn_park.check_thread("a receive")
         self._ensure_engine()
         served = self.rollout.served_weights()
         storage = self.rollout.flat_weight_storage()
@@ -875,10 +888,15 @@ class RolloutWorker:
             stats = self._take(transfer, forward, served, storage=storage)
         except WeightTransferError as exc:
             if settle_failed_receive(self.rollout, served, exc):
+                self._torn_park.release()
                 self._start_engine()
+            elif isinstance(self.rollout, BackgroundEngine):
+                # Inside the bracket: the engine stays parked from here while torn.
+                self._torn_park.hold_if_torn(self.weight_sync_timeout)
             raise
         reload_received(self.rollout, served)
         self.rollout.commit_weight_version(stats.version)
+        self._torn_park.release()
         self._start_engine()
         return stats
 

@@ -4,6 +4,7 @@ real one is exercised across processes in test_transfer_mp.py and test_worker_mp
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -14,6 +15,7 @@ import pytest
 import torch
 from conftest import wait_until
 
+from rollout_sync.backend import TornWeightsPark
 from rollout_sync.errors import (
     ChecksumMismatchError,
     RunInterrupted,
@@ -239,6 +241,56 @@ def test_a_transfer_that_fails_after_writing_marks_the_weights_torn() -> None:
     assert worker.handle(P2R()).ok
     assert not backend.weights_torn and backend.weight_version == 2
     worker.close()
+
+
+class _CarelessBackend(TornReadBackend):
+    """Serves on its own thread and never looks at ``weights_torn``: only its ``paused()``
+    (the gate every step runs in) can keep it from serving torn weights."""
+
+    def __init__(self, model: VersionStampedModel) -> None:
+        super().__init__(model)
+        self.steps = 0
+        self.torn_steps = 0
+
+    def _serve_forever(self) -> None:
+        while not self._stopping.is_set():
+            self.generation_gate.enter_section(math.inf)
+            try:
+                self.steps += 1
+                self.torn_steps += self.weights_torn
+            finally:
+                self.generation_gate.exit_section()
+            self._stopping.wait(0.001)  # pacing: a step every millisecond or so
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("parked", [True, False], ids=["parked", "park_disabled"])
+def test_a_background_engine_that_ignores_torn_weights_stays_parked_while_torn(
+    parked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not parked:  # the counterfactual: the worker no longer parks it, and it serves torn
+        monkeypatch.setattr(TornWeightsPark, "hold_if_torn", lambda self, timeout: None)
+    model = VersionStampedModel(4, 16)
+    backend = _CarelessBackend(model)
+    transfer = FakeTransfer(lambda: _stamped(model, 2))
+    worker = RolloutWorker(backend, p2r=transfer)  # type: ignore[arg-type]
+    try:
+        assert worker.handle(P2R()).ok
+        wait_until(lambda: backend.steps > 0, what="the engine serving")
+        transfer.fail_after = 2
+        assert not worker.handle(P2R()).ok and backend.weights_torn
+        if not parked:
+            wait_until(lambda: backend.torn_steps > 0, what="a step on torn weights")
+            return
+        assert backend.statistics().parked  # the gate is held: no step can start
+        transfer.fail_after = None
+        assert worker.handle(P2R()).ok and not backend.statistics().parked
+        served = backend.steps
+        wait_until(lambda: backend.steps > served, what="serving again after the commit")
+        assert backend.torn_steps == 0
+    finally:
+        worker.close()
+    assert not backend.running
 
 
 def test_a_group_failure_after_a_complete_receive_commits_the_version() -> None:

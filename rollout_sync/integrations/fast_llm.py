@@ -50,14 +50,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .._deadline import deadline_after, expired, limit_of, remaining, wait_arg
-from ..backend import RolloutBase
+from ..backend import RolloutBase, TornWeightsPark
 from ..errors import (
     EgressHoldTimeout,
     FastLLMEventTimeout,
@@ -194,12 +194,9 @@ class FastLLMReceiver:
         self._last_event_id: bytes | str | None = None
         self._redis_run_id: str | None = None
         self._engine_started = False
-        self._torn_park: ExitStack | None = None
-        """Holds ``rollout.paused()`` from a receive that left the weights torn until the next
-        complete version lands here (or ``stop_engine``); ``None`` otherwise."""
-        self._park_thread: int | None = None
-        """The thread that took ``_torn_park`` (a pause is released by the thread that took
-        it); set exactly while ``_torn_park`` is."""
+        self._torn_park = TornWeightsPark(rollout, "FastLLMReceiver")
+        """Parks generation from a receive that left the weights torn until the next complete
+        version lands here (or ``stop_engine``)."""
 
     # -- the worker contract the guard reads --------------------------------------------------
 
@@ -372,7 +369,7 @@ class FastLLMReceiver:
 
     def _receive(self, event: WeightsReady) -> ReceivedVersion:
         try:
-            self._check_park_thread("serve()/take()")
+            self._torn_park.check_thread("serve()/take()")
             self.rollout.ensure_initialized()
             served = self.rollout.served_weights()
             start = time.perf_counter()
@@ -388,9 +385,10 @@ class FastLLMReceiver:
                 )
             self.rollout.commit_weight_version(version)
         except BaseException:
-            self._park_while_torn()
+            # Inside the failed sync's bracket, so no forward runs before the park.
+            self._torn_park.hold_if_torn(self.weight_sync_timeout)
             raise
-        self._unpark()
+        self._torn_park.release()
         if not self._engine_started and isinstance(self.rollout, BackgroundEngine):
             self.rollout.start()  # inside the first sync's bracket: it begins parked
             self._engine_started = True
@@ -444,40 +442,11 @@ class FastLLMReceiver:
             RolloutSyncError: called on another thread than the one whose failed receive
                 parked generation (that thread must release the pause).
         """
-        self._check_park_thread("stop_engine()")
-        self._unpark()
+        self._torn_park.check_thread("stop_engine()")
+        self._torn_park.release()
         if self._engine_started and isinstance(self.rollout, BackgroundEngine):
             self._engine_started = False
             self.rollout.stop(timeout)
-
-    # -- torn weights stay parked -------------------------------------------------------------
-
-    def _park_while_torn(self) -> None:
-        """After a failed receive: if the served weights are torn, keep generation parked by
-        holding ``rollout.paused()`` past the sync, until a complete version lands.
-
-        Taken inside the failed sync's bracket (``paused()`` is re-entrant), so no forward runs
-        between the failure and the park. The package parks, not the backend: a backend that
-        never looks at ``weights_torn`` is parked all the same, as long as its ``paused()``
-        parks its generation.
-        """
-        if self._torn_park is None and self.rollout.weights_torn:
-            park = ExitStack()
-            park.enter_context(self.rollout.paused(self.weight_sync_timeout))
-            self._torn_park, self._park_thread = park, threading.get_ident()
-
-    def _unpark(self) -> None:
-        park, self._torn_park, self._park_thread = self._torn_park, None, None
-        if park is not None:
-            park.close()
-
-    def _check_park_thread(self, what: str) -> None:
-        if self._torn_park is not None and self._park_thread != threading.get_ident():
-            raise RolloutSyncError(
-                f"FastLLMReceiver.{what} was called on another thread than the one whose failed "
-                "receive parked generation on torn weights; a pause is released by the thread "
-                f"that took it: call {what} on that thread"
-            )
 
     # -- the stream ---------------------------------------------------------------------------
 
