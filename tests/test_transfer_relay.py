@@ -199,11 +199,21 @@ def _trainer_weights(version: int) -> dict[str, torch.Tensor]:
     return tiny_lm_weights(_LM, seed=1000 + version)
 
 
-def _worker(rank: int, groups: Any, config: TransferConfig, hooks: TransferHooks | None = None):
+def _worker(
+    rank: int,
+    groups: Any,
+    config: TransferConfig,
+    hooks: TransferHooks | None = None,
+    *,
+    barrier: bool = False,
+):
+    """A replica's backend and worker; rank 1 receives P2R (meeting the P2R barrier with
+    ``barrier``) and is the R2R source."""
     backend = TorchLMBackend(_LM, pause_timeout=10)
     worker = RolloutWorker(
         backend,
         p2r=groups.p2r_transfer(config=config, hooks=hooks) if rank == 1 else None,
+        p2r_barrier=groups.p2r_barrier if rank == 1 and barrier else None,
         r2r=groups.r2r_transfer(config=config, hooks=hooks),
         weight_sync_timeout=10,
     )
@@ -406,14 +416,7 @@ def _barrier_mismatch_child(rank: int, port: int) -> list[dict[str, Any]]:
             except WeightTransferError as exc:
                 out.append({"error": type(exc).__name__})
         return out
-    backend = TorchLMBackend(_LM, pause_timeout=10)
-    worker = RolloutWorker(
-        backend,
-        p2r=groups.p2r_transfer(config=config) if rank == 1 else None,
-        p2r_barrier=groups.p2r_barrier if rank == 1 else None,
-        r2r=groups.r2r_transfer(config=config),
-        weight_sync_timeout=10,
-    )
+    backend, worker = _worker(rank, groups, config, barrier=True)
     try:
         for version in (1, 2):
             if version == 2:
@@ -482,14 +485,7 @@ def _trainer_dies_at_barrier_child(rank: int, port: int) -> dict[str, Any]:
             _trainer_weights(2), version=2, timeout=10
         )
         return {}
-    backend = TorchLMBackend(_LM, pause_timeout=10)
-    worker = RolloutWorker(
-        backend,
-        p2r=groups.p2r_transfer(config=config) if rank == 1 else None,
-        p2r_barrier=groups.p2r_barrier if rank == 1 else None,
-        r2r=groups.r2r_transfer(config=config),
-        weight_sync_timeout=10,
-    )
+    backend, worker = _worker(rank, groups, config, barrier=True)
     try:
         out: dict[str, Any] = {}
         for version in (1, 2):
