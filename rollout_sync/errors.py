@@ -1,7 +1,8 @@
 """Every exception rollout_sync raises on purpose, in one place so callers catch them by family.
 
-Every one derives from :class:`RolloutSyncError`. Every timeout derives from both it and the
-builtin :class:`TimeoutError` (the library never raises a bare ``TimeoutError``) and names the
+Every one derives from :class:`RolloutSyncError`. Every timeout derives from
+:class:`RolloutSyncTimeout`, which is both a :class:`RolloutSyncError` and the builtin
+:class:`TimeoutError` (the library never raises a bare ``TimeoutError``), and names the
 operation, the limit and what was still in the way, so a log line alone tells what hung.
 
 The families, in the order a weight sync meets them:
@@ -68,6 +69,7 @@ __all__ = [
     "RedisUnavailableError",
     "RelayForwardError",
     "RolloutSyncError",
+    "RolloutSyncTimeout",
     "RunInterrupted",
     "SchedulerTimeout",
     "ShutdownTimeout",
@@ -95,6 +97,15 @@ class WouldBlock(RolloutSyncError):
     """A ``*_nowait`` call could not proceed without waiting."""
 
 
+class RolloutSyncTimeout(RolloutSyncError, TimeoutError):
+    """Base class of every timeout rollout_sync raises: a wait that ran past its limit.
+
+    Catch it to handle any of the package's timeouts at once (a hung peer, a pause that did not
+    park, a command that never came); the subclasses say which wait it was and carry what they
+    know (the operation, the limit, the version). Also a builtin :class:`TimeoutError`.
+    """
+
+
 # -- the guard ---------------------------------------------------------------------------------
 
 
@@ -113,7 +124,7 @@ class WorkerContractError(RolloutSyncError, TypeError):
         self.attribute = attribute
 
 
-class GateTimeout(RolloutSyncError, TimeoutError):
+class GateTimeout(RolloutSyncTimeout):
     """A :class:`~rollout_sync.Gate` wait ran past its limit.
 
     Attributes:
@@ -141,7 +152,7 @@ class IngressHoldTimeout(GateTimeout):
     """Payload receives could not be held or flushed within the limit (a receive kept running)."""
 
 
-class FenceTimeout(RolloutSyncError, TimeoutError):
+class FenceTimeout(RolloutSyncTimeout):
     """Device work did not complete within the limit (the fence after a weight sync, or the
     reverse fence of an async-mode weight buffer)."""
 
@@ -214,7 +225,7 @@ class WeightTransferError(RolloutSyncError):
         return self.tensors_written > 0 and not self.complete
 
 
-class WeightTransferTimeout(WeightTransferError, TimeoutError):
+class WeightTransferTimeout(WeightTransferError, RolloutSyncTimeout):
     """A collective of the transfer did not complete within the limit."""
 
 
@@ -375,7 +386,7 @@ class CollectiveError(RolloutSyncError):
         self.group = tuple(group)
 
 
-class CollectiveTimeout(CollectiveError, TimeoutError):
+class CollectiveTimeout(CollectiveError, RolloutSyncTimeout):
     """A collective did not complete within its limit (a peer hung or never joined).
 
     Attributes:
@@ -453,7 +464,7 @@ class PayloadTransportError(RolloutSyncError):
         self.cause = cause
 
 
-class PayloadPeerTimeout(PayloadTransportError, TimeoutError):
+class PayloadPeerTimeout(PayloadTransportError, RolloutSyncTimeout):
     """A payload peer took nothing within the limit (``cause="timeout"``): it hung, or is not
     serving its transport. On gloo the transport is unusable afterwards."""
 
@@ -478,7 +489,7 @@ class PayloadSendersFailed(PayloadsExhausted):
         self.lost = lost
 
 
-class PayloadTimeout(RolloutSyncError, TimeoutError):
+class PayloadTimeout(RolloutSyncTimeout):
     """A payload wait ran past its limit (a receive, a drain, a close).
 
     Attributes:
@@ -511,7 +522,7 @@ class WeightBroadcastError(RolloutSyncError):
     """
 
 
-class WeightBroadcastTimeout(WeightBroadcastError, TimeoutError):
+class WeightBroadcastTimeout(WeightBroadcastError, RolloutSyncTimeout):
     """A trainer-side weight broadcast, or a command announcement or receipt, did not complete
     within its limit (a full command queue, a peer that never joined the broadcast)."""
 
@@ -532,7 +543,7 @@ class MetricKeyCollisionError(RolloutSyncError, ValueError):
         self.second = second
 
 
-class HarvestTimeout(RolloutSyncError, TimeoutError):
+class HarvestTimeout(RolloutSyncTimeout):
     """An explicit wait for a timer's pending samples ran past its limit.
 
     Only :meth:`~rollout_sync.WeightSyncTimer.drain` waits; harvesting never does.
@@ -551,15 +562,15 @@ class HarvestTimeout(RolloutSyncError, TimeoutError):
 # -- engines, workers and their threads --------------------------------------------------------
 
 
-class SchedulerTimeout(RolloutSyncError, TimeoutError):
+class SchedulerTimeout(RolloutSyncTimeout):
     """A scheduler wait (for a result, for idleness, for the thread to stop) ran past its limit."""
 
 
-class GenerationTimeout(RolloutSyncError, TimeoutError):
+class GenerationTimeout(RolloutSyncTimeout):
     """A generation request did not produce its tokens, or finish, within its limit."""
 
 
-class EngineCallTimeout(RolloutSyncError, TimeoutError):
+class EngineCallTimeout(RolloutSyncTimeout):
     """A call into the vLLM engine did not return within its limit."""
 
 
@@ -568,11 +579,11 @@ class RecoveryError(RolloutSyncError):
     a failed teardown); see :mod:`rollout_sync.recovery`."""
 
 
-class RecoveryTimeout(RecoveryError, TimeoutError):
+class RecoveryTimeout(RecoveryError, RolloutSyncTimeout):
     """Leaving the broken job, or meeting at the new rendezvous, did not finish in time."""
 
 
-class CommandTimeout(RolloutSyncError, TimeoutError):
+class CommandTimeout(RolloutSyncTimeout):
     """A rollout worker waited longer than its limit for the next command (is the controller
     alive?)."""
 
@@ -591,12 +602,12 @@ class RunInterrupted(RolloutSyncError):
         self.reason = reason
 
 
-class InstallTimeout(RolloutSyncError, TimeoutError):
+class InstallTimeout(RolloutSyncTimeout):
     """An async-mode weight version was not installed at a safe point within the limit (is the
     backend generating?)."""
 
 
-class ShutdownTimeout(RolloutSyncError, TimeoutError):
+class ShutdownTimeout(RolloutSyncTimeout):
     """A thread, engine or sender did not stop within its limit."""
 
 
@@ -627,7 +638,7 @@ class FastLLMProtocolError(RolloutSyncError):
     stream is abandoned and nothing of it is written."""
 
 
-class FastLLMEventTimeout(FastLLMProtocolError, TimeoutError):
+class FastLLMEventTimeout(FastLLMProtocolError, RolloutSyncTimeout):
     """No Fast-LLM event (or not the one waited for) arrived within the limit."""
 
 

@@ -187,14 +187,25 @@ def test_every_exception_class_lives_in_errors() -> None:
     assert not strays, f"exception classes outside rollout_sync/errors.py: {strays}"
 
 
-def test_every_error_is_a_rollout_sync_error_and_every_timeout_a_timeout_error() -> None:
+def test_every_error_is_a_rollout_sync_error_and_every_timeout_a_rollout_sync_timeout() -> None:
+    """One hierarchy: every timeout the package raises is caught by ``RolloutSyncTimeout`` (and
+    by the builtin ``TimeoutError``), whatever family it also belongs to."""
+    timeouts = []
     for name in rollout_sync.errors.__all__:
         cls = getattr(rollout_sync.errors, name)
         if cls is rollout_sync.errors.ChildFailure:
             continue  # the record GroupProcessError carries, not an exception
         assert issubclass(cls, rollout_sync.errors.RolloutSyncError), name
-        if name.endswith("Timeout"):
+        if name.endswith("Timeout") or issubclass(cls, TimeoutError):
+            assert issubclass(cls, rollout_sync.errors.RolloutSyncTimeout), name
             assert issubclass(cls, TimeoutError), name
+            timeouts.append(name)
+    assert len(timeouts) >= 20, timeouts  # the scan saw them all
+    # The families still catch their own timeouts.
+    errors = rollout_sync.errors
+    assert issubclass(errors.WeightTransferTimeout, errors.WeightTransferError)
+    assert issubclass(errors.CollectiveTimeout, errors.CollectiveError)
+    assert issubclass(errors.PauseTimeout, errors.GateTimeout)
 
 
 def _raised_names(path: Path) -> list[str]:
