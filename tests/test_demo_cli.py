@@ -16,6 +16,7 @@ REPORT_KEYS = {
     "syncs",
     "forwards",
     "torn_reads",
+    "forward_write_overlaps",
     "egress_overlaps",
     "time_to_park_ms_p50",
     "time_to_park_ms_p99",
@@ -39,6 +40,20 @@ def test_demo_unguarded_shows_torn_reads(capsys: pytest.CaptureFixture[str]) -> 
     assert main(["demo", "--in-process", "--syncs", "40", "--unguarded", "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["torn_reads"] > 0
+
+
+def test_the_fake_models_in_process_report_counts_forward_write_overlaps(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["demo", "--in-process", "--backend", "torn_read", "--syncs", "20", "--json"]
+    assert main(argv) == 0
+    guarded = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert REPORT_KEYS <= guarded.keys() and guarded["forward_write_overlaps"] == 0
+    assert main([*argv, "--unguarded"]) == 0
+    out = capsys.readouterr().out
+    unguarded = json.loads(out.strip().splitlines()[-1])
+    assert unguarded["forward_write_overlaps"] > 0
+    assert f"{unguarded['forward_write_overlaps']} forward/weight-write overlaps" in out
 
 
 def test_a_lost_payload_fails_the_run_guarded_or_not(

@@ -120,17 +120,18 @@ def run_in_process_demo(
     drain = summarize([r.egress_drain_s for r in worker.reports])
     handler = summarize([r.handler_s for r in worker.reports])
     fence = summarize([r.fence_s for r in worker.reports])
+    overlaps = timeline.overlaps()
     egress_overlaps = [
-        o
-        for o in timeline.overlaps()
-        if o.first.kind in (SpanKind.PAYLOAD_SEND, SpanKind.PAYLOAD_RECV)
+        o for o in overlaps if o.first.kind in (SpanKind.PAYLOAD_SEND, SpanKind.PAYLOAD_RECV)
     ]
+    forward_writes = [o for o in overlaps if o.first.kind == SpanKind.FORWARD]
     return {
         "mode": "in_process",
         "guarded": config.guarded,
         "syncs": len(worker.reports),
         "forwards": model.forwards,
         "torn_reads": model.torn_reads,
+        "forward_write_overlaps": len(forward_writes),
         "egress_overlaps": len(egress_overlaps),
         "payloads_sent": len(packer.sent),
         "time_to_park_ms_p50": park.p50_ms,
