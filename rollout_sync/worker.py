@@ -32,17 +32,21 @@ Rendezvous is torch.distributed's own (``env://`` or ``tcp://``): see
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import queue
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 import torch.distributed as dist
+from typing_extensions import Self
 
 from ._deadline import deadline_after, expired, wait_arg
 from .backend import RolloutBase, TornWeightsPark
@@ -86,6 +90,7 @@ __all__ = [
     "CommandSource",
     "RolloutWorker",
     "Stop",
+    "SupportsWeightTransfer",
     "SyncGroups",
     "WorkerCommandChannel",
     "WorkerStatistics",
@@ -96,6 +101,9 @@ C = TypeVar("C")
 
 _RESEED_QUEUE_FACTOR = 4
 """An async re-seed waits this many ``weight_sync_timeout`` s for the jobs queued before it."""
+
+DEFAULT_HISTORY = 1024
+"""How many recent results and sync reports a worker keeps (``RolloutWorker(history=...)``)."""
 
 
 # -- commands ----------------------------------------------------------------------------------
@@ -140,6 +148,10 @@ class CommandResult:
     error: str | None = None
     """``"ExcType: message"`` when it failed, followed by the traceback."""
     exception: BaseException | None = field(default=None, compare=False, repr=False)
+    """The exception a failed handler raised, on the result :meth:`RolloutWorker.handle`
+    returns and ``on_result`` gets. The worker's history (:attr:`RolloutWorker.results`, what
+    :meth:`RolloutWorker.run` returns) keeps ``None`` here: an exception holds, through its
+    traceback, the frames and tensors of the failed transfer. ``error`` says what it was."""
     elapsed_s: float = 0.0
     weight_version: int = 0
     """The served weight version after the command."""
@@ -168,15 +180,102 @@ class BackgroundEngine(Protocol):
     def stop(self, timeout: float = ...) -> Any: ...
 
 
+@runtime_checkable
+class SupportsWeightTransfer(Protocol):
+    """One rank's side of a weight transfer, as the worker drives it: what P2R and R2R take.
+
+    :class:`~rollout_sync.WeightTransfer` is the implementation; a fake of your own (an
+    in-process wire, a recording transfer) qualifies by having these members. The worker calls
+    ``receive`` into the served tensors (or an async-mode buffer) on a receiving rank, ``send``
+    on the source, ``relay`` for ``P2R(relay=True)`` (passing each bucket on through its R2R
+    transfer, of the same kind), and ``abort`` on a source that cannot send, so that its
+    receivers fail at once instead of at their limit. A failed ``receive`` raises a
+    :class:`~rollout_sync.transfer.WeightTransferError` saying how many tensors it wrote.
+    """
+
+    @property
+    def is_source(self) -> bool:
+        """Whether this rank sends (the R2R source replica, the trainer of a P2R)."""
+        ...
+
+    def receive(
+        self,
+        into: Mapping[str, torch.Tensor],
+        *,
+        allow_subset: bool = ...,
+        write_kind: str = ...,
+        storage: torch.Tensor | None = ...,
+    ) -> TransferStats: ...
+
+    def relay(
+        self,
+        into: Mapping[str, torch.Tensor],
+        forward: Self,
+        *,
+        allow_subset: bool = ...,
+        write_kind: str = ...,
+        storage: torch.Tensor | None = ...,
+    ) -> TransferStats: ...
+
+    def send(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        *,
+        version: int,
+        origin: OriginChecksums | None = ...,
+        storage: torch.Tensor | None = ...,
+    ) -> TransferStats: ...
+
+    def abort(self, reason: str) -> None: ...
+
+
+def _check_transfer(name: str, transfer: object) -> None:
+    """Refuse, at construction, a transfer the handlers could not drive."""
+    if transfer is not None and not isinstance(transfer, SupportsWeightTransfer):
+        missing = [
+            m
+            for m in ("is_source", "receive", "relay", "send", "abort")
+            if not hasattr(transfer, m)
+        ]
+        raise TypeError(
+            f"RolloutWorker({name}=...) needs a weight transfer (a WeightTransfer, or an object "
+            f"with the members of rollout_sync.worker.SupportsWeightTransfer); "
+            f"{type(transfer).__name__} lacks {missing}"
+        )
+
+
 @dataclass(frozen=True)
 class WorkerStatistics:
+    """What a worker has done since it was built: running totals, read in constant time
+    however long it has run (its history keeps only the recent results)."""
+
     commands: int
+    """Commands handled (async ones once they completed)."""
     failed: int
+    """Commands that failed, syncs and others."""
     syncs: int
+    """P2R and R2R commands that succeeded."""
     weight_version: int
     weights_torn: bool
     generation_steps: int
     engine_started: bool
+    failed_syncs: int
+    """P2R and R2R commands that failed."""
+    sync_reports: int
+    """Sync brackets reported (P2R, R2R and re-seeds, failed ones too)."""
+    history: int
+    """How many recent results and sync reports the worker keeps (``history=``)."""
+
+
+@dataclass(frozen=True)
+class _SyncPath:
+    """How a worker runs each weight-sync command, decided once from its mode and ``guarded``:
+    each entry takes the command and returns the handler's value."""
+
+    p2r: Callable[[P2R], Any]
+    r2r_send: Callable[[R2R], Any]
+    """This replica is the R2R source."""
+    r2r_receive: Callable[[R2R], Any]
 
 
 # -- groups ------------------------------------------------------------------------------------
@@ -424,7 +523,8 @@ class RolloutWorker:
         rollout: the engine. Constructing it must be cheap; the expensive part belongs in
             :meth:`~rollout_sync.RolloutBase.initialize`, which the first sync calls inside
             the bracket. A :class:`BackgroundEngine` is started there too.
-        p2r: this replica's P2R transfer (``None``: it never receives from the trainer).
+        p2r: this replica's P2R transfer (``None``: it never receives from the trainer); a
+            :class:`~rollout_sync.WeightTransfer` or anything :class:`SupportsWeightTransfer`.
         p2r_barrier: called with ``weight_sync_timeout`` inside every P2R bracket (generation
             paused, egress held), before the transfer: a CPU-side barrier with the trainer,
             which takes its payload receive hold once past it (``SyncGroups.p2r_barrier``;
@@ -433,6 +533,7 @@ class RolloutWorker:
             :class:`~rollout_sync.errors.P2RBarrierMismatch` (on gloo, at once).
         r2r: this replica's R2R transfer (source or receiver; ``None``: no R2R).
         mode: :class:`SyncMode`; async modes need a :class:`SupportsWeightBuffer` backend.
+            With ``guarded``, it decides once, here, how every P2R and R2R runs.
         commands: where :meth:`run` takes commands from (default: a fresh ``queue.Queue``,
             fed by :meth:`submit`).
         step_generation: for a blocking backend, one generation call; run by the loop
@@ -448,15 +549,24 @@ class RolloutWorker:
             successful transfer (the served tensors; in async modes the buffer), right after
             it, outside the bracket, on the thread that ran it and before that thread starts
             the next one, so the tensors hold exactly what was transferred. For checks.
+        history: how many recent :class:`CommandResult` s (:attr:`results`) and
+            :class:`SyncReport` s (:attr:`sync_reports`) to keep; older ones are dropped, so a
+            worker that syncs every few seconds for weeks holds no more than this.
+            :meth:`statistics` keeps the totals. Kept results carry ``error`` (the text) but
+            not ``exception``. Default 1024.
+
+    Attributes:
+        results: the most recent results (at most ``history``), oldest first.
+        sync_reports: the most recent sync reports (at most ``history``), oldest first.
     """
 
     def __init__(
         self,
         rollout: RolloutBase,
         *,
-        p2r: WeightTransfer | None = None,
+        p2r: SupportsWeightTransfer | None = None,
         p2r_barrier: Callable[[float], None] | None = None,
-        r2r: WeightTransfer | None = None,
+        r2r: SupportsWeightTransfer | None = None,
         mode: SyncMode = SyncMode.SYNC,
         commands: CommandSource | None = None,
         step_generation: Callable[[], Any] | None = None,
@@ -468,7 +578,15 @@ class RolloutWorker:
         allow_subset: bool = True,
         on_result: Callable[[CommandResult], None] | None = None,
         on_transfer: Callable[[TransferStats, Mapping[str, torch.Tensor]], None] | None = None,
+        history: int = DEFAULT_HISTORY,
     ) -> None:
+        if isinstance(history, bool) or not isinstance(history, int) or history < 0:
+            raise ValueError(
+                f"RolloutWorker(history={history!r}): the number of recent results to keep must "
+                f"be an int >= 0 (the default is {DEFAULT_HISTORY})"
+            )
+        _check_transfer("p2r", p2r)
+        _check_transfer("r2r", r2r)
         self.rollout = rollout
         self.p2r = p2r
         self.p2r_barrier = p2r_barrier
@@ -484,8 +602,9 @@ class RolloutWorker:
         self.allow_subset = allow_subset
         self.on_result = on_result
         self.on_transfer = on_transfer
-        self.results: list[CommandResult] = []
-        self.sync_reports: list[SyncReport] = []
+        self.history = history
+        self.results: deque[CommandResult] = deque(maxlen=history)
+        self.sync_reports: deque[SyncReport] = deque(maxlen=history)
         self.last_weight_sync_report: SyncReport | None = None
         self.handlers: dict[type, Callable[[Any], Any]] = {}
         self.weight_buffer: WeightBuffer | None = None
@@ -501,6 +620,12 @@ class RolloutWorker:
         self._origin: OriginChecksums | None = None
         self._async_results: queue.SimpleQueue[CommandResult] = queue.SimpleQueue()
         self._lock = threading.Lock()
+        """Guards the history, the running totals below and ``_interrupted``."""
+        self._commands = 0
+        self._failed = 0
+        self._syncs = 0
+        self._failed_syncs = 0
+        self._reports = 0
         if mode is not SyncMode.SYNC:
             if not isinstance(rollout, SupportsWeightBuffer):
                 raise TypeError(
@@ -511,9 +636,26 @@ class RolloutWorker:
             self.sync_thread = WeightSyncThread(
                 self._async_bracket, name=f"weight-sync-{id(self):x}", fence=self.weight_sync_fence
             )
+        self._path = self._choose_path()
         self.register_handler(P2R, self._handle_p2r)
         self.register_handler(R2R, self._handle_r2r)
         self.register_handler(Stop, self._handle_stop)
+
+    def _choose_path(self) -> _SyncPath:
+        if self.weight_sync_mode is not SyncMode.SYNC:
+            # Queued on the weight-sync thread, which sends or receives by the R2R role it
+            # finds when the job runs.
+            r2r = partial(self._queue_async, "r2r")
+            return _SyncPath(partial(self._queue_async, "p2r"), r2r, r2r)
+        if self.guarded:
+            return _SyncPath(
+                self.receive_weights_p2r, self.send_weights_r2r, self.receive_weights_r2r
+            )
+        return _SyncPath(
+            partial(self._unguarded, self._receive_p2r),
+            partial(self._unguarded, self._send_r2r),
+            partial(self._unguarded, self._receive_r2r),
+        )
 
     def __repr__(self) -> str:
         s = self.statistics()
@@ -573,7 +715,9 @@ class RolloutWorker:
     def run(
         self, *, idle_timeout_s: float = 300.0, poll_s: float = 0.05, stop_on_error: bool = False
     ) -> list[CommandResult]:
-        """Take and handle commands until :class:`Stop`; return every result.
+        """Take and handle commands until :class:`Stop`; return this call's results, oldest
+        first: the last ``history`` of them if it handled more (the totals are in
+        :meth:`statistics`). Like every kept result, they carry ``error`` but no ``exception``.
 
         Between commands the engine generates: a :class:`BackgroundEngine` on its own, a
         blocking one through ``step_generation`` (skipped while the weights are torn). A
@@ -592,6 +736,8 @@ class RolloutWorker:
         """
         last_command = time.monotonic()
         self._stopped = False
+        with self._lock:
+            first = self._commands
         while not self._stopped:
             self._raise_if_interrupted()
             self._deliver_async_results()
@@ -621,7 +767,9 @@ class RolloutWorker:
                     f"command {command!r} failed: {result.error}"
                 ) from result.exception
         self._deliver_async_results()
-        return list(self.results)
+        with self._lock:
+            handled = self._commands - first
+            return list(self.results)[-handled:] if handled else []
 
     def interrupt(self, reason: str = "interrupted") -> None:
         """Make :meth:`run` leave its loop with :class:`~rollout_sync.errors.RunInterrupted`.
@@ -703,7 +851,7 @@ class RolloutWorker:
         self.r2r = groups.r2r_transfer(**transfer_kwargs)
         self._origin = None  # checksums of a layout on the old groups
 
-    def reseed(self, transfer: WeightTransfer) -> TransferStats:
+    def reseed(self, transfer: SupportsWeightTransfer) -> TransferStats:
         """Take part in a recovery's re-seed transfer (:func:`~rollout_sync.recovery.
         recover_weights`), guarded: as its source, send the served weights (egress held,
         generation keeps running); else receive them in place (paused, egress held, committed;
@@ -739,10 +887,10 @@ class RolloutWorker:
             return self.send_reseed(transfer)
         return self.receive_reseed(transfer)
 
-    def _receive_reseed(self, transfer: WeightTransfer) -> TransferStats:
+    def _receive_reseed(self, transfer: SupportsWeightTransfer) -> TransferStats:
         return self._receive_in_place(transfer)
 
-    def _send_reseed(self, transfer: WeightTransfer) -> TransferStats:
+    def _send_reseed(self, transfer: SupportsWeightTransfer) -> TransferStats:
         return self._send(transfer, self._served_to_send)
 
     receive_reseed = weight_sync_handler(_receive_reseed)
@@ -751,17 +899,20 @@ class RolloutWorker:
     """A re-seed send from the served weights, guarded like an R2R send."""
 
     def statistics(self) -> WorkerStatistics:
+        """The running totals since construction, and the engine's state; constant time."""
         with self._lock:
-            results = list(self.results)
-        return WorkerStatistics(
-            commands=len(results),
-            failed=sum(not r.ok for r in results),
-            syncs=sum(r.ok and isinstance(r.command, (P2R, R2R)) for r in results),
-            weight_version=self.rollout.weight_version,
-            weights_torn=self.rollout.weights_torn,
-            generation_steps=self._generation_steps,
-            engine_started=self._engine_started,
-        )
+            return WorkerStatistics(
+                commands=self._commands,
+                failed=self._failed,
+                syncs=self._syncs,
+                weight_version=self.rollout.weight_version,
+                weights_torn=self.rollout.weights_torn,
+                generation_steps=self._generation_steps,
+                engine_started=self._engine_started,
+                failed_syncs=self._failed_syncs,
+                sync_reports=self._reports,
+                history=self.history,
+            )
 
     # -- guard hooks -------------------------------------------------------------------------
 
@@ -770,7 +921,9 @@ class RolloutWorker:
         return (self.data_packer, self.validation_packer, self.rollout, self)
 
     def on_weight_sync_report(self, report: SyncReport) -> None:
-        self.sync_reports.append(report)
+        with self._lock:
+            self.sync_reports.append(report)
+            self._reports += 1
 
     def weight_sync_fence(self, timeout: float | None) -> None:
         device_fence(timeout)
@@ -783,30 +936,15 @@ class RolloutWorker:
                 "P2R command on a worker without a P2R transfer "
                 "(only the first replica of a group receives from the trainer)"
             )
-        if self.weight_sync_mode is not SyncMode.SYNC:
-            return self._queue_async("p2r", command)
-        return (
-            self.receive_weights_p2r(command)
-            if self.guarded
-            else self._unguarded(self._receive_p2r, command)
-        )
+        return self._path.p2r(command)
 
     def _handle_r2r(self, command: R2R) -> Any:
         if self.r2r is None:
             raise RolloutSyncError("R2R command on a worker that is not in an R2R group")
-        if self.weight_sync_mode is not SyncMode.SYNC:
-            return self._queue_async("r2r", command)
+        # The role is read per command: use_groups() may have replaced the transfer.
         if self.r2r.is_source:
-            return (
-                self.send_weights_r2r(command)
-                if self.guarded
-                else self._unguarded(self._send_r2r, command)
-            )
-        return (
-            self.receive_weights_r2r(command)
-            if self.guarded
-            else self._unguarded(self._receive_r2r, command)
-        )
+            return self._path.r2r_send(command)
+        return self._path.r2r_receive(command)
 
     def _handle_stop(self, command: Stop) -> None:
         self._stopped = True
@@ -821,7 +959,7 @@ class RolloutWorker:
         self._keep_origin(stats)
         return stats
 
-    def _relay_target(self, command: P2R) -> WeightTransfer | None:
+    def _relay_target(self, command: P2R) -> SupportsWeightTransfer | None:
         """The R2R transfer a ``P2R(relay=True)`` passes the weights on through."""
         if not command.relay:
             return None
@@ -837,7 +975,7 @@ class RolloutWorker:
         if stats.bucket_checksums is not None:
             self._origin = OriginChecksums(stats.version, stats.layout, stats.bucket_checksums)
 
-    def _meet_trainer(self, forward: WeightTransfer | None) -> None:
+    def _meet_trainer(self, forward: SupportsWeightTransfer | None) -> None:
         """The P2R barrier, inside the bracket: from here on this replica sends no payload
         until the sync ends, so the trainer may hold its receives.
 
@@ -878,7 +1016,7 @@ class RolloutWorker:
     generation keeps running."""
 
     def _receive_in_place(
-        self, transfer: WeightTransfer, forward: WeightTransfer | None = None
+        self, transfer: SupportsWeightTransfer, forward: SupportsWeightTransfer | None = None
     ) -> TransferStats:
         self._torn_park.check_thread("a receive")
         self._ensure_engine()
@@ -902,8 +1040,8 @@ class RolloutWorker:
 
     def _take(
         self,
-        transfer: WeightTransfer,
-        forward: WeightTransfer | None,
+        transfer: SupportsWeightTransfer,
+        forward: SupportsWeightTransfer | None,
         into: Mapping[str, torch.Tensor],
         **kwargs: Any,
     ) -> TransferStats:
@@ -914,7 +1052,7 @@ class RolloutWorker:
 
     def _send(
         self,
-        transfer: WeightTransfer,
+        transfer: SupportsWeightTransfer,
         what: Callable[[], tuple[Mapping[str, torch.Tensor], int, torch.Tensor | None]],
     ) -> TransferStats:
         """Send ``what()`` (weights, version, storage) as ``transfer``'s source. If this side
@@ -1032,7 +1170,7 @@ class RolloutWorker:
         return self.weight_buffer
 
     def _async_receive(
-        self, transfer: WeightTransfer, forward: WeightTransfer | None = None
+        self, transfer: SupportsWeightTransfer, forward: SupportsWeightTransfer | None = None
     ) -> TransferStats:
         buffer = self._ensure_buffer()
         elsewhere: WeightTransferError | None = None
@@ -1055,7 +1193,7 @@ class RolloutWorker:
             raise elsewhere
         return stats
 
-    def _async_p2r(self, forward: WeightTransfer | None = None) -> TransferStats:
+    def _async_p2r(self, forward: SupportsWeightTransfer | None = None) -> TransferStats:
         assert self.p2r is not None
         self._meet_trainer(forward)
         stats = self._async_receive(self.p2r, forward)
@@ -1068,7 +1206,7 @@ class RolloutWorker:
             return self._async_receive(self.r2r)
         return self._async_send(self.r2r)
 
-    def _async_send(self, transfer: WeightTransfer) -> TransferStats:
+    def _async_send(self, transfer: SupportsWeightTransfer) -> TransferStats:
         """Send the newest complete buffer version (on the weight-sync thread)."""
 
         def newest() -> tuple[Mapping[str, torch.Tensor], int, torch.Tensor | None]:
@@ -1106,7 +1244,15 @@ class RolloutWorker:
         )
 
     def _record(self, result: CommandResult) -> None:
+        """Count ``result`` and keep it in the history, without its exception (whose
+        traceback would keep the failed transfer's frames and tensors alive)."""
+        sync = isinstance(result.command, (P2R, R2R))
+        kept = result if result.exception is None else dataclasses.replace(result, exception=None)
         with self._lock:
-            self.results.append(result)
+            self.results.append(kept)
+            self._commands += 1
+            self._failed += not result.ok
+            self._syncs += result.ok and sync
+            self._failed_syncs += (not result.ok) and sync
         if self.on_result is not None:
             self.on_result(result)

@@ -4,10 +4,12 @@ real one is exercised across processes in test_transfer_mp.py and test_worker_mp
 
 from __future__ import annotations
 
+import gc
 import math
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -102,7 +104,20 @@ class FakeTransfer:
         self.sent.append(version)
         return TransferStats("send", version, len(weights), 1, 0, 0.0, 0.0, 0.0)
 
-    def abort(self, reason: str, *, version: int = 0) -> None:
+    def relay(
+        self,
+        into: Mapping[str, torch.Tensor],
+        forward: FakeTransfer,
+        *,
+        allow_subset: bool = True,
+        write_kind: str = SpanKind.WEIGHT_WRITE,
+        storage: torch.Tensor | None = None,
+    ) -> TransferStats:
+        stats = self.receive(into, allow_subset=allow_subset, write_kind=write_kind)
+        forward.send(into, version=stats.version)
+        return stats
+
+    def abort(self, reason: str, *, version: int | None = None) -> None:
         if self.log is not None:
             self.log.add("abort")
 
@@ -119,7 +134,7 @@ def test_p2r_runs_lazy_init_and_transfer_inside_pause_and_egress_hold() -> None:
     rollout = RecordingRollout(log, {"w": torch.zeros(4)})
     packer = RecordingPacker(log=log)
     transfer = FakeTransfer(lambda: (7, {"w": torch.full((4,), 7.0)}), log=log)
-    worker = RolloutWorker(rollout, p2r=transfer, data_packer=packer)  # type: ignore[arg-type]
+    worker = RolloutWorker(rollout, p2r=transfer, data_packer=packer)
     result = worker.handle(P2R(step=7))
     assert result.ok, result.error
     assert log.events == [
@@ -154,7 +169,7 @@ def test_the_p2r_barrier_is_met_inside_the_bracket_before_the_transfer() -> None
     worker = RolloutWorker(
         rollout,
         p2r=transfer,
-        p2r_barrier=barrier,  # type: ignore[arg-type]
+        p2r_barrier=barrier,
         data_packer=packer,
         weight_sync_timeout=7.0,
     )
@@ -177,7 +192,7 @@ def test_the_r2r_source_holds_egress_but_lets_generation_run() -> None:
     rollout.commit_weight_version(3)
     packer = RecordingPacker(log=log)
     transfer = FakeTransfer(lambda: (0, {}), is_source=True, log=log)
-    worker = RolloutWorker(rollout, r2r=transfer, data_packer=packer)  # type: ignore[arg-type]
+    worker = RolloutWorker(rollout, r2r=transfer, data_packer=packer)
     assert worker.handle(R2R()).ok
     assert log.events == ["hold_sends:enter", "send", "hold_sends:exit"]
     assert transfer.sent == [3]
@@ -191,7 +206,7 @@ def test_unguarded_handlers_take_no_pause_and_no_hold() -> None:
     worker = RolloutWorker(
         rollout,
         p2r=transfer,
-        data_packer=packer,  # type: ignore[arg-type]
+        data_packer=packer,
         guarded=False,
     )
     assert worker.handle(P2R()).ok
@@ -205,7 +220,7 @@ def test_a_threaded_engine_starts_inside_the_first_sync_and_first_serves_new_wei
     model = VersionStampedModel(4, 64, timeline=timeline)
     backend = TornReadBackend(model, timeline=timeline)
     transfer = FakeTransfer(lambda: _stamped(model, 1))
-    worker = RolloutWorker(backend, p2r=transfer, timeline=timeline)  # type: ignore[arg-type]
+    worker = RolloutWorker(backend, p2r=transfer, timeline=timeline)
     assert not backend.running
     try:
         assert worker.handle(P2R()).ok
@@ -227,7 +242,7 @@ def test_a_transfer_that_fails_after_writing_marks_the_weights_torn() -> None:
     model = VersionStampedModel(4, 16)
     backend = TornReadBackend(model)
     transfer = FakeTransfer(lambda: _stamped(model, 2))
-    worker = RolloutWorker(backend, p2r=transfer)  # type: ignore[arg-type]
+    worker = RolloutWorker(backend, p2r=transfer)
     transfer.fail_after = 0
     failed = worker.handle(P2R())
     assert not failed.ok and not backend.weights_torn  # nothing written: still whole
@@ -273,7 +288,7 @@ def test_a_background_engine_that_ignores_torn_weights_stays_parked_while_torn(
     model = VersionStampedModel(4, 16)
     backend = _CarelessBackend(model)
     transfer = FakeTransfer(lambda: _stamped(model, 2))
-    worker = RolloutWorker(backend, p2r=transfer)  # type: ignore[arg-type]
+    worker = RolloutWorker(backend, p2r=transfer)
     try:
         assert worker.handle(P2R()).ok
         wait_until(lambda: backend.steps > 0, what="the engine serving")
@@ -298,7 +313,7 @@ def test_a_group_failure_after_a_complete_receive_commits_the_version() -> None:
     backend = TornReadBackend(model)
     transfer = FakeTransfer(lambda: _stamped(model, 5))
     transfer.complete_but_failed = True
-    worker = RolloutWorker(backend, p2r=transfer)  # type: ignore[arg-type]
+    worker = RolloutWorker(backend, p2r=transfer)
     result = worker.handle(P2R())
     assert not result.ok and "rank 9 failed" in (result.error or "")
     assert backend.weight_version == 5 and not backend.weights_torn
@@ -320,7 +335,7 @@ def test_the_loop_does_not_generate_on_torn_weights() -> None:
         }
 
     transfer = FakeTransfer(source)
-    worker = RolloutWorker(rollout, p2r=transfer)  # type: ignore[arg-type]
+    worker = RolloutWorker(rollout, p2r=transfer)
     generated: list[tuple[int, bool]] = []
 
     def step_generation() -> None:
@@ -365,10 +380,11 @@ def test_registry_unknown_commands_custom_handlers_and_stop() -> None:
     worker.submit(Ping())
     worker.submit(P2R())  # no P2R transfer on this worker: a clear failure, the loop goes on
     worker.submit(Stop())
-    results = worker.run(idle_timeout_s=10)
-    assert [type(r.command).__name__ for r in results] == ["Ping", "Ping", "P2R", "Stop"]
-    assert [r.ok for r in results] == [False, True, False, True]
-    assert "without a P2R transfer" in (results[2].error or "")
+    results = worker.run(idle_timeout_s=10)  # this run's results; the history has all four
+    assert [type(r.command).__name__ for r in results] == ["Ping", "P2R", "Stop"]
+    assert [r.ok for r in results] == [True, False, True]
+    assert "without a P2R transfer" in (results[1].error or "")
+    assert list(worker.results) == [unknown, *results]
     assert len(seen) == 1
 
 
@@ -446,10 +462,75 @@ def test_run_gives_up_when_no_command_arrives() -> None:
 def test_commands_can_come_from_any_queue_like_source() -> None:
     source: queue.SimpleQueue[Any] = queue.SimpleQueue()
     source.put(Stop())
-    worker = RolloutWorker(RecordingRollout(EventLog()), commands=source)  # type: ignore[arg-type]
+    worker = RolloutWorker(RecordingRollout(EventLog()), commands=source)
     with pytest.raises(TypeError, match="default queue"):
         worker.submit(Stop())
     assert [type(r.command) for r in worker.run(idle_timeout_s=5)] == [Stop]
+
+
+def test_a_long_lived_worker_keeps_a_bounded_history_and_no_failed_transfer_alive() -> None:
+    """Thousands of syncs, every tenth dying half-way: the history stays at its bound, the
+    totals count everything, and the tensors a failed transfer held (through its exception's
+    traceback) are unreachable once the caller drops the result that reported it."""
+    rollout = RecordingRollout(EventLog(), {"a": torch.zeros(4), "b": torch.zeros(4)})
+    calls = [0]
+    failed_tensors: list[weakref.ref[torch.Tensor]] = []
+
+    def source() -> tuple[int, dict[str, torch.Tensor]]:
+        calls[0] += 1
+        weights = {"a": torch.full((4,), float(calls[0])), "b": torch.full((4,), float(calls[0]))}
+        transfer.fail_after = 1 if calls[0] % 10 == 5 else None  # dies after writing "a"
+        if transfer.fail_after is not None:
+            failed_tensors.extend(weakref.ref(t) for t in weights.values())
+        return calls[0], weights
+
+    transfer = FakeTransfer(source)
+    worker = RolloutWorker(rollout, p2r=transfer, history=100)
+    total = 3000
+    for _ in range(total):
+        worker.submit(P2R())
+    worker.submit(Stop())
+    results = worker.run(idle_timeout_s=30)
+
+    assert len(results) == len(worker.results) == len(worker.sync_reports) == 100
+    assert type(results[-1].command) is Stop and results == list(worker.results)
+    failures = [r for r in worker.results if not r.ok]
+    assert len(failures) == 10 and all("peer died" in (r.error or "") for r in failures)
+    assert all(r.exception is None for r in worker.results)
+    s = worker.statistics()
+    assert (s.commands, s.failed, s.syncs, s.failed_syncs) == (total + 1, 300, 2700, 300)
+    assert (s.sync_reports, s.history, s.weights_torn) == (total, 100, False)
+    gc.collect()
+    assert len(failed_tensors) == 600
+    assert [r for r in failed_tensors if r() is not None] == []
+    # The counterfactual: the result handle() returns keeps its exception, and with it the
+    # failed transfer's tensors, for as long as the caller holds it.
+    calls[0] = 4
+    result = worker.handle(P2R())
+    assert isinstance(result.exception, WeightTransferError) and rollout.weights_torn
+    gc.collect()
+    assert failed_tensors[-1]() is not None
+    del result
+    gc.collect()
+    assert failed_tensors[-1]() is None
+
+
+def test_a_worker_refuses_a_transfer_it_cannot_drive_and_a_negative_history() -> None:
+    rollout = RecordingRollout(EventLog())
+    with pytest.raises(TypeError, match=r"r2r=.*SupportsWeightTransfer.*lacks \['relay'"):
+        RolloutWorker(rollout, r2r=_NoRelay())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="history=-1"):
+        RolloutWorker(rollout, history=-1)
+
+
+class _NoRelay:
+    is_source = False
+
+    def receive(self, into: object) -> None: ...
+
+    def send(self, weights: object) -> None: ...
+
+    def abort(self, reason: str) -> None: ...
 
 
 def test_async_modes_need_a_backend_that_installs_buffers() -> None:
@@ -480,7 +561,7 @@ def test_async_syncs_run_on_the_sync_thread_and_install_at_safe_points() -> None
     transferred: list[int] = []
     worker = RolloutWorker(
         backend,
-        p2r=FakeTransfer(source),  # type: ignore[arg-type]
+        p2r=FakeTransfer(source),
         p2r_barrier=lambda timeout: barriers.append(packer.egress_gate.held),
         mode=SyncMode.ASYNC_PER_FORWARD,
         data_packer=packer,
@@ -512,7 +593,7 @@ def test_a_reseed_receive_is_guarded_and_clears_a_torn_state() -> None:
     rollout = RecordingRollout(log, {"w": torch.zeros(4)})
     worker = RolloutWorker(rollout, data_packer=RecordingPacker(log=log))
     rollout.mark_weights_torn("a P2R died part-way")
-    stats = worker.reseed(FakeTransfer(lambda: (4, {"w": torch.full((4,), 4.0)}), log=log))  # type: ignore[arg-type]
+    stats = worker.reseed(FakeTransfer(lambda: (4, {"w": torch.full((4,), 4.0)}), log=log))
     assert stats.version == 4 and rollout.weight_version == 4 and not rollout.weights_torn
     assert log.events[:2] == ["pause:enter", "hold_sends:enter"]
     assert worker.last_weight_sync_report is not None
@@ -525,12 +606,12 @@ def test_a_reseed_source_holds_egress_only_and_refuses_torn_weights() -> None:
     rollout.commit_weight_version(3)
     worker = RolloutWorker(rollout, data_packer=RecordingPacker(log=log))
     source = FakeTransfer(lambda: (0, {}), is_source=True, log=log)
-    worker.reseed(source)  # type: ignore[arg-type]
+    worker.reseed(source)
     assert source.sent == [3]
     assert log.events == ["hold_sends:enter", "send", "hold_sends:exit"]  # held, not paused
     rollout.mark_weights_torn("torn")
     with pytest.raises(TornWeightsError):
-        worker.reseed(source)  # type: ignore[arg-type]
+        worker.reseed(source)
     assert source.sent == [3]  # refused before anything was sent
     assert log.events[-2:] == ["abort", "hold_sends:exit"]  # its receivers were told at once
 
@@ -547,7 +628,7 @@ def test_an_async_reseed_writes_the_buffer_on_the_sync_thread() -> None:
         return _stamped(model, 6)
 
     try:
-        stats = worker.reseed(FakeTransfer(source))  # type: ignore[arg-type]
+        stats = worker.reseed(FakeTransfer(source))
         assert stats.version == 6
         assert threads and threads[0] != threading.get_ident()  # the weight-sync thread
         assert worker.weight_buffer is not None
@@ -571,7 +652,7 @@ def test_an_async_reseed_that_does_not_finish_in_time_is_a_transfer_timeout() ->
 
     try:
         with pytest.raises(WeightTransferTimeout, match="re-seed transfer"):
-            worker.reseed(FakeTransfer(stuck))  # type: ignore[arg-type]
+            worker.reseed(FakeTransfer(stuck))
     finally:
         release.set()
         worker.close()
@@ -590,6 +671,6 @@ def test_an_engine_that_overrides_load_weights_gets_the_received_tensors() -> No
     log = EventLog()
     rollout = _ReloadingRollout(log, {"w": torch.zeros(4)})
     transfer = FakeTransfer(lambda: (2, {"w": torch.full((4,), 2.0)}), log=log)
-    worker = RolloutWorker(rollout, p2r=transfer)  # type: ignore[arg-type]
+    worker = RolloutWorker(rollout, p2r=transfer)
     assert worker.handle(P2R()).ok
     assert log.events == ["pause:enter", "init", "transfer", "reload:2.0", "pause:exit"]

@@ -93,8 +93,6 @@ from ..trainer import (
 )
 from ..transfer import TransferConfig, TransferStats
 from ..worker import (
-    P2R,
-    R2R,
     CommandResult,
     RolloutWorker,
     SyncGroups,
@@ -558,7 +556,7 @@ def _replica_report(
         "payloads_registered": sent.registered,
         "payloads_sent": sent.sent,
         "failed": [r.error for r in results if not r.ok],
-        "syncs": sum(r.ok and isinstance(r.command, (P2R, R2R)) for r in results),
+        "syncs": worker.statistics().syncs,  # results holds only the last `history`
         "transfers": [
             asdict(r.value) for r in results if r.ok and isinstance(r.value, TransferStats)
         ],
