@@ -785,6 +785,8 @@ class RolloutWorker:
             self._interrupted = reason
 
     def _raise_if_interrupted(self) -> None:
+        if self._interrupted is None:  # every loop turn: no lock unless there is one to take
+            return
         with self._lock:
             reason, self._interrupted = self._interrupted, None
         if reason is not None:

@@ -260,22 +260,24 @@ def test_a_transfer_that_fails_after_writing_marks_the_weights_torn() -> None:
 
 class _CarelessBackend(TornReadBackend):
     """Serves on its own thread and never looks at ``weights_torn``: only its ``paused()``
-    (the gate every step runs in) can keep it from serving torn weights."""
+    (the gate every step runs in) can keep it from serving torn weights. ``stepped`` is set
+    after every step, ``served_torn`` after one on torn weights."""
 
     def __init__(self, model: VersionStampedModel) -> None:
         super().__init__(model)
-        self.steps = 0
-        self.torn_steps = 0
+        self.stepped = threading.Event()
+        self.served_torn = threading.Event()
 
     def _serve_forever(self) -> None:
         while not self._stopping.is_set():
             self.generation_gate.enter_section(math.inf)
             try:
-                self.steps += 1
-                self.torn_steps += self.weights_torn
+                if self.weights_torn:
+                    self.served_torn.set()
+                self.stepped.set()
             finally:
                 self.generation_gate.exit_section()
-            self._stopping.wait(0.001)  # pacing: a step every millisecond or so
+            self._stopping.wait(0.001)  # pacing on purpose: a step a millisecond, not a spin
 
 
 @pytest.mark.timeout(30)
@@ -291,18 +293,18 @@ def test_a_background_engine_that_ignores_torn_weights_stays_parked_while_torn(
     worker = RolloutWorker(backend, p2r=transfer)
     try:
         assert worker.handle(P2R()).ok
-        wait_until(lambda: backend.steps > 0, what="the engine serving")
+        assert backend.stepped.wait(10), "the engine never served"
         transfer.fail_after = 2
         assert not worker.handle(P2R()).ok and backend.weights_torn
         if not parked:
-            wait_until(lambda: backend.torn_steps > 0, what="a step on torn weights")
+            assert backend.served_torn.wait(10), "the unparked engine never served torn"
             return
         assert backend.statistics().parked  # the gate is held: no step can start
         transfer.fail_after = None
+        backend.stepped.clear()  # the last step ran before the park
         assert worker.handle(P2R()).ok and not backend.statistics().parked
-        served = backend.steps
-        wait_until(lambda: backend.steps > served, what="serving again after the commit")
-        assert backend.torn_steps == 0
+        assert backend.stepped.wait(10), "the engine did not serve again after the commit"
+        assert not backend.served_torn.is_set()
     finally:
         worker.close()
     assert not backend.running

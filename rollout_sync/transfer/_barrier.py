@@ -75,6 +75,12 @@ def header_kind(first: int, second: int) -> HeaderKind:
     return HeaderKind.ABORT
 
 
+def aborted_version(word: int) -> int | None:
+    """The version an abort header names (its second word), or ``None`` when its source did not
+    know it (:data:`UNKNOWN_VERSION`)."""
+    return None if word == UNKNOWN_VERSION else word
+
+
 def barrier_mismatch(
     missing_on: Literal["trainer", "replica"],
     *,
@@ -162,24 +168,16 @@ def meet_p2r_barrier(group: dist.ProcessGroup | None, trainer: int, timeout_s: f
     if kind is HeaderKind.BARRIER:
         gather(VOTE_YES)
         return
+    version = aborted_version(second) if kind is HeaderKind.ABORT else second
     if kind is HeaderKind.ABORT:
-        raise barrier_mismatch(
-            "trainer",
-            trainer=trainer,
-            replica=me,
-            operation=op,
-            version=second,
-            detail=f" (it aborted sending version {second} here; see its log)",
-        )
-    # The trainer is sending a manifest and then waits for the vote on it: take both, so that
-    # it hears why, and the pair stays in step.
-    wait(collectives.broadcast(torch.empty(first, dtype=torch.uint8), trainer), "manifest")
-    gather(VOTE_BARRIER_SKIPPED)
+        what = "a version" if version is None else f"version {version}"
+        detail = f" (it aborted sending {what} here; see its log)"
+    else:
+        # The trainer is sending a manifest and then waits for the vote on it: take both, so
+        # that it hears why, and the pair stays in step.
+        wait(collectives.broadcast(torch.empty(first, dtype=torch.uint8), trainer), "manifest")
+        gather(VOTE_BARRIER_SKIPPED)
+        detail = f" (it sent the manifest of version {version} here)"
     raise barrier_mismatch(
-        "trainer",
-        trainer=trainer,
-        replica=me,
-        operation=op,
-        version=second,
-        detail=f" (it sent the manifest of version {second} here)",
+        "trainer", trainer=trainer, replica=me, operation=op, version=version, detail=detail
     )

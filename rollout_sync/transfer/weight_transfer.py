@@ -85,6 +85,7 @@ from ._barrier import (
     VOTE_NO,
     VOTE_YES,
     HeaderKind,
+    aborted_version,
     barrier_mismatch,
     header_kind,
 )
@@ -730,13 +731,13 @@ class WeightTransfer:
                 detail=" (this receive found the barrier where a manifest header belongs)",
             )
         if kind is HeaderKind.ABORT:
-            known = version != UNKNOWN_VERSION
+            aborted = aborted_version(version)
             raise ManifestRejected(
                 f"{op}: the source rank {self.src} aborted the transfer"
-                + (f" of version {version}" if known else "")
+                + ("" if aborted is None else f" of version {aborted}")
                 + " before sending a manifest (see its log); nothing was written",
                 operation=op,
-                version=version if known else None,
+                version=aborted,
                 rejected_by=(self.src,),
             )
         payload = torch.empty(size, dtype=torch.uint8, device=self.device)

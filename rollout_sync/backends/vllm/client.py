@@ -284,14 +284,7 @@ class LLMWeightSyncClient:
         return version
 
     def native_transfer_state(self) -> dict[str, Any] | None:
-        """The ``"rollout_sync"`` engine's state in the engine's workers, merged
-        (:class:`EngineStateSource`); ``None`` when the engine runs another weight-transfer
-        backend or none.
-
-        Raises:
-            TypeError: the engine was started without the worker extension that reports it
-                (``worker_extension_cls``; the message names the setting).
-        """
+        """As :meth:`AsyncLLMWeightSyncClient.native_transfer_state`, over ``LLM``."""
         if not _reports_native_state(self.llm.llm_engine.vllm_config):
             return None
         states: list[dict[str, Any] | None] = self.llm.collective_rpc(
