@@ -210,7 +210,8 @@ class Timeline:
         :meth:`overlaps` finds what it found before the export. Other events are skipped.
 
         Raises:
-            ValueError: ``trace`` has no ``traceEvents`` list (not a trace-event file).
+            ValueError: ``trace`` has no ``traceEvents`` list (not a trace-event file), or an
+                event is malformed (not an object; an "X" event without a numeric ``ts``).
         """
         events = trace.get("traceEvents")
         if not isinstance(events, list):
@@ -219,23 +220,30 @@ class Timeline:
                 "Timeline.write_chrome_trace write one)"
             )
         timeline = cls()
-        for e in events:
-            if e.get("ph") == "X":
-                start = round(float(e["ts"]) * 1e3)
-                timeline.add(
-                    Span(
-                        str(e.get("cat", "")),
-                        str(e.get("name", "")),
-                        start,
-                        start + round(float(e.get("dur", 0.0)) * 1e3),
-                        int(e.get("pid", 0)),
-                        int(e.get("tid", 0)),
-                        dict(e.get("args") or {}),
-                    )
-                )
-            elif e.get("ph") == "M" and e.get("name") == "process_name":
-                timeline.name_process(int(e["pid"]), str(e["args"]["name"]))
+        for i, e in enumerate(events):
+            try:
+                timeline._add_chrome_event(e)
+            except (AttributeError, KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"trace event {i} is malformed: {exc!r}") from None
         return timeline
+
+    def _add_chrome_event(self, e: Mapping[str, Any]) -> None:
+        """One trace event: a span for "X", a process name for ``process_name``; else none."""
+        if e.get("ph") == "X":
+            start = round(float(e["ts"]) * 1e3)
+            self.add(
+                Span(
+                    str(e.get("cat", "")),
+                    str(e.get("name", "")),
+                    start,
+                    start + round(float(e.get("dur", 0.0)) * 1e3),
+                    int(e.get("pid", 0)),
+                    int(e.get("tid", 0)),
+                    dict(e.get("args") or {}),
+                )
+            )
+        elif e.get("ph") == "M" and e.get("name") == "process_name":
+            self.name_process(int(e["pid"]), str(e["args"]["name"]))
 
 
 def read_chrome_trace(path: str | os.PathLike[str]) -> tuple[Timeline, dict[str, Any]]:

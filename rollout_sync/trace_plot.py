@@ -310,9 +310,9 @@ class TimelinePlot:
     headline: Headline
 
     def save(self, path: str | Path, *, dpi: int = 100) -> Path:
-        """Write the picture (PNG, or the format ``path``'s suffix names) and return the path."""
+        """Write the picture as a PNG to ``path`` (whatever its suffix) and return the path."""
         out = Path(path)
-        self.figure.savefig(out, dpi=dpi)
+        self.figure.savefig(out, dpi=dpi, format="png")
         return out
 
 

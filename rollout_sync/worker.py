@@ -46,7 +46,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 import torch.distributed as dist
-from typing_extensions import Self
+from typing_extensions import Self, get_protocol_members
 
 from ._deadline import deadline_after, expired, wait_arg
 from .backend import RolloutBase, TornWeightsPark
@@ -232,11 +232,8 @@ class SupportsWeightTransfer(Protocol):
 def _check_transfer(name: str, transfer: object) -> None:
     """Refuse, at construction, a transfer the handlers could not drive."""
     if transfer is not None and not isinstance(transfer, SupportsWeightTransfer):
-        missing = [
-            m
-            for m in ("is_source", "receive", "relay", "send", "abort")
-            if not hasattr(transfer, m)
-        ]
+        members = sorted(get_protocol_members(SupportsWeightTransfer))
+        missing = [m for m in members if not hasattr(transfer, m)]
         raise TypeError(
             f"RolloutWorker({name}=...) needs a weight transfer (a WeightTransfer, or an object "
             f"with the members of rollout_sync.worker.SupportsWeightTransfer); "
@@ -261,10 +258,9 @@ class WorkerStatistics:
     engine_started: bool
     failed_syncs: int
     """P2R and R2R commands that failed."""
-    sync_reports: int
-    """Sync brackets reported (P2R, R2R and re-seeds, failed ones too)."""
-    history: int
-    """How many recent results and sync reports the worker keeps (``history=``)."""
+    sync_reports_total: int
+    """Sync brackets reported (P2R, R2R and re-seeds, failed ones too); the recent ones are in
+    :attr:`RolloutWorker.sync_reports`."""
 
 
 @dataclass(frozen=True)
@@ -591,14 +587,14 @@ class RolloutWorker:
         self.p2r = p2r
         self.p2r_barrier = p2r_barrier
         self.r2r = r2r
-        self.weight_sync_mode = mode
+        self._mode = mode
         self.commands: CommandSource = commands if commands is not None else queue.Queue()
         self.step_generation = step_generation
         self.data_packer = data_packer
         self.validation_packer = validation_packer
         self.timeline = timeline
         self.weight_sync_timeout = weight_sync_timeout
-        self.guarded = guarded
+        self._guarded = guarded
         self.allow_subset = allow_subset
         self.on_result = on_result
         self.on_transfer = on_transfer
@@ -640,6 +636,17 @@ class RolloutWorker:
         self.register_handler(P2R, self._handle_p2r)
         self.register_handler(R2R, self._handle_r2r)
         self.register_handler(Stop, self._handle_stop)
+
+    @property
+    def weight_sync_mode(self) -> SyncMode:
+        """How syncs reach the served weights (``mode=``); fixed at construction, which chose
+        how every P2R and R2R runs."""
+        return self._mode
+
+    @property
+    def guarded(self) -> bool:
+        """Whether syncs run inside the bracket (``guarded=``); fixed at construction."""
+        return self._guarded
 
     def _choose_path(self) -> _SyncPath:
         if self.weight_sync_mode is not SyncMode.SYNC:
@@ -715,9 +722,10 @@ class RolloutWorker:
     def run(
         self, *, idle_timeout_s: float = 300.0, poll_s: float = 0.05, stop_on_error: bool = False
     ) -> list[CommandResult]:
-        """Take and handle commands until :class:`Stop`; return this call's results, oldest
-        first: the last ``history`` of them if it handled more (the totals are in
-        :meth:`statistics`). Like every kept result, they carry ``error`` but no ``exception``.
+        """Take and handle commands until :class:`Stop`; return the results recorded while it
+        ran (its commands', and async completions delivered meanwhile), oldest first: the last
+        ``history`` of them if there were more (the totals are in :meth:`statistics`). Like
+        every kept result, they carry ``error`` but no ``exception``.
 
         Between commands the engine generates: a :class:`BackgroundEngine` on its own, a
         blocking one through ``step_generation`` (skipped while the weights are torn). A
@@ -912,8 +920,7 @@ class RolloutWorker:
                 generation_steps=self._generation_steps,
                 engine_started=self._engine_started,
                 failed_syncs=self._failed_syncs,
-                sync_reports=self._reports,
-                history=self.history,
+                sync_reports_total=self._reports,
             )
 
     # -- guard hooks -------------------------------------------------------------------------

@@ -129,9 +129,9 @@ def test_the_unguarded_demo_shows_torn_reads_and_payload_overlaps(
 ) -> None:
     """The harness above can fail: the same run without the guard sees both hazards, on the
     replicas and on the trainer (which then receives payloads through its weight sends)."""
-    trace = tmp_path / "unguarded.json"
+    trace, picture = tmp_path / "unguarded.json", tmp_path / "unguarded.png"
     argv = ["demo", "--replicas", "2", "--steps", "12", "--unguarded", "--json"]
-    code = main([*argv, "--trace", str(trace)])
+    code = main([*argv, "--trace", str(trace), "--plot", str(picture)])  # as README shows
     out = capsys.readouterr().out
     report = json.loads(out.strip().splitlines()[-1])
     assert code == 0, out  # hazards are the expected outcome of an unguarded run
@@ -156,6 +156,9 @@ def test_the_unguarded_demo_shows_torn_reads_and_payload_overlaps(
     assert rectangles.get("overlap|trainer", 0) == report["trainer_egress_overlaps"]
     assert not any(gid.startswith("hold|") for gid in rectangles)
     assert "UNGUARDED" in drawn.figure.get_suptitle()
+    # The CLI's own --plot drew the same run and said how many it marked.
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot: {picture} (3 processes; {drawn.overlaps} overlaps marked in red)" in out
 
 
 @pytest.mark.timeout(90)

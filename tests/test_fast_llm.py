@@ -557,8 +557,10 @@ def test_a_trainer_killed_mid_stream(redis: Any, redis_server: RedisServer, stag
             rollout.check_servable()
         assert not rollout.can_generate()  # parked though the engine never checks
         elsewhere = ThreadRunner()  # the pause is this thread's: another cannot release it
-        elsewhere.start(receiver.stop_engine, name="other-thread")
-        assert [type(e) for e in elsewhere.join_all(30)] == [RolloutSyncError]
+        elsewhere.start(receiver.stop_engine, name="other-thread-stop")
+        elsewhere.start(lambda: receiver.take(event), name="other-thread-take")
+        elsewhere.start(receiver.serve, name="other-thread-serve")
+        assert [type(e) for e in elsewhere.join_all(30)] == [RolloutSyncError] * 3
         assert not rollout.can_generate()
         receiver.stop_engine()  # the end of serving lets it go
         assert rollout.can_generate()

@@ -220,6 +220,16 @@ def test_rollout_sync_plot_draws_a_trace_written_earlier(
         main(["plot", str(not_a_trace)])
     with pytest.raises(SystemExit, match="cannot read"):
         main(["plot", str(tmp_path / "missing.json")])
+    malformed = tmp_path / "malformed.json"
+    malformed.write_text('{"traceEvents": [{"ph": "X", "name": "no ts"}]}')
+    with pytest.raises(SystemExit, match="trace event 0 is malformed"):
+        main(["plot", str(malformed)])
+    # A PNG whatever the name says (the docs promise a PNG; the suffix picks no format).
+    odd = tmp_path / "picture.json"
+    assert main(["plot", str(trace), "-o", str(odd), "--dpi", "30"]) == 0
+    assert odd.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit, match="cannot write the picture"):
+        main(["plot", str(trace), "-o", str(tmp_path / "no" / "such" / "dir.png")])
 
 
 def test_without_matplotlib_the_cli_names_the_extra_before_running_anything(
@@ -242,3 +252,12 @@ def test_without_matplotlib_the_cli_names_the_extra_before_running_anything(
 
     with pytest.raises(MatplotlibUnavailableError, match=r"rollout-sync\[plot\]"):
         plot_timeline(recorded_run())
+
+
+def test_demo_plot_into_a_missing_folder_is_refused_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    picture = tmp_path / "no" / "such" / "sync.png"
+    assert main(["demo", "--in-process", "--syncs", "1", "--plot", str(picture)]) == 2
+    captured = capsys.readouterr()
+    assert "no folder" in captured.err and "rollout-sync demo report" not in captured.out

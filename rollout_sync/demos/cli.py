@@ -183,10 +183,7 @@ def _draw(timeline: Timeline, path: str, report: dict[str, Any] | None, dpi: int
     """Save the picture; the line that says where it is and what it marks."""
     from ..trace_plot import save_timeline_plot
 
-    try:
-        drawn = save_timeline_plot(timeline, path, report=report, dpi=dpi)
-    except OSError as exc:
-        raise SystemExit(f"rollout-sync: cannot write the picture {path}: {exc}") from None
+    drawn = save_timeline_plot(timeline, path, report=report, dpi=dpi)  # OSError: the caller's
     marked = f"{drawn.overlaps} overlaps" if drawn.overlaps else "no overlap"
     lanes = f"{len(drawn.lanes)} process{'es' if len(drawn.lanes) != 1 else ''}"
     return f"plot: {path} ({lanes}; {marked} marked in red)"
@@ -221,8 +218,8 @@ def _run_plot(args: argparse.Namespace) -> int:
     output = args.output or str(Path(args.trace).with_suffix(".png"))
     try:
         print(_draw(timeline, output, report if isinstance(report, dict) else None, args.dpi))
-    except ValueError as exc:
-        raise SystemExit(f"rollout-sync plot: {args.trace}: {exc}") from None
+    except OSError as exc:
+        raise SystemExit(f"rollout-sync plot: cannot write the picture {output}: {exc}") from None
     return 0
 
 
@@ -387,6 +384,10 @@ def _run_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
         if unavailable is not None:  # said before the run, not after it
             print(unavailable, file=sys.stderr)
             return 2
+        folder = Path(args.plot).resolve().parent
+        if not folder.is_dir():
+            print(f"rollout-sync demo --plot: no folder {folder} to write into", file=sys.stderr)
+            return 2
     timeline = Timeline()
     mode = SyncMode(args.mode)
     if args.launcher != "local" and (args.in_process or args.backend == "vllm"):
@@ -451,13 +452,19 @@ def _run_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.trace:
         path = timeline.write_chrome_trace(args.trace, metadata={REPORT_METADATA_KEY: report})
         print(f"trace: {path} ({len(timeline)} spans; open in https://ui.perfetto.dev)")
+    plot_failed = False
     if args.plot:
-        print(_draw(timeline, args.plot, report, PLOT_DPI))
+        try:
+            print(_draw(timeline, args.plot, report, PLOT_DPI))
+        except OSError as exc:  # the run's verdict and report still come
+            error = f"rollout-sync demo: cannot write the picture {args.plot}: {exc}"
+            print(error, file=sys.stderr)
+            plot_failed = True
     print(_verdict(report))
     if args.json:
         print(json.dumps(report))
     failed = bool(report["guarded"] and _hazards(report) > 0) or _broken(report) is not None
-    return 1 if failed else 0
+    return 1 if failed or plot_failed else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -317,6 +317,7 @@ class FastLLMReceiver:
                 (or :meth:`stop_engine`).
             FastLLMEventTimeout: no event for ``idle_timeout_s``.
         """
+        self._torn_park.check_thread("serve()")  # before an event is taken off the stream
         if self._last_event_id is None:
             self.connect()
         idle_since = time.monotonic()
@@ -340,6 +341,11 @@ class FastLLMReceiver:
         it on R2R if this receiver is the R2R source."""
         source = self.r2r is not None and self.r2r.is_source
         try:
+            try:
+                self._torn_park.check_thread("take()")
+            except RolloutSyncError:
+                self.close()  # this version's stream stays unread: out of step with the trainer
+                raise
             if self.guarded:
                 received = self.receive_weights(event)
             else:
@@ -369,7 +375,6 @@ class FastLLMReceiver:
 
     def _receive(self, event: WeightsReady) -> ReceivedVersion:
         try:
-            self._torn_park.check_thread("serve()/take()")
             self.rollout.ensure_initialized()
             served = self.rollout.served_weights()
             start = time.perf_counter()
