@@ -213,6 +213,12 @@ class TornWeightsPark:
     This parks a backend whose ``paused()`` parks its generation; the default ``paused()`` of
     a blocking engine does nothing, and such an engine must check ``weights_torn`` itself (the
     package's own blocking backends do, at every step).
+
+    Who is parked is the caller's choice, for a reason: the rollout worker parks only a
+    background engine, because its own loop already never steps a blocking engine while torn
+    and a blocking ``generate`` called elsewhere should refuse at once (``TornWeightsError``),
+    not wait for the park; the Fast-LLM receiver has no generation loop of its own to keep
+    torn weights from being served, so it parks whatever engine it writes into.
     """
 
     def __init__(self, rollout: RolloutBase, owner: str) -> None:

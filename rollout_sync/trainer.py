@@ -526,16 +526,16 @@ class TransferWeightPusher:
             nullcontext() if self.receiver is None else self.receiver.hold_receives(timeout)
         )
         hold_start_ns = time.monotonic_ns()
-        held = math.nan
-        try:
-            with hold:
-                held = time.perf_counter()
+        with hold:
+            held = time.perf_counter()
+            try:
                 self.last_stats = self.transfer.send(weights, version=version)
-        finally:
-            # From asking for the hold until its release; none when the hold timed out.
-            timeline = self.transfer.timeline
-            if self.receiver is not None and timeline is not None and not math.isnan(held):
-                timeline.add_span(SpanKind.PAYLOAD_HOLD, "payload receives held", hold_start_ns)
+            finally:
+                # The receiver's hold, from asking for it until the send ended (none when the
+                # hold timed out: then the body never ran), on the receiver's own timeline.
+                timeline = None if self.receiver is None else self.receiver.timeline
+                if timeline is not None:
+                    timeline.add_span(SpanKind.PAYLOAD_HOLD, "payload receives held", hold_start_ns)
         self.last_barrier_s = barrier_done - start
         self.last_hold_s = held - barrier_done
 

@@ -332,9 +332,8 @@ class _SourceTransfer:
 
     is_source = True
 
-    def __init__(self, log: EventLog, timeline: Timeline | None = None) -> None:
+    def __init__(self, log: EventLog) -> None:
         self.log = log
-        self.timeline = timeline
 
     def send(self, weights: Mapping[str, torch.Tensor], *, version: int) -> TransferStats:
         self.log.add(f"send:v{version}")
@@ -342,8 +341,9 @@ class _SourceTransfer:
 
 
 class _HoldingReceiver:
-    def __init__(self, log: EventLog) -> None:
+    def __init__(self, log: EventLog, timeline: Timeline | None = None) -> None:
         self.log = log
+        self.timeline = timeline
 
     @contextmanager
     def hold_receives(self, timeout: float | None = None) -> Iterator[None]:
@@ -358,14 +358,14 @@ def test_the_transfer_pusher_meets_the_replica_then_holds_receives_then_sends() 
     log = EventLog()
     timeline = Timeline()
     pusher = TransferWeightPusher(
-        _SourceTransfer(log, timeline),  # type: ignore[arg-type]
+        _SourceTransfer(log),  # type: ignore[arg-type]
         barrier=lambda timeout: log.add(f"barrier:{timeout}"),
-        receiver=_HoldingReceiver(log),
+        receiver=_HoldingReceiver(log, timeline),
     )  # type: ignore[arg-type]
     pusher.push_weights(_weights(), version=3, timeout=5.0)
     assert log.events == ["barrier:5.0", "hold:5.0", "send:v3", "release"]
     assert pusher.last_stats is not None and pusher.last_stats.version == 3
-    # The hold is on the transfer's timeline (the trainer's lane of the picture).
+    # The hold is on the receiver's timeline (the trainer's lane of the picture).
     assert [s.name for s in timeline.spans(SpanKind.PAYLOAD_HOLD)] == ["payload receives held"]
 
 
