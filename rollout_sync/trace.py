@@ -34,6 +34,7 @@ __all__ = [
     "Timeline",
     "find_overlaps",
     "read_chrome_trace",
+    "split_overlaps",
     "step_intervals_ms",
     "torn_forwards",
 ]
@@ -309,6 +310,20 @@ def _intersections(a: list[Span], b: list[Span]) -> Iterator[Overlap]:
             if b[j].end_ns > x.start_ns:
                 yield Overlap(x, b[j])
             j += 1
+
+
+def split_overlaps(overlaps: Iterable[Overlap]) -> tuple[list[Overlap], list[Overlap]]:
+    """The two hazards in ``overlaps`` (:meth:`Timeline.overlaps`): forwards during a weight
+    write (torn reads; reports' ``forward_write_overlaps``) and payload transfers during a
+    weight collective or sync (``egress_overlaps``)."""
+    forward_writes: list[Overlap] = []
+    egress: list[Overlap] = []
+    for o in overlaps:
+        if o.first.kind == SpanKind.FORWARD:
+            forward_writes.append(o)
+        elif o.first.kind in (SpanKind.PAYLOAD_SEND, SpanKind.PAYLOAD_RECV):
+            egress.append(o)
+    return forward_writes, egress
 
 
 def torn_forwards(forwards: Iterable[Span], overlaps: Iterable[Overlap]) -> list[Span]:

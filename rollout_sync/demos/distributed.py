@@ -85,7 +85,7 @@ from ..testing import (
     run_processes,
     weights_digest,
 )
-from ..trace import SpanKind, Timeline, step_intervals_ms, torn_forwards
+from ..trace import SpanKind, Timeline, split_overlaps, step_intervals_ms, torn_forwards
 from ..trainer import (
     TrainerCallbacks,
     TransferWeightPusher,
@@ -744,9 +744,7 @@ def _report(
     timeline: Timeline,
     wall_s: float,
 ) -> dict[str, Any]:
-    overlaps = timeline.overlaps()
-    egress = [o for o in overlaps if o.first.kind in (SpanKind.PAYLOAD_SEND, SpanKind.PAYLOAD_RECV)]
-    forward_writes = [o for o in overlaps if o.first.kind == SpanKind.FORWARD]
+    forward_writes, egress = split_overlaps(timeline.overlaps())
     # A forward is torn if the engine's own detector saw it (the LM's seqlock, the stamps of
     # the fake model) or if it overlapped a weight write: counted once either way.
     torn = torn_forwards(timeline.spans(SpanKind.FORWARD), forward_writes)

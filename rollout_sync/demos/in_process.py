@@ -20,7 +20,7 @@ import torch
 
 from ..metrics import percentile, summarize
 from ..testing import InProcessWorker, RecordingPacker, TornReadBackend, VersionStampedModel
-from ..trace import SpanKind, Timeline
+from ..trace import SpanKind, Timeline, split_overlaps
 from ..trainer import QueueCommandChannel, TrainerCallbacks, WeightBroadcastCallback
 
 __all__ = ["InProcessDemoConfig", "run_in_process_demo"]
@@ -120,11 +120,7 @@ def run_in_process_demo(
     drain = summarize([r.egress_drain_s for r in worker.reports])
     handler = summarize([r.handler_s for r in worker.reports])
     fence = summarize([r.fence_s for r in worker.reports])
-    overlaps = timeline.overlaps()
-    egress_overlaps = [
-        o for o in overlaps if o.first.kind in (SpanKind.PAYLOAD_SEND, SpanKind.PAYLOAD_RECV)
-    ]
-    forward_writes = [o for o in overlaps if o.first.kind == SpanKind.FORWARD]
+    forward_writes, egress_overlaps = split_overlaps(timeline.overlaps())
     return {
         "mode": "in_process",
         "guarded": config.guarded,

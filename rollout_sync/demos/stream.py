@@ -32,7 +32,7 @@ from ..backends.torch_lm import (
 from ..metrics import summarize
 from ..scheduler import FinishReason, GenerationRequest, GenerationResult
 from ..testing import InProcessWorker, RecordingPacker
-from ..trace import SpanKind, Timeline
+from ..trace import SpanKind, Timeline, split_overlaps
 
 __all__ = ["StreamDemoConfig", "build_stream_backend", "run_stream_demo"]
 
@@ -151,9 +151,7 @@ def _run_stream_demo(config: StreamDemoConfig, timeline: Timeline) -> dict[str, 
         packer.stop()
     wall_s = time.perf_counter() - started
 
-    overlaps = timeline.overlaps()
-    egress = [o for o in overlaps if o.first.kind in (SpanKind.PAYLOAD_SEND, SpanKind.PAYLOAD_RECV)]
-    forward_writes = [o for o in overlaps if o.first.kind == SpanKind.FORWARD]
+    forward_writes, egress = split_overlaps(timeline.overlaps())
     park = summarize([r.park_s for r in worker.reports])
     total = summarize([r.total_s for r in worker.reports])
     steps = summarize([s.duration_s for s in timeline.spans(SpanKind.FORWARD)])
