@@ -156,8 +156,10 @@ class _FailingEngine:
     (``loaded=False``: a refused manifest) or mid-load. ``state_error``: what asking for its
     state raises instead (an engine without the worker extension)."""
 
-    def __init__(self, *, loaded: bool, state_error: Exception | None = None) -> None:
-        self.loaded, self.state_error = loaded, state_error
+    def __init__(
+        self, *, loaded: bool, state_error: Exception | None = None, landed: bool = False
+    ) -> None:
+        self.loaded, self.state_error, self.landed = loaded, state_error, landed
         self.state: dict[str, object] = {"torn": None, "updates": 3}
         self.paused = False
 
@@ -170,6 +172,8 @@ class _FailingEngine:
     def update_weights(self, update_info: object) -> None:
         if self.loaded:
             self.state["torn"] = "an update failed mid-load"
+        if self.landed:  # a whole update landed (not torn) before the call failed
+            self.state["updates"] = int(str(self.state["updates"])) + 1
         raise RuntimeError("the update failed")
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
@@ -205,8 +209,16 @@ def test_a_failed_update_the_engine_loaded_nothing_of_resumes_generation() -> No
     assert guard.reports[-1].error == "RuntimeError: the update failed"
 
 
-def test_a_failed_update_the_engine_loaded_part_of_stays_parked_and_torn() -> None:
-    engine = _FailingEngine(loaded=True)
+@pytest.mark.parametrize(
+    "engine",
+    [_FailingEngine(loaded=True), _FailingEngine(loaded=False, landed=True)],
+    ids=["torn_mid_load", "an_update_landed"],
+)
+def test_a_failed_update_the_engine_loaded_part_of_stays_parked_and_torn(
+    engine: _FailingEngine,
+) -> None:
+    """Torn, or not torn but an update landed since the guard asked (``updates`` moved): the
+    engine no longer serves the version it served, so the guard does not resume it."""
     guard = _fail_one_update(engine)
     assert guard.torn is not None and "update_weights" in guard.torn
     assert guard.parked and engine.paused
