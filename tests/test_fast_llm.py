@@ -428,7 +428,10 @@ def test_a_tensor_shorter_than_its_header_is_refused_whole(redis: Any) -> None:
         assert [p[: len(problem)] for p in error.problems] == [problem]
         assert untouched and not torn
     error, _, torn, parked = refusals[2]  # in place: torn, and parked by the receiver
-    assert isinstance(error, WeightTransferError) and problem in str(error)
+    assert isinstance(error, WeightTransferError) and "see the cause" in str(error)
+    cause = error.__cause__  # the refusal itself, with its problems
+    assert isinstance(cause, WeightMismatchError) and problem in str(cause)
+    assert [p[: len(problem)] for p in cause.problems] == [problem]
     assert error.tensors_written == len(weights) and torn and parked
     for rollout in rollouts.values():
         assert served_digest(rollout) == weights_digest(weights) and rollout.weight_version == 16

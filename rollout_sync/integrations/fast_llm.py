@@ -312,7 +312,7 @@ class FastLLMReceiver:
                 the receiver stays in the group).
             CollectiveError: the trainer died or stopped sending mid-stream.
             WeightTransferError: ``stage=False``, any of the above after an in-place write
-                (a failure chained as its cause, a refusal's problems in its message): the
+                (a failure chained as its cause, a refusal's WeightMismatchError too): the
                 weights are torn and generation stays parked until a complete version lands
                 (or :meth:`stop_engine`).
             FastLLMEventTimeout: no event for ``idle_timeout_s``.
@@ -541,15 +541,10 @@ class FastLLMReceiver:
                 + (" ..." if len(missing) > 5 else "")
             )
         if problems:
-            if written:
-                more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-                raise self._torn(
-                    served,
-                    event,
-                    written,
-                    f"refused at the end marker ({len(problems)} problem(s))",
-                    ":\n  " + "\n  ".join(problems[:20]) + more,
-                )
+            if written:  # the problems, listed once, are the cause (its .problems too)
+                refused = WeightMismatchError(problems, context=f"{what}: refused")
+                why = f"refused at the end marker ({len(problems)} problem(s))"
+                raise self._torn(served, event, written, why, "; see the cause") from refused
             raise WeightMismatchError(problems, context=f"{what}: refused, nothing written")
         if self.stage:
             self._write(staged, served, event)
