@@ -51,6 +51,8 @@ class SpanKind:
     PAUSE = "pause"
     SYNC = "weight_sync"
     """The body of a guarded sync (after pause and egress hold, before release)."""
+    WEIGHT_BUFFER_WRITE = "weight_buffer_write"
+    """A write into an async-mode weight buffer, not a served tensor (``transfer.BUFFER_WRITE``)."""
     PAYLOAD_HOLD = "payload_hold"
     """Payload transfers held for a weight sync: a replica's sends (the bracket's egress hold,
     from asking for it until its release) or the trainer's receives (the P2R push's hold)."""
@@ -94,9 +96,19 @@ class Overlap:
     first: Span
     second: Span
 
+    @property
+    def start_ns(self) -> int:
+        """Where the two spans begin to intersect."""
+        return max(self.first.start_ns, self.second.start_ns)
+
+    @property
+    def end_ns(self) -> int:
+        """Where their intersection ends."""
+        return min(self.first.end_ns, self.second.end_ns)
+
     def __str__(self) -> str:
         a, b = self.first, self.second
-        both = (min(a.end_ns, b.end_ns) - max(a.start_ns, b.start_ns)) / 1e6
+        both = (self.end_ns - self.start_ns) / 1e6
         return f"{a.kind} {a.name!r} overlaps {b.kind} {b.name!r} by {both:.3f} ms (pid {a.pid})"
 
 

@@ -58,7 +58,6 @@ from typing import TYPE_CHECKING, Any
 from .errors import MatplotlibUnavailableError
 from .metrics import percentile
 from .trace import Overlap, Span, SpanKind, Timeline, torn_forwards
-from .transfer.config import BUFFER_WRITE
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -112,7 +111,7 @@ STYLES: tuple[SpanStyle, ...] = (
     SpanStyle(
         "write",
         "weight write / install",
-        (SpanKind.WEIGHT_WRITE, BUFFER_WRITE),
+        (SpanKind.WEIGHT_WRITE, SpanKind.WEIGHT_BUFFER_WRITE),
         "write",
         _PURPLE,
         "xxx",
@@ -272,15 +271,11 @@ def sync_windows(spans: Iterable[Span]) -> list[tuple[int, int]]:
     return merged
 
 
-def _intersection(o: Overlap) -> tuple[int, int]:
-    return max(o.first.start_ns, o.second.start_ns), min(o.first.end_ns, o.second.end_ns)
-
-
 def _zoom_window(
     windows: Sequence[tuple[int, int]], overlaps: Sequence[Overlap]
 ) -> tuple[int, int] | None:
     """The sync to zoom into (see the module docstring), padded by a fifth of its length."""
-    marks = [_intersection(o) for o in overlaps]
+    marks = [(o.start_ns, o.end_ns) for o in overlaps]
     marked = [w for w in windows if any(lo < w[1] and w[0] < hi for lo, hi in marks)]
     candidates = marked or list(windows[1:] if len(windows) >= 3 else windows)
     if not candidates:
@@ -394,7 +389,7 @@ def plot_timeline(
             detail,
             lanes,
             shown,
-            [o for o in overlaps if _intersection(o)[0] < hi and _intersection(o)[1] > lo],
+            [o for o in overlaps if o.start_ns < hi and o.end_ns > lo],
             [s for s in torn if s.start_ns < hi and s.end_ns > lo],
             lo,
             1e6,
@@ -494,7 +489,7 @@ def _draw(
         if mine:
             boxes = []
             for o in mine:
-                lo, hi = ((t - origin_ns) / unit_ns for t in _intersection(o))
+                lo, hi = ((t - origin_ns) / unit_ns for t in (o.start_ns, o.end_ns))
                 top, bottom = _rows_of(lane, o)
                 boxes.append([(lo, top), (lo, bottom), (hi, bottom), (hi, top)])
             ax.add_collection(
@@ -508,7 +503,7 @@ def _draw(
                 )
             )
             ax.plot(
-                [(sum(_intersection(o)) / 2 - origin_ns) / unit_ns for o in mine],
+                [((o.start_ns + o.end_ns) / 2 - origin_ns) / unit_ns for o in mine],
                 [lane.top - 0.3] * len(mine),
                 linestyle="none",
                 marker="v",

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from ..flat import ALIGN_BYTES
+from ..trace import SpanKind
 
 __all__ = ["BUFFER_WRITE", "TransferConfig", "TransferHooks", "TransferStats"]
 
-BUFFER_WRITE = "weight_buffer_write"
+BUFFER_WRITE = SpanKind.WEIGHT_BUFFER_WRITE
 """Span kind of a write into an async-mode weight buffer (not a served tensor)."""
 
 
