@@ -90,7 +90,24 @@ __all__ = [
 
 
 class RolloutSyncError(Exception):
-    """Base class of every error rollout_sync raises on purpose."""
+    """Base class of every error rollout_sync raises on purpose.
+
+    Every one survives pickling with its attributes (a Ray task, a spawned child, a queue
+    between processes), whatever its ``__init__`` takes: it is rebuilt from its ``args`` and
+    attributes, not by calling ``__init__`` again.
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_error, (type(self), self.args, self.__dict__))
+
+
+def _rebuild_error(
+    cls: type[RolloutSyncError], args: tuple[Any, ...], state: dict[str, Any]
+) -> RolloutSyncError:
+    error = cls.__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class WouldBlock(RolloutSyncError):

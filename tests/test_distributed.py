@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import socket
 import threading
 import time
@@ -13,9 +14,23 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rollout_sync.distributed import group_timeout_s, init_process_group, new_group, wait_work
-from rollout_sync.errors import CollectiveError, CollectiveTimeout, GroupProcessError
-from rollout_sync.testing import find_free_port, run_processes
+from rollout_sync.distributed import group_timeout_s, new_group, wait_work
+from rollout_sync.errors import (
+    CollectiveError,
+    CollectiveTimeout,
+    GroupProcessError,
+    PayloadSendersFailed,
+    RolloutSyncTimeout,
+)
+from rollout_sync.testing import (
+    ErrorReport,
+    FaultSchedule,
+    Kill,
+    fault_point,
+    find_free_port,
+    run_group,
+    run_processes,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -64,84 +79,137 @@ def test_an_expected_exit_is_not_a_failure() -> None:
     assert set(values) == {0}
 
 
+# -- the fault schedule and typed reports -------------------------------------------------------
+
+
+def _counting_child(rank: int, passes: int) -> int:
+    for _ in range(passes):
+        fault_point("loop")
+    return passes
+
+
+@pytest.mark.timeout(60)
+def test_a_scheduled_kill_strikes_its_rank_at_its_step_and_only_there() -> None:
+    faults = FaultSchedule(Kill(1, "loop", step=2))
+    # Rank 1 dies on its third pass; rank 0, not scheduled, passes every point.
+    assert run_processes(_counting_child, 2, (3,), timeout_s=60, faults=faults) == {0: 3}
+    # A kill that never strikes (two passes only) is a failure of the test's scenario.
+    with pytest.raises(GroupProcessError, match="expected to exit with code 17"):
+        run_processes(_counting_child, 2, (2,), timeout_s=60, faults=faults)
+
+
+def test_a_schedule_refuses_what_it_cannot_mean() -> None:
+    with pytest.raises(ValueError, match="dies once"):
+        FaultSchedule(Kill(1, "a"), Kill(1, "b"))
+    with pytest.raises(ValueError, match="expected twice"):
+        run_processes(
+            _counting_child,
+            2,
+            (1,),
+            timeout_s=5,
+            expected_exits={1: 3},
+            faults=FaultSchedule(Kill(1, "loop")),
+        )
+    with pytest.raises(ValueError, match="cannot leave together"):
+        run_group(
+            _counting_child,
+            2,
+            (1,),
+            timeout_s=5,
+            leave_together=True,
+            faults=FaultSchedule(Kill(1, "loop")),
+        )
+
+
+def test_an_error_report_matches_the_class_and_its_bases_not_a_name() -> None:
+    report = ErrorReport.of(CollectiveTimeout("late", operation="x", group=(0, 1), timeout=1.0))
+    assert report.is_a(CollectiveTimeout) and report.is_a(RolloutSyncTimeout, KeyError)
+    assert report.is_a(TimeoutError) and not report.is_a(KeyError)
+    assert str(report) == "CollectiveTimeout: late"
+
+
+def test_the_packages_errors_cross_processes_whole() -> None:
+    """Keyword-only constructors included: a child (or a Ray task) returns or raises them."""
+    error = PayloadSendersFailed("2 lost", failed_senders={2: "closed"}, lost=2)
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is PayloadSendersFailed and str(copy) == "2 lost"
+    assert (copy.failed_senders, copy.lost) == ({2: "closed"}, 2)
+
+
+def _wait_for(work: Any, operation: str, timeout_s: float, group: Any = None) -> WaitOutcome:
+    started = time.monotonic()
+    try:
+        wait_work(work, operation=operation, timeout_s=timeout_s, group=group)
+    except CollectiveError as exc:
+        return exc, time.monotonic() - started
+    return None, time.monotonic() - started
+
+
+WaitOutcome = tuple[CollectiveError | None, float]
+
+
 def _collective_child(
-    rank: int, port: int, timed_out: Any, wait_s: float, group_s: float | None
-) -> str:
+    rank: int, timed_out: Any, wait_s: float, group_s: float | None
+) -> WaitOutcome | None:
     """Rank 1 waits ``wait_s`` for a broadcast rank 0 never joins, on the default group or on
     a group made with a timeout of ``group_s``."""
-    init_process_group(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}", timeout_s=20)
     group = None if group_s is None else new_group([0, 1], timeout_s=group_s)
     assert group_timeout_s(group) == (20 if group_s is None else group_s)
     if rank == 1:
         work = dist.broadcast(torch.zeros(1), 0, group=group, async_op=True)
-        started = time.monotonic()
         try:
-            wait_work(work, operation="broadcast of the test tensor", timeout_s=wait_s, group=group)
-        except CollectiveTimeout as exc:
-            return f"timeout|{exc.group}|{time.monotonic() - started:.1f}|{exc}"
-        except CollectiveError as exc:
-            return f"error|{exc.group}|{time.monotonic() - started:.1f}|{exc}"
+            return _wait_for(work, "broadcast of the test tensor", wait_s, group)
         finally:
             timed_out.set()
-        return "completed"
     # Alive (not a dead peer) until rank 1's wait has run out, so that wait is a timeout.
     assert timed_out.wait(30), "rank 1 never finished its wait"
-    return "idle"
+    return None
 
 
-def _wait_for_a_missing_peer(wait_s: float, group_s: float | None) -> list[str]:
+def _wait_for_a_missing_peer(wait_s: float, group_s: float | None) -> WaitOutcome:
     timed_out = multiprocessing.get_context("spawn").Event()
-    values = run_processes(
-        _collective_child, 2, (find_free_port(), timed_out, wait_s, group_s), timeout_s=60
+    values = run_group(
+        _collective_child, 2, (timed_out, wait_s, group_s), timeout_s=60, group_timeout_s=20
     )
-    return values[1].split("|", 3)
+    assert values[1] is not None
+    return values[1]
 
 
 @pytest.mark.timeout(60)
 def test_wait_work_times_out_with_the_operation_and_group_named() -> None:
-    kind, group, seconds, text = _wait_for_a_missing_peer(0.5, None)
-    assert kind == "timeout" and group == "(0, 1)", text
-    assert float(seconds) < 2.0
-    assert "broadcast of the test tensor did not complete within 0.5 s" in text
-    assert "on the group of ranks [0, 1]" in text
+    error, seconds = _wait_for_a_missing_peer(0.5, None)
+    assert isinstance(error, CollectiveTimeout) and error.group == (0, 1), error
+    assert seconds < 2.0
+    assert "broadcast of the test tensor did not complete within 0.5 s" in str(error)
+    assert "on the group of ranks [0, 1]" in str(error)
 
 
-def _dead_peer_child(rank: int, port: int) -> str:
-    init_process_group(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}", timeout_s=20)
+def _dead_peer_child(rank: int) -> WaitOutcome:
     dist.barrier()
-    if rank == 0:
-        os._exit(9)  # dies with its connections open: the peer sees them close
+    fault_point("after_barrier")  # rank 0 dies with its connections open: the peer sees them close
     work = dist.broadcast(torch.zeros(1), 0, async_op=True)
-    started = time.monotonic()
-    try:
-        wait_work(work, operation="broadcast from the dead rank", timeout_s=15)
-    except CollectiveTimeout as exc:
-        return f"timeout|{exc.group}|{time.monotonic() - started:.1f}|{exc}"
-    except CollectiveError as exc:
-        return f"error|{exc.group}|{time.monotonic() - started:.1f}|{exc}"
-    return "completed"
+    return _wait_for(work, "broadcast from the dead rank", 15)
 
 
 @pytest.mark.timeout(60)
 def test_a_wait_longer_than_the_groups_own_timeout_still_reads_as_a_timeout() -> None:
     """gloo ends the operation at the group's timeout (1 s); the caller waited with 10 s. That
     early end is the group's timeout, not a dead peer."""
-    kind, _, seconds, text = _wait_for_a_missing_peer(10.0, 1.0)
-    assert kind == "timeout", text
-    assert float(seconds) < 5.0 and "within 1.0 s" in text
+    error, seconds = _wait_for_a_missing_peer(10.0, 1.0)
+    assert isinstance(error, CollectiveTimeout), error
+    assert seconds < 5.0 and "within 1.0 s" in str(error)
 
 
 @pytest.mark.timeout(60)
 def test_a_dead_peer_is_a_collective_error_at_once_not_a_timeout() -> None:
     """Told apart by when the wait failed (torch raises RuntimeError for both on gloo)."""
-    values = run_processes(
-        _dead_peer_child, 2, (find_free_port(),), timeout_s=60, expected_exits={0: 9}
-    )
-    kind, group, seconds, text = values[1].split("|", 3)
-    assert kind == "error", values[1]
-    assert group == "(0, 1)" and float(seconds) < 5.0
-    assert "broadcast from the dead rank failed after" in text
-    assert "peer most likely died" in text and "limit of 15.0 s" in text
+    kill = Kill(0, "after_barrier", exit_code=9)
+    values = run_group(_dead_peer_child, 2, timeout_s=60, faults=FaultSchedule(kill))
+    error, seconds = values[1]
+    assert type(error) is CollectiveError, error
+    assert error.group == (0, 1) and seconds < 5.0
+    assert "broadcast from the dead rank failed after" in str(error)
+    assert "peer most likely died" in str(error) and "limit of 15.0 s" in str(error)
 
 
 def test_find_free_port_is_bindable() -> None:

@@ -55,7 +55,14 @@ from rollout_sync.integrations.fast_llm_wire import (  # noqa: E402
     decode_rollout,
     parse_event,
 )
-from rollout_sync.testing import find_free_port, run_processes, weights_digest  # noqa: E402
+from rollout_sync.testing import (  # noqa: E402
+    FaultSchedule,
+    Kill,
+    fault_point,
+    find_free_port,
+    run_processes,
+    weights_digest,
+)
 from rollout_sync.testing.fast_llm_trainer import FastLLMTrainerStandIn  # noqa: E402
 from rollout_sync.testing.redis_server import RedisServer, require_redis_server  # noqa: E402
 from rollout_sync.trace import SpanKind, Timeline, find_overlaps  # noqa: E402
@@ -512,7 +519,7 @@ def _dies_mid_stream(
     trainer.weights_ready(1, 8)
     for name, tensor in list(weights.items())[:3]:
         trainer.broadcast_raw(pickle.dumps(("weights", name, tensor.shape, tensor.dtype)), tensor)
-    os._exit(1)  # killed mid-stream: no end marker, its connections close
+    fault_point("mid_stream")  # killed: no end marker, its connections close
 
 
 @pytest.mark.parametrize("stage", [True, False])
@@ -530,7 +537,7 @@ def test_a_trainer_killed_mid_stream(redis: Any, redis_server: RedisServer, stag
             1,
             (redis_server.url, port, trainer_weights(5)),
             timeout_s=60,
-            expected_exits={0: 1},
+            faults=FaultSchedule(Kill(0, "mid_stream")),
         ),
         name="trainer-process",
     )

@@ -11,22 +11,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from rollout_sync import P2R, RolloutWorker, TransferConfig, TransferWeightPusher, build_sync_groups
-from rollout_sync.distributed import init_process_group
 from rollout_sync.errors import P2RBarrierMismatch
-from rollout_sync.testing import (
-    EventLog,
-    RecordingRollout,
-    find_free_port,
-    run_processes,
-    weights_digest,
-)
+from rollout_sync.testing import EventLog, RecordingRollout, SyncOutcome, run_group, weights_digest
 
 LIMIT_S = 5.0
 """Every collective's limit. A mismatch must be reported in well under it."""
@@ -65,19 +58,8 @@ def _weights(version: int) -> dict[str, torch.Tensor]:
     return {"embed.weight": torch.randn(8, 4, generator=gen), "bias": torch.randn(4, generator=gen)}
 
 
-def _outcome(exc: BaseException | None, start: float) -> dict[str, Any]:
-    return {
-        "error": None if exc is None else type(exc).__name__,
-        "missing_on": getattr(exc, "missing_on", None),
-        "message": str(exc),
-        "elapsed_s": time.monotonic() - start,
-    }
-
-
-def _process(rank: int, port: int) -> list[dict[str, Any]]:
-    init_process_group(
-        rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}", timeout_s=LIMIT_S * 4
-    )
+def _round(rank: int) -> list[tuple[SyncOutcome, Exception | None, str]]:
+    """Each round's outcome on this rank, its error (whole), and the served weights' digest."""
     groups = build_sync_groups(trainer=0, replicas=[1], timeout_s=LIMIT_S)
     transfer = groups.p2r_transfer(config=TransferConfig(timeout_s=LIMIT_S))
     assert transfer is not None
@@ -91,52 +73,46 @@ def _process(rank: int, port: int) -> list[dict[str, Any]]:
             pusher = TransferWeightPusher(
                 transfer, barrier=groups.p2r_barrier if r.trainer else None
             )
+            error: Exception | None = None
             try:
                 if r.trainer_aborts:
                     transfer.send(_weights(version), version=version, storage=torch.zeros(1))
                 else:
                     pusher.push_weights(_weights(version), version=version, timeout=LIMIT_S)
             except Exception as exc:  # noqa: BLE001 - the outcome under test
-                outcomes.append(_outcome(exc, start))
-            else:
-                outcomes.append(_outcome(None, start))
+                error = exc
+            outcome = SyncOutcome.of(error, elapsed_s=time.monotonic() - start)
+            outcomes.append((outcome, error, ""))
             continue
         worker.p2r_barrier = groups.p2r_barrier if r.replica else None
         result = worker.handle(P2R(step=version))
-        outcomes.append(
-            {
-                **_outcome(result.exception, start),
-                "served": weights_digest(rollout.served_weights()),
-                "version": rollout.weight_version,
-                "torn": rollout.weights_torn,
-            }
-        )
+        outcome = SyncOutcome.of(result, rollout, elapsed_s=time.monotonic() - start)
+        digest = weights_digest(rollout.served_weights())
+        outcomes.append((outcome, result.exception, digest))
     return outcomes
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 def test_a_one_sided_p2r_barrier_fails_fast_on_both_sides_and_the_pair_goes_on() -> None:
-    values = run_processes(_process, 2, (find_free_port(),), timeout_s=75, intra_op_threads=1)
+    values = run_group(_round, 2, timeout_s=75, group_timeout_s=LIMIT_S * 4)
     served, committed = weights_digest(_weights(0)), 0
-    for version, (r, trainer, replica) in enumerate(
+    for version, (r, (trainer, trainer_error, _), (replica, replica_error, digest)) in enumerate(
         zip(ROUNDS, values[0], values[1], strict=True), start=1
     ):
         where = f"round {version}: {r}"
         if r.missing_on is not None:
             fix = FIXES[r.missing_on]
             if r.trainer_aborts:  # it reports its own reason; the replica names the barrier
-                assert trainer["error"] == "ValueError", (where, trainer["message"])
-            for side in (trainer, replica)[r.trainer_aborts :]:
-                assert side["error"] == P2RBarrierMismatch.__name__, (where, side["message"])
-                assert side["missing_on"] == r.missing_on and fix in side["message"], where
-                assert side["elapsed_s"] < LIMIT_S / 2, (where, side["elapsed_s"])
+                assert type(trainer_error) is ValueError, (where, trainer_error)
+            for side, error in ((trainer, trainer_error), (replica, replica_error))[
+                r.trainer_aborts :
+            ]:
+                assert isinstance(error, P2RBarrierMismatch), (where, error)
+                assert error.missing_on == r.missing_on and fix in str(error), where
+                assert side.elapsed_s < LIMIT_S / 2, (where, side.elapsed_s)
         else:
-            assert trainer["error"] is None and replica["error"] is None, (where, trainer, replica)
+            assert trainer.ok and replica.ok, (where, trainer_error, replica_error)
             served, committed = weights_digest(_weights(version)), version
         # A refused round wrote nothing: the last round's weights and version, whole.
-        assert (replica["served"], replica["version"], replica["torn"]) == (
-            served,
-            committed,
-            False,
-        ), where
+        assert (digest, replica.version, replica.servable) == (served, committed, True), where

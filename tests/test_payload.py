@@ -1,8 +1,7 @@
 """The payload transport across real processes: gloo on 127.0.0.1, rank 0 is the trainer.
 
-Each test runs module-level rank functions through :func:`run_ranks` (on
-:func:`rollout_sync.distributed.run_processes`); a rank's exception comes back to the parent with
-its traceback. The weight collective here is a plain
+Each test runs module-level rank functions through :func:`rollout_sync.testing.run_group`; a
+rank's exception comes back to the parent with its traceback. The weight collective here is a plain
 ``torch.distributed`` barrier + broadcast on a separate gloo group, bracketed by the guard on
 the rollouts and by ``hold_receives`` on the trainer (after the barrier: see
 :mod:`rollout_sync.receiver` on when to take it).
@@ -10,7 +9,6 @@ the rollouts and by ``hold_receives`` on the trainer (after the barrier: see
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
@@ -36,7 +34,6 @@ from rollout_sync import (
     pauses_generation,
     weight_sync_handler,
 )
-from rollout_sync.distributed import init_process_group
 from rollout_sync.errors import (
     IngressHoldTimeout,
     PayloadBackpressureTimeout,
@@ -45,38 +42,11 @@ from rollout_sync.errors import (
 )
 from rollout_sync.payload import ReceivedPayload
 from rollout_sync.payload.receiver import _Accepted
-from rollout_sync.testing import find_free_port, run_processes
+from rollout_sync.testing import run_group
 
 pytestmark = pytest.mark.multiprocess
 
 TRAINER = 0
-
-
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes joined by gloo on
-    127.0.0.1; returns their results by rank. ``fn`` must be a module-level function."""
-    values = run_processes(
-        _rank_main,
-        world_size,
-        (fn, world_size, find_free_port(), args),
-        timeout_s=timeout,
-        intra_op_threads=1,
-        what=fn.__name__,
-    )
-    return [values[rank] for rank in range(world_size)]
-
-
-def _rank_main(
-    rank: int, fn: Callable[..., Any], world_size: int, port: int, args: tuple[Any, ...]
-) -> Any:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    init_process_group(
-        rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}", timeout_s=30
-    )
-    value = fn(rank, world_size, *args)
-    # Nobody tears the groups down while a peer still talks on them.
-    dist.barrier()
-    return value
 
 
 # -- payloads ----------------------------------------------------------------------------------
@@ -154,7 +124,7 @@ def assert_exactly_once_in_order(
 PER_SENDER = 5000
 
 
-def _ten_thousand_rank(rank: int, world_size: int) -> dict[str, Any]:
+def _ten_thousand_rank(rank: int) -> dict[str, Any]:
     groups = new_payload_groups(timeout=60)
     rng = random.Random(1000 + rank)
     if rank == TRAINER:
@@ -248,7 +218,9 @@ def _ten_thousand_rank(rank: int, world_size: int) -> dict[str, Any]:
 @pytest.mark.timeout(90)
 def test_ten_thousand_payloads_from_two_rollouts_with_random_holds() -> None:
     started = time.monotonic()
-    trainer, *rollouts = run_ranks(_ten_thousand_rank, 3, timeout=80)
+    trainer, *rollouts = run_group(
+        _ten_thousand_rank, 3, timeout_s=80, leave_together=True
+    ).values()
     elapsed = time.monotonic() - started
     assert_exactly_once_in_order(trainer["seqs"], {1: PER_SENDER, 2: PER_SENDER})
     for rank in (1, 2):
@@ -342,7 +314,7 @@ class _MixinWorker(NCCLRolloutMixin, _SyncWorker):
     """The transport mixed into the worker (found by the guard as the worker itself)."""
 
 
-def _syncs_rank(rank: int, world_size: int, guarded: bool) -> dict[str, Any]:
+def _syncs_rank(rank: int, guarded: bool) -> dict[str, Any]:
     timeline = Timeline()
     weight_group = dist.new_group(backend="gloo")
     groups = new_payload_groups(timeout=60)
@@ -401,9 +373,9 @@ def _syncs_rank(rank: int, world_size: int, guarded: bool) -> dict[str, Any]:
     }
 
 
-def _run_syncs(guarded: bool) -> tuple[list[dict[str, Any]], Timeline]:
-    results = run_ranks(_syncs_rank, 3, guarded, timeout=50)
-    merged = Timeline.from_records(r for result in results for r in result["spans"])
+def _run_syncs(guarded: bool) -> tuple[dict[int, dict[str, Any]], Timeline]:
+    results = run_group(_syncs_rank, 3, (guarded,), timeout_s=50, leave_together=True)
+    merged = Timeline.from_records(r for result in results.values() for r in result["spans"])
     trainer = results[TRAINER]
     assert_exactly_once_in_order(
         trainer["seqs"], {r: results[r]["stats"].registered for r in (1, 2)}
@@ -467,7 +439,7 @@ def test_with_the_hold_disabled_the_same_syncs_record_overlaps() -> None:
 CAPACITY = 8
 
 
-def _full_registry_rank(rank: int, world_size: int) -> dict[str, Any]:
+def _full_registry_rank(rank: int) -> dict[str, Any]:
     weight_group = dist.new_group(backend="gloo")
     groups = new_payload_groups(timeout=60)
     if rank == TRAINER:
@@ -529,7 +501,7 @@ def _full_registry_rank(rank: int, world_size: int) -> dict[str, Any]:
 
 @pytest.mark.timeout(60)
 def test_held_pool_with_full_registry_pushes_back_and_the_sync_still_completes() -> None:
-    trainer, rollout = run_ranks(_full_registry_rank, 2, timeout=50)
+    trainer, rollout = run_group(_full_registry_rank, 2, timeout_s=50, leave_together=True).values()
     assert rollout["backpressure_s"] < 2.0
     message = rollout["backpressure_message"]
     assert f"{CAPACITY}/{CAPACITY}" in message and "held" in message
@@ -553,7 +525,7 @@ REQUEST_TIMEOUT_S = 1.0
 HOLD_S = 1.6
 
 
-def _deadline_rank(rank: int, world_size: int) -> dict[str, Any]:
+def _deadline_rank(rank: int) -> dict[str, Any]:
     groups = new_payload_groups(timeout=60)
     if rank == TRAINER:
         receiver = PayloadReceiver(groups, [1], window=4, request_timeout=REQUEST_TIMEOUT_S)
@@ -581,7 +553,7 @@ def _deadline_rank(rank: int, world_size: int) -> dict[str, Any]:
 
 @pytest.mark.timeout(60)
 def test_a_request_that_waits_through_a_hold_is_served_after_it() -> None:
-    trainer, rollout = run_ranks(_deadline_rank, 2, timeout=50)
+    trainer, rollout = run_group(_deadline_rank, 2, timeout_s=50, leave_together=True).values()
     assert trainer["meta"]["pending_request"] is not None
     assert trainer["request_id"] == trainer["meta"]["pending_request"]
     assert rollout["expired_after"] == rollout["expired_before"]
@@ -612,7 +584,7 @@ def _bounded(call: Callable[[], object], error: type[BaseException]) -> tuple[fl
     return time.monotonic() - started, str(caught.value)
 
 
-def _timeouts_rank(rank: int, world_size: int) -> dict[str, Any]:
+def _timeouts_rank(rank: int) -> dict[str, Any]:
     coord = dist.new_group(backend="gloo")
     groups = new_payload_groups(timeout=60)
     out: dict[str, Any] = {}
@@ -658,7 +630,7 @@ def _timeouts_rank(rank: int, world_size: int) -> dict[str, Any]:
 
 @pytest.mark.timeout(60)
 def test_flush_and_hold_that_cannot_complete_raise_clear_errors_in_bounded_time() -> None:
-    trainer, rollout = run_ranks(_timeouts_rank, 2, timeout=50)
+    trainer, rollout = run_group(_timeouts_rank, 2, timeout_s=50, leave_together=True).values()
     for side in (trainer, rollout):
         for what in ("hold", "flush"):
             elapsed, message = side[what]
@@ -678,7 +650,7 @@ def test_flush_and_hold_that_cannot_complete_raise_clear_errors_in_bounded_time(
 # -- NCCL (CUDA) -------------------------------------------------------------------------------
 
 
-def _nccl_rank(rank: int, world_size: int) -> dict[str, Any]:
+def _nccl_rank(rank: int) -> dict[str, Any]:
     torch.cuda.set_device(rank)
     groups = new_payload_groups(data_backend="nccl", timeout=60)
     if rank == TRAINER:
@@ -719,6 +691,6 @@ def _to_cpu(payload: ReceivedPayload) -> ReceivedPayload:
     reason="NCCL point-to-point needs two CUDA devices",
 )
 def test_payloads_over_nccl_on_two_devices() -> None:
-    trainer, _ = run_ranks(_nccl_rank, 2, timeout=100)
+    trainer, _ = run_group(_nccl_rank, 2, timeout_s=100, leave_together=True).values()
     assert trainer["seqs"] == list(range(200))
     assert trainer["devices"] == {"cuda:0"} and trainer["intact"]

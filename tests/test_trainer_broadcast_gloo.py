@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import queue
-import socket
+import multiprocessing
 import time
-import traceback
-from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from rollout_sync import TrainerCallbacks, WeightBroadcastCallback, weight_sync_bracket
 from rollout_sync.errors import WeightBroadcastError
 from rollout_sync.metrics import TimerClock
-from rollout_sync.testing import EventLog, RecordingRollout
+from rollout_sync.testing import EventLog, RecordingRollout, run_group
 from rollout_sync.trainer import BroadcastCommandChannel, BroadcastWeightPusher, CommandKind
 
 TIMEOUT_S = 20.0
@@ -105,11 +100,11 @@ def _rollout(
         received.append((command.step, command.version, _plain(served)))
     # The trainer is alive but announces nothing more: the wait is bounded and says so.
     started = time.monotonic()
+    silent_error: WeightBroadcastError | None = None
     try:
         channel.receive(SILENT_TIMEOUT_S)
-        silent_error = "no error"
     except WeightBroadcastError as exc:
-        silent_error = str(exc)
+        silent_error = exc
     silent_s = time.monotonic() - started
     rollout_done.set()
     return {
@@ -122,69 +117,16 @@ def _rollout(
     }
 
 
-def _rank_main(rank: int, port: int, results: Any, rollout_done: Any) -> None:
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=2,
-            timeout=timedelta(seconds=TIMEOUT_S),
-        )
-        try:
-            channel = BroadcastCommandChannel(src=0)
-            pusher = BroadcastWeightPusher(src=0)
-            role = _trainer if rank == 0 else _rollout
-            result = role(channel, pusher, rollout_done)
-        finally:
-            dist.destroy_process_group()
-        results.put((rank, "ok", result))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _rank_main(rank: int, rollout_done: Any) -> dict[str, Any]:
+    channel = BroadcastCommandChannel(src=0)
+    pusher = BroadcastWeightPusher(src=0)
+    role = _trainer if rank == 0 else _rollout
+    return role(channel, pusher, rollout_done)
 
 
 def _run_two_ranks() -> dict[int, Any]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    rollout_done = ctx.Event()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(rank, port, results, rollout_done), daemon=True)
-        for rank in range(2)
-    ]
-    for p in procs:
-        p.start()
-    out: dict[int, Any] = {}
-    errors: list[str] = []
-    try:
-        deadline = time.monotonic() + 60.0
-        while len(out) + len(errors) < 2:
-            try:
-                rank, status, payload = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(
-                    f"ranks {sorted(set(range(2)) - set(out))} reported nothing within 60 s"
-                ) from None
-            if status == "ok":
-                out[rank] = payload
-            else:
-                errors.append(f"rank {rank} failed:\n{payload}")
-        for p in procs:
-            p.join(TIMEOUT_S)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    if errors:
-        raise AssertionError("\n".join(errors))
-    return out
+    rollout_done = multiprocessing.get_context("spawn").Event()
+    return run_group(_rank_main, 2, (rollout_done,), timeout_s=60, group_timeout_s=TIMEOUT_S)
 
 
 @pytest.mark.multiprocess
@@ -244,6 +186,7 @@ def test_trainer_broadcast_over_gloo_is_timed_and_merged() -> None:
     assert all(m["rollout_sync/handler_ms"] >= 0.0 for m in rollout["metrics"])
 
     # A receive with nothing announced gave a clear error within its limit.
-    assert "receiving a command from rank 0 failed" in rollout["silent_error"]
-    assert "limit 0.5 s" in rollout["silent_error"]
+    assert isinstance(rollout["silent_error"], WeightBroadcastError)
+    assert "receiving a command from rank 0 failed" in str(rollout["silent_error"])
+    assert "limit 0.5 s" in str(rollout["silent_error"])
     assert rollout["silent_s"] < TIMEOUT_S

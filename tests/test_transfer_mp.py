@@ -1,12 +1,12 @@
 """P2R / R2R weight transfer between real processes: gloo on loopback, CPU.
 
-Every test spawns a small group with ``run_processes`` (children report their tracebacks),
-gives every collective a timeout, and asserts in the parent on what the children returned.
+Every test spawns a small group with ``run_group`` (children report their tracebacks), gives
+every collective a timeout, and asserts in the parent on what the children returned: the
+package's own exceptions, whole (they pickle with their attributes), or typed outcomes.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Any
@@ -18,6 +18,7 @@ from conftest import wait_until
 from rollout_sync.distributed import init_process_group
 from rollout_sync.errors import (
     ChecksumMismatchError,
+    ManifestError,
     ManifestRejected,
     TornWeightsError,
     WeightMismatchError,
@@ -25,10 +26,15 @@ from rollout_sync.errors import (
     WeightTransferTimeout,
 )
 from rollout_sync.testing import (
+    FaultSchedule,
+    Kill,
+    SyncOutcome,
     TornReadBackend,
     VersionStampedModel,
     find_free_port,
+    run_group,
     run_processes,
+    transfer_fault_hooks,
     weights_digest,
 )
 from rollout_sync.trace import SpanKind, Timeline
@@ -44,20 +50,6 @@ from rollout_sync.worker import P2R, R2R, RolloutWorker, build_sync_groups
 pytestmark = pytest.mark.multiprocess
 
 
-def _run(
-    target: Any, world: int, *args: Any, timeout: float = 60.0, **kwargs: Any
-) -> dict[int, Any]:
-    return run_processes(
-        target, world, (find_free_port(), *args), timeout_s=timeout, intra_op_threads=1, **kwargs
-    )
-
-
-def _init(rank: int, world: int, port: int, timeout_s: float = 20.0) -> None:
-    init_process_group(
-        rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}", timeout_s=timeout_s
-    )
-
-
 def _model(version: float, n: int = 12, numel: int = 300) -> dict[str, torch.Tensor]:
     """A model whose bytes depend on ``version`` and on every element's position."""
     gen = torch.Generator().manual_seed(1234)
@@ -69,8 +61,7 @@ def _model(version: float, n: int = 12, numel: int = 300) -> dict[str, torch.Ten
 _CASES = ["wrong_name", "wrong_shape", "wrong_dtype", "missing", "one_replica_differs"]
 
 
-def _bad_manifest_child(rank: int, port: int) -> list[tuple[Any, ...]]:
-    _init(rank, 3, port)
+def _bad_manifest_child(rank: int) -> list[tuple[Any, ...]]:
     transfer = WeightTransfer(None, 0, config=TransferConfig(bucket_bytes=1024, timeout_s=10))
     out: list[tuple[Any, ...]] = []
     if rank == 0:
@@ -86,9 +77,9 @@ def _bad_manifest_child(rank: int, port: int) -> list[tuple[Any, ...]]:
                 weights.pop("layers.1.weight")
             try:
                 transfer.send(weights, version=10 + i)
-                out.append((case, "sent"))
+                out.append((case, None))
             except ManifestRejected as exc:
-                out.append((case, "ManifestRejected", exc.rejected_by))
+                out.append((case, exc))
             # The group is still usable: a good sync right after goes through everywhere.
             transfer.send(_model(20 + i), version=20 + i)
         return out
@@ -99,44 +90,35 @@ def _bad_manifest_child(rank: int, port: int) -> list[tuple[Any, ...]]:
             target["layers.1.weight"] = torch.zeros(5)  # this replica's model differs
         before = weights_digest(served)
         started = time.monotonic()
+        error: Exception | None = None
         try:
             transfer.receive(target)
-            out.append((case, "received"))
-        except WeightMismatchError as exc:
-            out.append((case, "WeightMismatchError", tuple(exc.problems)))
-        except ManifestRejected as exc:
-            out.append((case, "ManifestRejected", exc.rejected_by))
-        out.append(
-            (case, "untouched", weights_digest(served) == before, time.monotonic() - started)
-        )
+        except (WeightMismatchError, ManifestRejected) as exc:
+            error = exc
+        untouched = weights_digest(served) == before
+        elapsed_s = time.monotonic() - started
         transfer.receive(served)
-        out.append((case, "good_sync", weights_digest(served) == weights_digest(_model(20 + i))))
+        good = weights_digest(served) == weights_digest(_model(20 + i))
+        out.append((case, error, untouched, elapsed_s, good))
     return out
 
 
 @pytest.mark.timeout(60)
 def test_bad_manifests_fail_everywhere_and_write_nothing() -> None:
-    results = _run(_bad_manifest_child, 3)
-    sender = {case: rest for case, *rest in results[0]}
-    for case in ["wrong_name", "wrong_shape", "wrong_dtype", "missing"]:
-        assert sender[case] == ["ManifestRejected", (1, 2)], case
-    assert sender["one_replica_differs"] == ["ManifestRejected", (2,)]
+    results = run_group(_bad_manifest_child, 3, timeout_s=60)
+    for case, rejected in results[0]:
+        assert isinstance(rejected, ManifestRejected), case
+        assert rejected.rejected_by == ((2,) if case == "one_replica_differs" else (1, 2)), case
     for rank in (1, 2):
-        rows = results[rank]
-        for case in _CASES:
-            outcome = next(
-                r for r in rows if r[0] == case and r[1] not in ("untouched", "good_sync")
-            )
-            untouched = next(r for r in rows if r[0] == case and r[1] == "untouched")
-            good = next(r for r in rows if r[0] == case and r[1] == "good_sync")
-            assert untouched[2], f"rank {rank} {case}: served weights were written"
-            assert untouched[3] < 5.0, f"rank {rank} {case}: the rejection took too long"
-            assert good[2], f"rank {rank} {case}: the next good sync did not land"
+        for case, error, untouched, elapsed_s, good in results[rank]:
+            assert untouched, f"rank {rank} {case}: served weights were written"
+            assert elapsed_s < 5.0, f"rank {rank} {case}: the rejection took too long"
+            assert good, f"rank {rank} {case}: the next good sync did not land"
             if case == "one_replica_differs" and rank == 1:
-                assert outcome[1:] == ("ManifestRejected", (2,))
+                assert isinstance(error, ManifestRejected) and error.rejected_by == (2,)
                 continue
-            assert outcome[1] == "WeightMismatchError", (rank, case, outcome)
-            problems = "\n".join(outcome[2])
+            assert isinstance(error, WeightMismatchError), (rank, case, error)
+            problems = "\n".join(error.problems)
             expected = {
                 "wrong_name": "layers.99.weight: not a served weight",
                 "wrong_shape": "layers.1.weight: shape [7, 3] does not match",
@@ -164,8 +146,7 @@ def _mixed_model() -> torch.nn.Module:
     return model
 
 
-def _layouts_child(rank: int, port: int, checksums: bool) -> dict[str, Any]:
-    _init(rank, 2, port)
+def _layouts_child(rank: int, checksums: bool) -> dict[str, Any]:
     config = TransferConfig(bucket_bytes=16 << 10, checksums=checksums, timeout_s=10)
     transfer = WeightTransfer(None, 0, config=config)
     model = _mixed_model()
@@ -209,7 +190,7 @@ def _layouts_child(rank: int, port: int, checksums: bool) -> dict[str, Any]:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("checksums", [False, True])
 def test_full_then_trainable_only_into_non_contiguous_mixed_dtype_targets(checksums: bool) -> None:
-    results = _run(_layouts_child, 2, checksums)
+    results = run_group(_layouts_child, 2, (checksums,), timeout_s=60)
     trainer, replica = results[0], results[1]
     expected = trainer["state"]
     # Full sync (version 1): every tensor, bit-identical (trainer state at v1 = v2 minus 1 on
@@ -228,67 +209,57 @@ def test_full_then_trainable_only_into_non_contiguous_mixed_dtype_targets(checks
         assert replica["verified"] >= 1
 
 
-def _subset_refused_child(rank: int, port: int) -> str:
-    _init(rank, 2, port)
+def _subset_refused_child(rank: int) -> tuple[Exception | None, bool]:
+    """What the sync raised here, and whether the served weights stayed untouched."""
     transfer = WeightTransfer(None, 0, config=TransferConfig(timeout_s=10))
     weights = _model(1)
-    if rank == 0:
-        try:
-            transfer.send(
-                {"layers.0.weight": weights["layers.0.weight"]}, version=1, require_all=False
-            )
-        except ManifestRejected as exc:
-            return f"rejected by {exc.rejected_by}"
-        return "sent"
     served = {k: torch.zeros_like(v) for k, v in weights.items()}
     try:
-        transfer.receive(served, allow_subset=False)
-    except ValueError as exc:
-        return (
-            f"{type(exc).__name__}: {exc}"
-            if not any(t.any() for t in served.values())
-            else "written!"
-        )
-    return "received"
+        if rank == 0:
+            subset = {"layers.0.weight": weights["layers.0.weight"]}
+            transfer.send(subset, version=1, require_all=False)
+        else:
+            transfer.receive(served, allow_subset=False)
+    except (ManifestRejected, ValueError) as exc:
+        return exc, not any(t.any() for t in served.values())
+    return None, not any(t.any() for t in served.values())
 
 
 @pytest.mark.timeout(60)
 def test_a_receiver_can_refuse_subset_syncs() -> None:
-    results = _run(_subset_refused_child, 2)
-    assert results[0] == "rejected by (1,)"
-    assert "requires a full sync" in results[1]
+    results = run_group(_subset_refused_child, 2, timeout_s=60)
+    (rejected, _), (refusal, untouched) = results[0], results[1]
+    assert isinstance(rejected, ManifestRejected) and rejected.rejected_by == (1,)
+    assert isinstance(refusal, ValueError) and "requires a full sync" in str(refusal)
+    assert untouched
 
 
-def _abort_child(rank: int, port: int) -> str:
-    _init(rank, 2, port)
+def _abort_child(rank: int) -> tuple[Exception | None, float]:
     transfer = WeightTransfer(None, 0, config=TransferConfig(timeout_s=10))
-    if rank == 0:
-        try:
-            transfer.send({"s": torch.eye(3).to_sparse()}, version=1)
-        except ValueError as exc:
-            return f"source: {type(exc).__name__}"
-        return "sent"
     started = time.monotonic()
     try:
-        transfer.receive({"s": torch.zeros(3, 3)})
-    except ManifestRejected as exc:
-        return f"{exc.rejected_by} {time.monotonic() - started:.1f}"
-    return "received"
+        if rank == 0:
+            transfer.send({"s": torch.eye(3).to_sparse()}, version=1)
+        else:
+            transfer.receive({"s": torch.zeros(3, 3)})
+    except (ValueError, ManifestRejected) as exc:
+        return exc, time.monotonic() - started
+    return None, time.monotonic() - started
 
 
 @pytest.mark.timeout(60)
 def test_a_source_that_cannot_build_a_manifest_aborts_its_peers_fast() -> None:
-    results = _run(_abort_child, 2)
-    assert results[0] == "source: ManifestError"
-    rejected_by, seconds = results[1].split(" ")
-    assert rejected_by == "(0,)" and float(seconds) < 5.0
+    results = run_group(_abort_child, 2, timeout_s=60)
+    (source, _), (peer, seconds) = results[0], results[1]
+    assert isinstance(source, ManifestError)
+    assert isinstance(peer, ManifestRejected) and peer.rejected_by == (0,) and seconds < 5.0
 
 
 # -- checksums ---------------------------------------------------------------------------------
 
 
-def _corrupt_child(rank: int, port: int) -> dict[str, Any]:
-    _init(rank, 3, port)
+def _corrupt_child(rank: int) -> tuple[ChecksumMismatchError | None, tuple[int, bool]]:
+    """The corrupted sync's error, then the next sync's (version, landed bit-identically)."""
     config = TransferConfig(bucket_bytes=1024, checksums=True, timeout_s=10)
 
     def flip(k: int, flat: torch.Tensor) -> None:
@@ -297,56 +268,50 @@ def _corrupt_child(rank: int, port: int) -> dict[str, Any]:
 
     hooks = TransferHooks(after_receive=flip if rank == 2 else None)
     transfer = WeightTransfer(None, 0, config=config, hooks=hooks)
-    out: dict[str, Any] = {}
-    if rank == 0:
-        try:
-            transfer.send(_model(1), version=1)
-        except ChecksumMismatchError as exc:
-            out["error"] = (type(exc).__name__, exc.failed_ranks)
-        hooks.after_receive = None
-        out["next"] = transfer.send(_model(2), version=2).version
-        return out
     served = {k: torch.zeros_like(v) for k, v in _model(0).items()}
+    error: ChecksumMismatchError | None = None
     try:
-        transfer.receive(served)
+        if rank == 0:
+            transfer.send(_model(1), version=1)
+        else:
+            transfer.receive(served)
     except ChecksumMismatchError as exc:
-        out["error"] = (
-            type(exc).__name__,
-            exc.buckets,
-            exc.failed_ranks,
-            exc.targets_torn,
-            exc.complete,
-            str(exc),
-        )
+        error = exc
     hooks.after_receive = None
+    if rank == 0:
+        return error, (transfer.send(_model(2), version=2).version, True)
     stats = transfer.receive(served)
-    out["next"] = (stats.version, weights_digest(served) == weights_digest(_model(2)))
-    return out
+    return error, (stats.version, weights_digest(served) == weights_digest(_model(2)))
 
 
 @pytest.mark.timeout(60)
 def test_a_corrupted_bucket_is_caught_and_every_rank_learns_it() -> None:
-    results = _run(_corrupt_child, 3)
-    assert results[0]["error"] == ("ChecksumMismatchError", (2,))
-    name, buckets, failed, torn, complete, text = results[2]["error"]
-    assert (name, buckets, failed, torn, complete) == (
-        "ChecksumMismatchError",
+    results = run_group(_corrupt_child, 3, timeout_s=60)
+    errors = {rank: error for rank, (error, _) in results.items()}
+    assert errors[0] is not None and errors[0].failed_ranks == (2,)
+    bad = errors[2]
+    assert bad is not None
+    assert (bad.buckets, bad.failed_ranks, bad.targets_torn, bad.complete) == (
         (1,),
         (2,),
         True,
         False,
     )
-    assert "bucket 1 arrived with checksum" in text
+    assert "bucket 1 arrived with checksum" in str(bad)
     # Rank 1 received every byte intact: its weights are a complete version, not torn.
-    name, buckets, failed, torn, complete, _ = results[1]["error"]
-    assert (buckets, failed, torn, complete) == ((), (2,), False, True)
+    intact = errors[1]
+    assert intact is not None
+    assert (intact.buckets, intact.failed_ranks, intact.targets_torn, intact.complete) == (
+        (),
+        (2,),
+        False,
+        True,
+    )
     # And the group recovers with the next sync.
-    assert results[0]["next"] == 2
-    assert results[1]["next"] == (2, True) and results[2]["next"] == (2, True)
+    assert [results[rank][1] for rank in range(3)] == [(2, True)] * 3
 
 
-def _origin_child(rank: int, port: int) -> dict[str, Any]:
-    _init(rank, 3, port)
+def _origin_child(rank: int) -> ChecksumMismatchError | None:
     groups = build_sync_groups(0, [1, 2], timeout_s=10)
     config = TransferConfig(bucket_bytes=1024, checksums=True, timeout_s=10)
     p2r = groups.p2r_transfer(config=config)
@@ -354,7 +319,7 @@ def _origin_child(rank: int, port: int) -> dict[str, Any]:
     if rank == 0:
         assert p2r is not None
         p2r.send(_model(1), version=1)
-        return {}
+        return None
     served = {k: torch.zeros_like(v) for k, v in _model(0).items()}
     assert r2r is not None
     if rank == 1:
@@ -363,42 +328,34 @@ def _origin_child(rank: int, port: int) -> dict[str, Any]:
         assert stats.bucket_checksums is not None
         origin = OriginChecksums(stats.version, stats.layout, stats.bucket_checksums)
         served["layers.3.weight"][5] += 1.0  # the replica's copy goes bad after it arrived
-        try:
-            r2r.send(served, version=1, origin=origin)
-        except ChecksumMismatchError as exc:
-            return {"error": exc.failed_ranks}
-        return {"error": None}
     try:
-        r2r.receive(served)
+        if rank == 1:
+            r2r.send(served, version=1, origin=origin)
+        else:
+            r2r.receive(served)
     except ChecksumMismatchError as exc:
-        return {"error": str(exc)}
-    return {"error": None}
+        return exc
+    return None
 
 
 @pytest.mark.timeout(60)
 def test_origin_checksums_catch_a_replica_that_forwards_bad_bytes() -> None:
-    results = _run(_origin_child, 3)
-    assert results[1]["error"] == (2,)
-    assert "differ from what it received" in results[2]["error"]
+    results = run_group(_origin_child, 3, timeout_s=60)
+    assert results[1] is not None and results[1].failed_ranks == (2,)
+    assert "differ from what it received" in str(results[2])
 
 
 # -- a peer dies or hangs mid-transfer ---------------------------------------------------------
 
 
-def _killed_child(rank: int, port: int) -> dict[str, Any]:
-    _init(rank, 3, port, timeout_s=10)
+def _killed_child(rank: int) -> dict[str, Any]:
     groups = build_sync_groups(0, [1, 2], timeout_s=10)
     config = TransferConfig(bucket_bytes=2048, timeout_s=10)
-
-    def die(k: int, flat: torch.Tensor) -> None:
-        if k == 4:
-            os._exit(17)  # the trainer crashes after shipping four buckets
-
     if rank == 0:
-        p2r = groups.p2r_transfer(config=config, hooks=TransferHooks())
+        p2r = groups.p2r_transfer(config=config)
         assert p2r is not None
         p2r.send(_model(1), version=1)
-        p2r.hooks.after_pack = die
+        p2r.hooks = transfer_fault_hooks()  # the trainer crashes after shipping four buckets
         p2r.send(_model(2), version=2)
         return {}
     timeline = Timeline()
@@ -418,10 +375,7 @@ def _killed_child(rank: int, port: int) -> dict[str, Any]:
             assert worker.handle(R2R(step=1)).ok
             started = time.monotonic()
             result = worker.handle(P2R(step=2))
-            out["elapsed"] = time.monotonic() - started
-            out["error"] = result.error
-            out["exception"] = type(result.exception).__name__
-            out["torn"] = backend.weights_torn
+            out["failed"] = SyncOutcome.of(result, backend, elapsed_s=time.monotonic() - started)
             torn_at = time.monotonic_ns()
             try:
                 backend.check_servable()
@@ -456,13 +410,21 @@ def _killed_child(rank: int, port: int) -> dict[str, Any]:
 
 @pytest.mark.timeout(90)
 def test_a_trainer_killed_mid_transfer_leaves_a_torn_replica_that_refuses_to_generate() -> None:
-    results = _run(_killed_child, 3, expected_exits={0: 17})
+    results = run_group(
+        _killed_child,
+        3,
+        timeout_s=90,
+        group_timeout_s=10,
+        faults=FaultSchedule(Kill(0, "after_pack", 4)),
+    )
     rep = results[1]
-    assert rep["exception"] == "WeightTransferError"
-    assert "bucket" in rep["error"] and "on the group of ranks [0, 1]" in rep["error"]
-    assert "peer most likely died" in rep["error"], "a dead peer must not read as a timeout"
-    assert rep["elapsed"] < 10.0, "the dead peer was not noticed within the timeout"
-    assert rep["torn"] is True
+    failed = rep["failed"]
+    assert failed.failed_with(WeightTransferError)
+    text = failed.error.message
+    assert "bucket" in text and "on the group of ranks [0, 1]" in text
+    assert "peer most likely died" in text, "a dead peer must not read as a timeout"
+    assert failed.elapsed_s < 10.0, "the dead peer was not noticed within the timeout"
+    assert failed.servable is False
     assert "refuses to generate" in rep["servable"]
     assert rep["forwards_while_torn"] == 0
     assert rep["recovered"] == (True, 1, False)
@@ -476,8 +438,7 @@ def test_a_trainer_killed_mid_transfer_leaves_a_torn_replica_that_refuses_to_gen
     assert rep["overlaps"] == 0
 
 
-def _hung_child(rank: int, port: int) -> dict[str, Any]:
-    _init(rank, 2, port)
+def _hung_child(rank: int) -> tuple[WeightTransferError | None, float]:
     config = TransferConfig(bucket_bytes=1024, timeout_s=1.0)
     release = threading.Event()
 
@@ -493,23 +454,17 @@ def _hung_child(rank: int, port: int) -> dict[str, Any]:
         else:
             transfer.receive({k: torch.zeros_like(v) for k, v in _model(0).items()})
     except WeightTransferError as exc:
-        return {
-            "error": type(exc).__name__,
-            "text": str(exc),
-            "elapsed": time.monotonic() - started,
-            "written": exc.tensors_written,
-        }
-    return {"error": None, "elapsed": time.monotonic() - started}
+        return exc, time.monotonic() - started
+    return None, time.monotonic() - started
 
 
 @pytest.mark.timeout(60)
 def test_a_hung_peer_times_out_with_a_clear_error() -> None:
-    results = _run(_hung_child, 2)
-    rep = results[1]
-    assert rep["error"] == WeightTransferTimeout.__name__
-    assert "did not complete within 1.0 s" in rep["text"]
-    assert 0.9 < rep["elapsed"] < 2.5
-    assert rep["written"] > 0  # buckets 0 and 1 had landed: the targets are torn
+    error, elapsed_s = run_group(_hung_child, 2, timeout_s=60)[1]
+    assert isinstance(error, WeightTransferTimeout)
+    assert "did not complete within 1.0 s" in str(error)
+    assert 0.9 < elapsed_s < 2.5
+    assert error.tensors_written > 0  # buckets 0 and 1 had landed: the targets are torn
 
 
 # -- CUDA (skipped cleanly without a GPU; the same code path as gloo above) ---------------------
@@ -541,7 +496,7 @@ def _cuda_child(rank: int, port: int, backend: str) -> bool:
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gloo_transfer_into_cuda_targets() -> None:
-    assert _run(_cuda_child, 2, "gloo") == {0: True, 1: True}
+    assert _run_cuda("gloo") == {0: True, 1: True}
 
 
 @pytest.mark.cuda
@@ -555,4 +510,8 @@ def test_gloo_transfer_into_cuda_targets() -> None:
     reason="needs two CUDA devices and NCCL",
 )
 def test_nccl_transfer_between_two_gpus() -> None:
-    assert _run(_cuda_child, 2, "nccl") == {0: True, 1: True}
+    assert _run_cuda("nccl") == {0: True, 1: True}
+
+
+def _run_cuda(backend: str) -> dict[int, bool]:
+    return run_processes(_cuda_child, 2, (find_free_port(), backend), timeout_s=90)

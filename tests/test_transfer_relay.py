@@ -10,7 +10,6 @@ a clear error, bounded in time, with weights untouched or marked torn, never ser
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -18,7 +17,7 @@ import pytest
 import torch
 
 from rollout_sync.backends import TinyLMConfig, TorchLMBackend, tiny_lm_weights
-from rollout_sync.distributed import init_process_group, new_group, wait_work
+from rollout_sync.distributed import new_group, wait_work
 from rollout_sync.errors import (
     ChecksumMismatchError,
     ManifestRejected,
@@ -30,7 +29,16 @@ from rollout_sync.errors import (
     WeightTransferTimeout,
 )
 from rollout_sync.flat import FlatWeights
-from rollout_sync.testing import find_free_port, run_processes, weights_digest
+from rollout_sync.testing import (
+    ErrorReport,
+    FaultSchedule,
+    Kill,
+    SyncOutcome,
+    fault_point,
+    run_group,
+    transfer_fault_hooks,
+    weights_digest,
+)
 from rollout_sync.transfer import TransferConfig, TransferHooks, WeightTransfer
 from rollout_sync.worker import P2R, R2R, RolloutWorker, build_sync_groups
 
@@ -41,18 +49,6 @@ WORLD = 4
 
 TIMEOUT_S = 4.0
 """The collective timeout of the fault tests: a failure noticed in time is well under it."""
-
-
-def _run(target: Any, *args: Any, timeout: float = 90.0, **kwargs: Any) -> dict[int, Any]:
-    return run_processes(
-        target, WORLD, (find_free_port(), *args), timeout_s=timeout, intra_op_threads=1, **kwargs
-    )
-
-
-def _init(rank: int, port: int, timeout_s: float = 20.0) -> None:
-    init_process_group(
-        rank=rank, world_size=WORLD, init_method=f"tcp://127.0.0.1:{port}", timeout_s=timeout_s
-    )
 
 
 def _mixed(version: int) -> dict[str, torch.Tensor]:
@@ -90,8 +86,7 @@ _CASES = [
 ]
 
 
-def _combinations_child(rank: int, port: int) -> list[dict[str, Any]]:
-    _init(rank, port)
+def _combinations_child(rank: int) -> list[dict[str, Any]]:
     groups = build_sync_groups(0, [1, 2, 3], timeout_s=20)
     out: list[dict[str, Any]] = []
     if rank >= 1:
@@ -105,7 +100,7 @@ def _combinations_child(rank: int, port: int) -> list[dict[str, Any]]:
             else:
                 r2r.receive(_mixed(0), storage=torch.zeros(4))
         except (ValueError, ManifestRejected) as exc:
-            out.append({"refused": f"{type(exc).__name__}: {exc}"})
+            out.append({"refused": ErrorReport.of(exc)})
     for version, (layout, pipelined, zero_copy, checksums) in enumerate(_CASES, start=1):
         make, bucket_bytes = _LAYOUTS[layout]
         on, before = _CHECKSUMS[checksums]
@@ -159,11 +154,12 @@ def _combinations_child(rank: int, port: int) -> list[dict[str, Any]]:
 
 @pytest.mark.timeout(180)
 def test_every_combination_lands_bit_identically() -> None:
-    results = _run(_combinations_child, timeout=150)
+    results = run_group(_combinations_child, WORLD, timeout_s=150)
     for rank in (2, 3):
         refused = results[rank].pop(0)["refused"]
-        assert refused.startswith("ValueError: storage must be a contiguous 1-D uint8 tensor")
-    assert results[1].pop(0)["refused"].startswith("ManifestRejected: ")
+        assert refused.is_a(ValueError), refused
+        assert refused.message.startswith("storage must be a contiguous 1-D uint8 tensor")
+    assert results[1].pop(0)["refused"].is_a(ManifestRejected)
     for i, (layout, pipelined, zero_copy, checksums) in enumerate(_CASES):
         trainer = results[0][i]
         assert trainer["case"] == (layout, pipelined, zero_copy, checksums)
@@ -220,7 +216,7 @@ def _worker(
     return backend, worker
 
 
-def _sync(rank: int, worker: RolloutWorker, p2r: WeightTransfer | None, version: int) -> Any:
+def _sync(rank: int, worker: RolloutWorker | None, p2r: WeightTransfer | None, version: int) -> Any:
     """One pipelined sync of ``version`` on every rank; the replicas' results."""
     if rank == 0:
         assert p2r is not None
@@ -228,24 +224,13 @@ def _sync(rank: int, worker: RolloutWorker, p2r: WeightTransfer | None, version:
             return p2r.send(_trainer_weights(version), version=version)
         except WeightTransferError as exc:
             return exc
+    assert worker is not None
     command = P2R(step=version, relay=True) if rank == 1 else R2R(step=version)
     return worker.handle(command)
 
 
-def _outcome(result: Any, backend: TorchLMBackend | None) -> dict[str, Any]:
-    """What one rank's sync ended in: the trainer's exception (or stats), a replica's result."""
-    if backend is None:
-        return {"error": type(result).__name__}
-    return {
-        "error": type(result.exception).__name__,
-        "text": result.error,
-        "servable": (not backend.weights_torn),
-        "version": backend.weight_version,
-    }
-
-
-def _bad_bucket_child(rank: int, port: int, hop: str) -> dict[str, Any]:
-    _init(rank, port)
+def _bad_bucket_child(rank: int, hop: str) -> tuple[SyncOutcome, tuple[bool, int, bool], str]:
+    """The corrupted sync's outcome, then the clean one's (ok, version, servable) and digest."""
     groups = build_sync_groups(0, [1, 2, 3], timeout_s=20)
     config = TransferConfig(bucket_bytes=4096, checksums=True, timeout_s=10)
     hooks = TransferHooks()
@@ -256,27 +241,24 @@ def _bad_bucket_child(rank: int, port: int, hop: str) -> dict[str, Any]:
 
     p2r = groups.p2r_transfer(config=config, hooks=hooks) if rank == 0 else None
     backend, worker = (None, None) if rank == 0 else _worker(rank, groups, config, hooks)
-    out: dict[str, Any] = {}
+    recovered, digest = (True, 2, True), weights_digest(_trainer_weights(2))
     try:
         if hop == "p2r" and rank == 0:
             hooks.after_pack = flip  # corrupted after the checksum: on the wire to the relay
         if hop == "relay" and rank == 1:
             hooks.after_receive = flip  # corrupted in the relay's buffer, before it forwards
-        result = _sync(rank, worker, p2r, 1)  # type: ignore[arg-type]
+        result = _sync(rank, worker, p2r, 1)
         hooks.after_pack = hooks.after_receive = None
-        out.update(_outcome(result, backend))
+        outcome = SyncOutcome.of(result, backend)
         # A clean sync recovers every replica, bit-identically.
-        result = _sync(rank, worker, p2r, 2)  # type: ignore[arg-type]
-        if rank != 0:
-            assert backend is not None
-            out["recovered"] = (result.ok, backend.weight_version, (not backend.weights_torn))
-            out["digest"] = weights_digest(backend.served_weights())
-        else:
-            out["digest"] = weights_digest(_trainer_weights(2))
+        result = _sync(rank, worker, p2r, 2)
+        if backend is not None:
+            recovered = (result.ok, backend.weight_version, not backend.weights_torn)
+            digest = weights_digest(backend.served_weights())
     finally:
         if worker is not None:
             worker.close(10)
-    return out
+    return outcome, recovered, digest
 
 
 @pytest.mark.timeout(120)
@@ -284,19 +266,19 @@ def _bad_bucket_child(rank: int, port: int, hop: str) -> dict[str, Any]:
 def test_a_bad_bucket_in_the_pipelined_relay_is_caught_on_every_downstream_replica(
     hop: str,
 ) -> None:
-    results = _run(_bad_bucket_child, hop)
+    results = run_group(_bad_bucket_child, WORLD, (hop,), timeout_s=90)
+    outcomes = {rank: outcome for rank, (outcome, _, _) in results.items()}
     for rank in (2, 3):
-        leaf = results[rank]
-        assert leaf["error"] == ChecksumMismatchError.__name__, leaf["text"]
-        assert "bucket 2 arrived with checksum" in leaf["text"]
-        assert leaf["servable"] is False  # buckets 0 and 1 were written: torn, refused
-    relay = results[1]
-    assert relay["error"] == ChecksumMismatchError.__name__
-    assert relay["servable"] is False
-    assert results[0]["error"] == ChecksumMismatchError.__name__  # the commit vote said so
-    for rank in (1, 2, 3):
-        assert results[rank]["recovered"] == (True, 2, True)
-        assert results[rank]["digest"] == results[0]["digest"]
+        leaf = outcomes[rank]
+        assert leaf.failed_with(ChecksumMismatchError), leaf.error
+        assert leaf.error is not None and "bucket 2 arrived with checksum" in leaf.error.message
+        assert leaf.servable is False  # buckets 0 and 1 were written: torn, refused
+    assert outcomes[1].failed_with(ChecksumMismatchError) and outcomes[1].servable is False
+    assert outcomes[0].failed_with(ChecksumMismatchError)  # the commit vote said so
+    # A clean sync recovered every replica, bit-identically.
+    assert {rank: result[1:] for rank, result in results.items()} == {
+        rank: ((True, 2, True), results[0][2]) for rank in range(WORLD)
+    }
 
 
 def _linger(survivors: Any) -> None:
@@ -307,8 +289,7 @@ def _linger(survivors: Any) -> None:
         wait_work(work, operation="linger", timeout_s=30)
 
 
-def _killed_child(rank: int, port: int, victim: int, informed: bool = True) -> dict[str, Any]:
-    _init(rank, port, timeout_s=10)
+def _killed_child(rank: int, victim: int, informed: bool = True) -> SyncOutcome:
     groups = build_sync_groups(0, [1, 2, 3], timeout_s=10)
     survivors = new_group([r for r in range(WORLD) if r != victim], timeout_s=30)
     config = TransferConfig(bucket_bytes=4096, timeout_s=TIMEOUT_S)
@@ -316,74 +297,80 @@ def _killed_child(rank: int, port: int, victim: int, informed: bool = True) -> d
     if not informed:
         # The unguarded relay: its source dies and it just raises, sending nothing more.
         monkeypatch_relay_fill_off()
-
-    def die(k: int, flat: torch.Tensor) -> None:
-        if k == 3:
-            os._exit(17)
-
     p2r = groups.p2r_transfer(config=config, hooks=hooks) if rank == 0 else None
     backend, worker = (None, None) if rank == 0 else _worker(rank, groups, config, hooks)
-    out: dict[str, Any] = {}
     try:
-        first = _sync(rank, worker, p2r, 1)  # type: ignore[arg-type]
+        first = _sync(rank, worker, p2r, 1)
         assert rank == 0 or first.ok, first.error
-        if rank == victim == 0:
-            hooks.after_pack = die
-        if rank == victim == 1:
-            hooks.after_receive = die
+        faults = transfer_fault_hooks()  # armed on the victim only
+        hooks.after_pack, hooks.after_receive = faults.after_pack, faults.after_receive
         started = time.monotonic()
-        result = _sync(rank, worker, p2r, 2)  # type: ignore[arg-type]
-        out["elapsed"] = time.monotonic() - started
-        out.update(_outcome(result, backend))
+        result = _sync(rank, worker, p2r, 2)
+        outcome = SyncOutcome.of(result, backend, elapsed_s=time.monotonic() - started)
         _linger(survivors)
     finally:
         if worker is not None:
             worker.close(10)
-    return out
+    return outcome
+
+
+_TRAINER_DIES = Kill(0, "after_pack", 3)
+_RELAY_DIES = Kill(1, "after_receive", 3)
+
+
+def _run_killed(kill: Kill, informed: bool = True) -> dict[int, SyncOutcome]:
+    return run_group(
+        _killed_child,
+        WORLD,
+        (kill.rank, informed),
+        timeout_s=90,
+        group_timeout_s=10,
+        faults=FaultSchedule(kill),
+    )
 
 
 @pytest.mark.timeout(120)
 def test_a_relay_killed_mid_pipeline_leaves_its_leaves_with_a_clear_error_never_served_torn() -> (
     None
 ):
-    results = _run(_killed_child, 1, expected_exits={1: 17})
+    results = _run_killed(_RELAY_DIES)
     for rank in (2, 3):
         leaf = results[rank]
-        assert leaf["error"] == WeightTransferError.__name__, leaf["text"]
-        assert "peer most likely died" in leaf["text"]
-        assert leaf["elapsed"] < TIMEOUT_S / 2, "the dead relay was not noticed in time"
+        assert leaf.failed_with(WeightTransferError), leaf.error
+        assert leaf.error is not None and "peer most likely died" in leaf.error.message
+        assert leaf.elapsed_s < TIMEOUT_S / 2, "the dead relay was not noticed in time"
         # Buckets 0-2 landed in place (zero-copy into flat storage) before the relay died.
-        assert leaf["servable"] is False and leaf["version"] == 1
-    assert results[0]["error"] == WeightTransferError.__name__
-    assert results[0]["elapsed"] < TIMEOUT_S / 2
+        assert leaf.servable is False and leaf.version == 1
+    assert results[0].failed_with(WeightTransferError)
+    assert results[0].elapsed_s < TIMEOUT_S / 2
 
 
 @pytest.mark.timeout(120)
 def test_a_trainer_killed_mid_pipeline_fails_the_leaves_fast_through_the_relay() -> None:
-    results = _run(_killed_child, 0, expected_exits={0: 17})
+    results = _run_killed(_TRAINER_DIES)
     relay = results[1]
-    assert relay["error"] == WeightTransferError.__name__
-    assert "peer most likely died" in relay["text"]
-    assert relay["servable"] is False
+    assert relay.failed_with(WeightTransferError) and relay.error is not None
+    assert "peer most likely died" in relay.error.message
+    assert relay.servable is False
     for rank in (2, 3):
         leaf = results[rank]
-        assert leaf["error"] == WeightTransferError.__name__, leaf["text"]
-        assert "source rank 1 reported that it failed mid-transfer" in leaf["text"]
+        assert leaf.failed_with(WeightTransferError) and leaf.error is not None
+        assert "source rank 1 reported that it failed mid-transfer" in leaf.error.message
         # The relay sent the rest as zeros and voted no: the leaves fail within the relay's
         # own detection time, well under the collective timeout.
-        assert leaf["elapsed"] < TIMEOUT_S / 2
-        assert leaf["servable"] is False and leaf["version"] == 1
+        assert leaf.elapsed_s < TIMEOUT_S / 2
+        assert leaf.servable is False and leaf.version == 1
 
 
 @pytest.mark.timeout(120)
 def test_without_the_fill_the_leaves_of_a_failed_relay_wait_out_the_timeout() -> None:
     """The test above can fail: a relay that only raises leaves its leaves waiting."""
-    results = _run(_killed_child, 0, False, expected_exits={0: 17})
+    results = _run_killed(_TRAINER_DIES, informed=False)
     for rank in (2, 3):
         leaf = results[rank]
-        assert leaf["error"] == WeightTransferTimeout.__name__, leaf["text"]
-        assert leaf["elapsed"] >= TIMEOUT_S
-        assert leaf["servable"] is False  # still never served torn
+        assert leaf.failed_with(WeightTransferTimeout), leaf.error
+        assert leaf.elapsed_s >= TIMEOUT_S
+        assert leaf.servable is False  # still never served torn
 
 
 def monkeypatch_relay_fill_off() -> None:
@@ -396,26 +383,19 @@ def monkeypatch_relay_fill_off() -> None:
 # -- a relay whose P2R barrier fails ------------------------------------------------------------
 
 
-def _barrier_mismatch_child(rank: int, port: int) -> list[dict[str, Any]]:
+def _barrier_mismatch_child(rank: int) -> list[SyncOutcome]:
     """Two rounds of a pipelined sync where the relay takes the P2R barrier and the trainer
     does not: round 1 as shipped, round 2 with the relay's abort disabled (the counterfactual:
     its leaves are not told)."""
-    _init(rank, port, timeout_s=10)
     groups = build_sync_groups(0, [1, 2, 3], timeout_s=10)
     # The replicas leave together: a relay that exits early would close its leaves' waits.
     replicas = new_group([1, 2, 3], timeout_s=30)
     config = TransferConfig(bucket_bytes=4096, timeout_s=TIMEOUT_S)
-    out: list[dict[str, Any]] = []
+    out: list[SyncOutcome] = []
     if rank == 0:
         p2r = groups.p2r_transfer(config=config)
         assert p2r is not None
-        for version in (1, 2):
-            try:
-                p2r.send(_trainer_weights(version), version=version)
-                out.append({"error": None})
-            except WeightTransferError as exc:
-                out.append({"error": type(exc).__name__})
-        return out
+        return [SyncOutcome.of(_sync(rank, None, p2r, version)) for version in (1, 2)]
     backend, worker = _worker(rank, groups, config, barrier=True)
     try:
         for version in (1, 2):
@@ -425,15 +405,7 @@ def _barrier_mismatch_child(rank: int, port: int) -> list[dict[str, Any]]:
             result = worker.handle(
                 P2R(step=version, relay=True) if rank == 1 else R2R(step=version)
             )
-            out.append(
-                {
-                    "error": None if result.ok else type(result.exception).__name__,
-                    "text": result.error,
-                    "elapsed": time.monotonic() - started,
-                    "version": backend.weight_version,
-                    "torn": backend.weights_torn,
-                }
-            )
+            out.append(SyncOutcome.of(result, backend, elapsed_s=time.monotonic() - started))
         wait_work(
             torch.distributed.barrier(group=replicas, async_op=True),
             operation="replicas leave",
@@ -446,60 +418,51 @@ def _barrier_mismatch_child(rank: int, port: int) -> list[dict[str, Any]]:
 
 @pytest.mark.timeout(120)
 def test_a_relay_whose_p2r_barrier_fails_tells_its_leaves_at_once() -> None:
-    results = _run(_barrier_mismatch_child)
-    assert results[0] == [{"error": P2RBarrierMismatch.__name__}] * 2
+    results = run_group(_barrier_mismatch_child, WORLD, timeout_s=90, group_timeout_s=10)
+    assert all(sync.failed_with(P2RBarrierMismatch) for sync in results[0])
     informed, uninformed = zip(*(results[rank] for rank in (1, 2, 3)), strict=True)
-    assert informed[0]["error"] == P2RBarrierMismatch.__name__, informed[0]["text"]
+    assert informed[0].failed_with(P2RBarrierMismatch), informed[0].error
     for leaf in informed[1:]:
-        assert leaf["error"] == ManifestRejected.__name__, leaf["text"]
-        assert "aborted" in leaf["text"]
-        assert leaf["elapsed"] < TIMEOUT_S / 2, "the leaves were not told in time"
+        assert leaf.failed_with(ManifestRejected) and leaf.error is not None
+        assert "aborted" in leaf.error.message
+        assert leaf.elapsed_s < TIMEOUT_S / 2, "the leaves were not told in time"
     # Without the abort the leaves wait out their limit: the check above can fail.
     for leaf in uninformed[1:]:
-        assert leaf["error"] == WeightTransferTimeout.__name__, leaf["text"]
-        assert leaf["elapsed"] >= TIMEOUT_S
+        assert leaf.failed_with(WeightTransferTimeout), leaf.error
+        assert leaf.elapsed_s >= TIMEOUT_S
     for replica in (*informed, *uninformed):
-        assert replica["version"] == 0 and not replica["torn"]  # nothing written anywhere
+        assert replica.version == 0 and replica.servable  # nothing written anywhere
 
 
-def _trainer_dies_at_barrier_child(rank: int, port: int) -> dict[str, Any]:
+def _trainer_dies_at_barrier_child(rank: int) -> list[SyncOutcome]:
     """Version 1 syncs through the pipelined relay, P2R barrier on both sides; at version 2
     the trainer dies at its barrier, with the relay and the leaves waiting."""
     from rollout_sync.trainer import TransferWeightPusher
 
-    _init(rank, port, timeout_s=10)
     groups = build_sync_groups(0, [1, 2, 3], timeout_s=10)
     survivors = new_group([1, 2, 3], timeout_s=30)
     config = TransferConfig(bucket_bytes=4096, timeout_s=TIMEOUT_S)
     if rank == 0:
         p2r = groups.p2r_transfer(config=config)
         assert p2r is not None
-        TransferWeightPusher(p2r, barrier=groups.p2r_barrier).push_weights(
-            _trainer_weights(1), version=1, timeout=10
-        )
 
-        def die(timeout_s: float) -> None:
-            os._exit(17)
+        def barrier(timeout_s: float) -> None:
+            fault_point("p2r_barrier")
+            groups.p2r_barrier(timeout_s)
 
-        TransferWeightPusher(p2r, barrier=die).push_weights(
-            _trainer_weights(2), version=2, timeout=10
-        )
-        return {}
+        pusher = TransferWeightPusher(p2r, barrier=barrier)
+        for version in (1, 2):
+            pusher.push_weights(_trainer_weights(version), version=version, timeout=10)
+        return []
     backend, worker = _worker(rank, groups, config, barrier=True)
     try:
-        out: dict[str, Any] = {}
+        out: list[SyncOutcome] = []
         for version in (1, 2):
             started = time.monotonic()
             result = worker.handle(
                 P2R(step=version, relay=True) if rank == 1 else R2R(step=version)
             )
-            out[f"v{version}"] = {
-                "error": None if result.ok else type(result.exception).__name__,
-                "text": result.error,
-                "elapsed": time.monotonic() - started,
-            }
-        out["version"] = backend.weight_version
-        out["torn"] = backend.weights_torn
+            out.append(SyncOutcome.of(result, backend, elapsed_s=time.monotonic() - started))
         _linger(survivors)
         return out
     finally:
@@ -508,43 +471,42 @@ def _trainer_dies_at_barrier_child(rank: int, port: int) -> dict[str, Any]:
 
 @pytest.mark.timeout(120)
 def test_a_trainer_dying_at_the_p2r_barrier_fails_the_relays_leaves_at_once() -> None:
-    results = _run(_trainer_dies_at_barrier_child, expected_exits={0: 17})
-    relay = results[1]
-    assert relay["v1"]["error"] is None, relay["v1"]["text"]
-    assert relay["v2"]["error"] is not None and relay["v2"]["elapsed"] < TIMEOUT_S / 2
+    results = run_group(
+        _trainer_dies_at_barrier_child,
+        WORLD,
+        timeout_s=90,
+        group_timeout_s=10,
+        faults=FaultSchedule(Kill(0, "p2r_barrier", step=1)),  # at version 2's barrier
+    )
+    relay_v1, relay_v2 = results[1]
+    assert relay_v1.ok, relay_v1.error
+    assert not relay_v2.ok and relay_v2.elapsed_s < TIMEOUT_S / 2
     for rank in (2, 3):
-        leaf = results[rank]
-        assert leaf["v1"]["error"] is None, leaf["v1"]["text"]
-        assert leaf["v2"]["error"] == ManifestRejected.__name__, leaf["v2"]["text"]
-        assert "aborted the transfer before sending a manifest" in leaf["v2"]["text"]
-        assert leaf["v2"]["elapsed"] < TIMEOUT_S / 2, "the leaves were not told in time"
+        v1, v2 = results[rank]
+        assert v1.ok, v1.error
+        assert v2.failed_with(ManifestRejected) and v2.error is not None
+        assert "aborted the transfer before sending a manifest" in v2.error.message
+        assert v2.elapsed_s < TIMEOUT_S / 2, "the leaves were not told in time"
     for rank in (1, 2, 3):  # nothing written: every replica still serves version 1, whole
-        assert results[rank]["version"] == 1 and not results[rank]["torn"]
+        assert (results[rank][1].version, results[rank][1].servable) == (1, True)
 
 
 # -- a torn R2R source aborts -------------------------------------------------------------------
 
 
-def _torn_source_child(rank: int, port: int, informed: bool) -> dict[str, Any]:
-    _init(rank, port, timeout_s=10)
+def _torn_source_child(rank: int, informed: bool) -> SyncOutcome | None:
     groups = build_sync_groups(0, [1, 2, 3], timeout_s=10)
     survivors = new_group([1, 2, 3], timeout_s=30)
     config = TransferConfig(bucket_bytes=4096, timeout_s=TIMEOUT_S)
-    hooks = TransferHooks()
     if not informed:
         WeightTransfer.abort = lambda self, reason, version=0: None  # type: ignore[method-assign]
-
-    def die(k: int, flat: torch.Tensor) -> None:
-        if k == 3:
-            os._exit(17)  # the trainer dies mid-P2R: the relay is torn
-
     if rank == 0:
-        p2r = groups.p2r_transfer(config=config, hooks=hooks)
+        p2r = groups.p2r_transfer(config=config)
         assert p2r is not None
         p2r.send(_trainer_weights(1), version=1)
-        hooks.after_pack = die
+        p2r.hooks = transfer_fault_hooks()  # the trainer dies mid-P2R: the relay is torn
         p2r.send(_trainer_weights(2), version=2)
-        return {}
+        return None
     backend, worker = _worker(rank, groups, config)
     try:
         if rank == 1:
@@ -555,15 +517,8 @@ def _torn_source_child(rank: int, port: int, informed: bool) -> dict[str, Any]:
             assert backend.weights_torn
         started = time.monotonic()
         result = worker.handle(R2R(step=2))  # the relay is torn: it must not send
-        out = {
-            "error": type(result.exception).__name__,
-            "text": result.error,
-            "elapsed": time.monotonic() - started,
-            "version": backend.weight_version,
-            "servable": (not backend.weights_torn),
-        }
         _linger(survivors)
-        return out
+        return SyncOutcome.of(result, backend, elapsed_s=time.monotonic() - started)
     finally:
         worker.close(10)
 
@@ -571,34 +526,38 @@ def _torn_source_child(rank: int, port: int, informed: bool) -> dict[str, Any]:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("informed", [True, False], ids=["abort_header", "no_abort_header"])
 def test_a_torn_r2r_source_aborts_so_its_receivers_fail_at_once(informed: bool) -> None:
-    results = _run(_torn_source_child, informed, expected_exits={0: 17})
-    assert results[1]["error"] == TornWeightsError.__name__
+    results = run_group(
+        _torn_source_child,
+        WORLD,
+        (informed,),
+        timeout_s=90,
+        group_timeout_s=10,
+        faults=FaultSchedule(Kill(0, "after_pack", 3)),
+    )
+    assert results[1] is not None and results[1].failed_with(TornWeightsError)
     for rank in (2, 3):
         leaf = results[rank]
+        assert leaf is not None and leaf.error is not None
         # Untouched either way: the manifest never came.
-        assert leaf["version"] == 1 and leaf["servable"] is True
+        assert leaf.version == 1 and leaf.servable is True
         if informed:
-            assert leaf["error"] == ManifestRejected.__name__, leaf["text"]
+            assert leaf.failed_with(ManifestRejected), leaf.error
             # The torn source has no version to send: the message names none (not "0").
-            assert "aborted the transfer before sending a manifest" in leaf["text"], leaf["text"]
-            assert leaf["elapsed"] < 1.0
+            assert "aborted the transfer before sending a manifest" in leaf.error.message
+            assert leaf.elapsed_s < 1.0
         else:
-            assert leaf["error"] == WeightTransferTimeout.__name__, leaf["text"]
-            assert leaf["elapsed"] >= TIMEOUT_S
+            assert leaf.failed_with(WeightTransferTimeout), leaf.error
+            assert leaf.elapsed_s >= TIMEOUT_S
 
 
-def _rejected_child(rank: int, port: int, who: int) -> dict[str, Any]:
-    _init(rank, port)
+def _rejected_child(rank: int, who: int) -> tuple[SyncOutcome, bool, ErrorReport | None]:
+    """The sync's outcome, whether the weights are untouched, and the failure's cause."""
     groups = build_sync_groups(0, [1, 2, 3], timeout_s=20)
     config = TransferConfig(bucket_bytes=4096, timeout_s=10)
     if rank == 0:
         p2r = groups.p2r_transfer(config=config)
         assert p2r is not None
-        try:
-            p2r.send(_trainer_weights(1), version=1)
-        except WeightTransferError as exc:
-            return {"error": type(exc).__name__}
-        return {"error": None}
+        return SyncOutcome.of(_sync(rank, None, p2r, 1)), True, None
     shape = _LM if rank != who else TinyLMConfig(**{**_LM.__dict__, "vocab_size": 65})
     backend = TorchLMBackend(shape, pause_timeout=10)
     before = weights_digest(backend.served_weights())
@@ -611,35 +570,34 @@ def _rejected_child(rank: int, port: int, who: int) -> dict[str, Any]:
     try:
         started = time.monotonic()
         result = worker.handle(P2R(step=1, relay=True) if rank == 1 else R2R(step=1))
-        return {
-            "ok": result.ok,
-            "error": type(result.exception).__name__ if result.exception else None,
-            "elapsed": time.monotonic() - started,
-            "version": backend.weight_version,
-            "untouched": weights_digest(backend.served_weights()) == before,
-            "cause": type(getattr(result.exception, "cause", None)).__name__,
-        }
+        return (
+            SyncOutcome.of(result, backend, elapsed_s=time.monotonic() - started),
+            weights_digest(backend.served_weights()) == before,
+            ErrorReport.of_optional(getattr(result.exception, "cause", None)),
+        )
     finally:
         worker.close(10)
 
 
 @pytest.mark.timeout(120)
 def test_a_leaf_that_rejects_the_manifest_gets_nothing_and_the_relay_still_takes_it() -> None:
-    results = _run(_rejected_child, 3)
-    assert results[3]["error"] == WeightMismatchError.__name__ and results[3]["untouched"]
-    assert results[2]["error"] == ManifestRejected.__name__ and results[2]["untouched"]
-    relay = results[1]
-    assert relay["error"] == RelayForwardError.__name__ and relay["cause"] == "ManifestRejected"
-    assert relay["version"] == 1  # received whole, committed, and the failure reported
-    assert results[0]["error"] is None  # the trainer's P2R succeeded
+    results = run_group(_rejected_child, WORLD, (3,), timeout_s=90)
+    (leaf3, untouched3, _), (leaf2, untouched2, _) = results[3], results[2]
+    assert leaf3.failed_with(WeightMismatchError) and untouched3
+    assert leaf2.failed_with(ManifestRejected) and untouched2
+    relay, _, cause = results[1]
+    assert relay.failed_with(RelayForwardError) and cause and cause.is_a(ManifestRejected)
+    assert relay.version == 1  # received whole, committed, and the failure reported
+    assert results[0][0].ok  # the trainer's P2R succeeded
 
 
 @pytest.mark.timeout(120)
 def test_a_relay_that_rejects_the_manifest_tells_its_leaves_at_once() -> None:
-    results = _run(_rejected_child, 1)
-    assert results[1]["error"] == WeightMismatchError.__name__ and results[1]["untouched"]
-    assert results[0]["error"] == ManifestRejected.__name__
+    results = run_group(_rejected_child, WORLD, (1,), timeout_s=90)
+    relay, untouched, _ = results[1]
+    assert relay.failed_with(WeightMismatchError) and untouched
+    assert results[0][0].failed_with(ManifestRejected)
     for rank in (2, 3):
-        assert results[rank]["error"] == ManifestRejected.__name__
-        assert results[rank]["untouched"] and results[rank]["version"] == 0
-        assert results[rank]["elapsed"] < 5.0
+        leaf, untouched, _ = results[rank]
+        assert leaf.failed_with(ManifestRejected) and untouched and leaf.version == 0
+        assert leaf.elapsed_s < 5.0

@@ -20,7 +20,7 @@ from rollout_sync.errors import (
     WeightMismatchError,
     WeightTransferError,
 )
-from rollout_sync.testing import find_free_port, run_processes
+from rollout_sync.testing import ErrorReport, find_free_port, run_processes
 from rollout_sync.transfer import TransferConfig, WeightManifest, WeightTransfer
 
 pytestmark = pytest.mark.multiprocess
@@ -78,7 +78,7 @@ def _stream_child(rank: int, port: int) -> dict[str, Any]:
     try:
         transfer.stream(_expected(), load, begin=begin, accept=refuse if rank == 2 else None)
     except (ManifestRejected, WeightMismatchError) as exc:
-        out["v2"] = type(exc).__name__
+        out["v2"] = exc
     out["v2_loaded"] = len(held)
 
     # Version 3: rank 1's loader fails at the third bucket; it keeps receiving and votes no.
@@ -91,11 +91,8 @@ def _stream_child(rank: int, port: int) -> dict[str, Any]:
 
     try:
         transfer.stream(_expected(), failing)
-        out["v3"] = "ok"
     except WeightTransferError as exc:
-        out["v3"] = type(exc).__name__
-        out["v3_cause"] = repr(exc.__cause__)
-        out["v3_written"] = exc.tensors_written
+        out["v3"], out["v3_cause"] = exc, ErrorReport.of_optional(exc.__cause__)
     out["v3_calls"] = calls[0]
 
     # Version 4: the group is still usable.
@@ -122,14 +119,16 @@ def test_stream_hands_every_bucket_in_its_own_buffer_and_votes_like_receive() ->
         assert r["v2_loaded"] == 0 and r["begun"] == [1, 4]
         assert r["v4_exact"]
     assert source["rejected_by"] == [2]
-    assert refusing["v2"] == "WeightMismatchError" and ok_rank["v2"] == "ManifestRejected"
+    assert type(refusing["v2"]) is WeightMismatchError
+    assert type(ok_rank["v2"]) is ManifestRejected
     # The failing loader: this rank's own error, chained; stops loading, keeps receiving.
-    assert ok_rank["v3"] == "WeightTransferError"
-    assert "the model refused a tensor" in ok_rank["v3_cause"]
-    assert ok_rank["v3_calls"] == 3 and ok_rank["v3_written"] == 3
+    assert type(ok_rank["v3"]) is WeightTransferError
+    assert ok_rank["v3_cause"].is_a(RuntimeError)
+    assert ok_rank["v3_cause"].message == "the model refused a tensor"
+    assert ok_rank["v3_calls"] == 3 and ok_rank["v3"].tensors_written == 3
     assert source["failed_ranks"] == [1]
     # The other receiver got the whole version, and learns of rank 1's failure.
-    assert refusing["v3"] == "ChecksumMismatchError" and refusing["v3_calls"] == 10
+    assert type(refusing["v3"]) is ChecksumMismatchError and refusing["v3_calls"] == 10
 
 
 def _collectives_child(rank: int, port: int) -> tuple[int, list[int], int]:

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import queue
-from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -21,17 +20,9 @@ from rollout_sync import (
     WeightTransfer,
     WorkerCommandChannel,
 )
-from rollout_sync.distributed import init_process_group
 from rollout_sync.errors import WeightBroadcastError
-from rollout_sync.testing import (
-    EventLog,
-    RecordingRollout,
-    find_free_port,
-    run_processes,
-    weights_digest,
-)
+from rollout_sync.testing import EventLog, RecordingRollout, run_group, weights_digest
 from rollout_sync.trainer import CommandKind, WeightSyncCommand
-from rollout_sync.transfer import TransferStats
 
 STEPS = 4
 
@@ -45,8 +36,7 @@ def _weights(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _process(rank: int, port: int, commands: Any) -> dict[str, Any]:
-    init_process_group(rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}", timeout_s=30)
+def _process(rank: int, commands: Any) -> dict[str, Any]:
     if rank == 0:
         weights = _weights(0)
         callback = WeightBroadcastCallback(
@@ -63,13 +53,9 @@ def _process(rank: int, port: int, commands: Any) -> dict[str, Any]:
             callback.step_end(step, train_metrics={"loss": 1.0})
             digests[callback.version] = weights_digest(weights)
         callback.train_end(STEPS)
-        return {"pusher": type(callback.pusher).__name__, "digests": digests}
+        return {"pusher": type(callback.pusher), "digests": digests}
     rollout = RecordingRollout(EventLog(), weights=_weights(1))
     received: dict[int, str] = {}
-
-    def on_transfer(stats: TransferStats, tensors: Mapping[str, torch.Tensor]) -> None:
-        received[stats.version] = weights_digest(tensors)
-
     worker = RolloutWorker(
         rollout,
         p2r=WeightTransfer(None, 0),
@@ -83,7 +69,7 @@ def _process(rank: int, port: int, commands: Any) -> dict[str, Any]:
     return {
         "received": received,
         "version": rollout.weight_version,
-        "commands": [type(r.command).__name__ for r in results],
+        "commands": [type(r.command) for r in results],
         "failed": [r.error for r in results if not r.ok],
     }
 
@@ -95,14 +81,14 @@ def test_a_trainer_callback_drives_a_worker_with_the_defaults_bit_identically() 
 
     commands = multiprocessing.get_context("spawn").Queue()
     try:
-        values = run_processes(_process, 2, (find_free_port(), commands), timeout_s=100)
+        values = run_group(_process, 2, (commands,), timeout_s=100)
     finally:
         commands.close()
         commands.join_thread()
     trainer, replica = values[0], values[1]
-    assert trainer["pusher"] == TransferWeightPusher.__name__
+    assert trainer["pusher"] is TransferWeightPusher
     assert replica["failed"] == []
-    assert replica["commands"] == ["P2R"] * STEPS + ["Stop"]
+    assert replica["commands"] == [P2R] * STEPS + [Stop]
     assert replica["version"] == STEPS
     assert replica["received"] == trainer["digests"]
 

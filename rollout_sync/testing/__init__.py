@@ -11,8 +11,12 @@ race lives here as a subclass.
 * Races rebuilt on purpose: :class:`CheckThenActScheduler` (:mod:`.scheduler`),
   :class:`StallingWorkerExtension` (:mod:`.vllm_worker`, a vLLM engine that can be held between
   steps).
-* Harness (:mod:`.harness`, :mod:`.processes`): :class:`InProcessWorker`,
-  :func:`weights_digest`, :func:`run_processes`, :func:`find_free_port`, :class:`ChildFailure`.
+* Harness (:mod:`.harness`, :mod:`.processes`, :mod:`.faults`, :mod:`.outcomes`):
+  :class:`InProcessWorker`, :func:`weights_digest`, :func:`run_processes`, :func:`run_group`,
+  :func:`find_free_port`, :class:`ChildFailure`; a declarative :class:`FaultSchedule` of
+  :class:`Kill` s at :func:`fault_point` s (:func:`transfer_fault_hooks`); what a child
+  reports: :class:`ErrorReport` (an exception) and :class:`SyncOutcome` (how a rank's sync
+  ended).
 * Models (:mod:`.tiny_llama`): :func:`build_tiny_llama`, :func:`random_llama_weights`,
   :class:`greedy_reference`, :func:`find_sync_split` (``transformers`` imported lazily).
 """
@@ -33,9 +37,16 @@ from .fakes import RecordingRollout as RecordingRollout
 from .fakes import TornReadBackend as TornReadBackend
 from .fakes import VersionStampedModel as VersionStampedModel
 from .fakes import count_host_syncs as count_host_syncs
+from .faults import FaultSchedule as FaultSchedule
+from .faults import Kill as Kill
+from .faults import fault_point as fault_point
+from .faults import transfer_fault_hooks as transfer_fault_hooks
 from .harness import InProcessWorker as InProcessWorker
 from .harness import weights_digest as weights_digest
+from .outcomes import ErrorReport as ErrorReport
+from .outcomes import SyncOutcome as SyncOutcome
 from .processes import find_free_port as find_free_port
+from .processes import run_group as run_group
 from .processes import run_processes as run_processes
 from .scheduler import CheckThenActScheduler as CheckThenActScheduler
 from .tiny_llama import TINY_LLAMA as TINY_LLAMA
@@ -52,27 +63,34 @@ __all__ = [
     "AsyncTornReadBackend",
     "CheckThenActScheduler",
     "ChildFailure",
+    "ErrorReport",
     "EventLog",
     "FakeCudaEvent",
     "FakeCudaStream",
+    "FaultSchedule",
     "FlushOnlyPacker",
     "ForwardResult",
     "GroupProcessError",
     "HostSyncCount",
     "InProcessWorker",
     "InstallRecord",
+    "Kill",
     "PlainPacker",
     "RecordingPacker",
     "RecordingRollout",
     "StallingWorkerExtension",
+    "SyncOutcome",
     "TornReadBackend",
     "VersionStampedModel",
     "build_tiny_llama",
     "count_host_syncs",
+    "fault_point",
     "find_free_port",
     "find_sync_split",
     "greedy_reference",
     "random_llama_weights",
+    "run_group",
     "run_processes",
+    "transfer_fault_hooks",
     "weights_digest",
 ]

@@ -10,6 +10,13 @@ a launcher (torchrun, Ray) starts its processes there instead and joins with
   their return values, and raise :class:`~rollout_sync.errors.GroupProcessError` with every
   child's traceback when one fails, dies or overstays. A child killed by a signal reports the
   negative signal number as its exit code (``-9`` for SIGKILL), as :mod:`multiprocessing` does.
+  A :class:`~rollout_sync.testing.FaultSchedule` (:mod:`.faults`) kills named children at named
+  points, and their exits are expected.
+* :func:`run_group` - the same for a job of one process group: each child joins it first.
+
+Children return typed values (dataclasses of their own; exceptions as
+:class:`~rollout_sync.testing.ErrorReport`, :class:`~rollout_sync.testing.SyncOutcome`), which
+come back by value.
 """
 
 from __future__ import annotations
@@ -26,19 +33,24 @@ import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from ..distributed import find_free_port
+from ..distributed import find_free_port, init_process_group
 from ..errors import ChildFailure, GroupProcessError, RolloutSyncError
+from .faults import FaultSchedule
+from .faults import install as install_faults
+
+T = TypeVar("T")
 
 __all__ = [
     "ChildFailure",
     "GroupProcessError",
     "ServerOutput",
     "find_free_port",
+    "run_group",
     "run_processes",
     "stop_process",
 ]
@@ -54,10 +66,12 @@ def _child_main(
     results: multiprocessing.Queue[tuple[str, int, Any]],
     intra_op_threads: int | None,
     own_process_group: bool = False,
+    faults: FaultSchedule | None = None,
 ) -> None:
     """Run ``target(rank, *args)`` and report its value or its traceback to the parent."""
     if own_process_group:
         os.setpgid(0, 0)  # the parent can then kill this child and whatever it started
+    install_faults(faults, rank)
     try:
         if intra_op_threads is not None:
             torch.set_num_threads(intra_op_threads)
@@ -102,7 +116,7 @@ def use_start_method(method: str, *, preload: Sequence[str] = ()) -> None:
 
 
 def run_processes(
-    target: Callable[..., Any],
+    target: Callable[..., T],
     nprocs: int,
     args: tuple[Any, ...] = (),
     *,
@@ -114,7 +128,8 @@ def run_processes(
     env: Mapping[str, str] | None = None,
     intra_op_threads: int | None = None,
     daemon: bool = True,
-) -> dict[int, Any]:
+    faults: FaultSchedule | None = None,
+) -> dict[int, T]:
     """Run ``target(rank, *args)`` in ``nprocs`` fresh processes; return their values by rank.
 
     ``target`` must be importable by name (a module-level function), as the children start
@@ -124,7 +139,9 @@ def run_processes(
     Args:
         timeout_s: the limit for the whole group. A child still running then is killed.
         expected_exits: ``rank -> exit code`` for children that are meant to die without
-            reporting (a peer killed mid-transfer in a test); they are not failures.
+            reporting; they are not failures (and have no value).
+        faults: a :class:`~rollout_sync.testing.FaultSchedule`: each child is armed with its
+            kill, and the processes it kills are expected to exit so.
         grace_s: after the first failure, how long the others get to finish (they usually
             fail fast too, and their tracebacks help) before they are killed.
         env: environment variables set for the children (inherited by spawn; a fork server
@@ -142,15 +159,19 @@ def run_processes(
     """
     # Typed loosely: the stubs' BaseContext lacks Process, which every concrete context has.
     ctx: Any = multiprocessing.get_context(start_method or _default_start_method)
-    results_queue: multiprocessing.Queue[tuple[str, int, Any]] = ctx.Queue()
     expected = dict(expected_exits or {})
+    if faults is not None:
+        if expected.keys() & faults.expected_exits.keys():
+            raise ValueError("a rank's exit is expected twice: in expected_exits and in faults")
+        expected.update(faults.expected_exits)
+    results_queue: multiprocessing.Queue[tuple[str, int, Any]] = ctx.Queue()
     saved_env = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
     try:
         procs = {
             rank: ctx.Process(
                 target=_child_main,
-                args=(target, rank, args, results_queue, intra_op_threads, not daemon),
+                args=(target, rank, args, results_queue, intra_op_threads, not daemon, faults),
                 name=f"{what}-rank{rank}",
                 daemon=daemon,
             )
@@ -165,7 +186,7 @@ def run_processes(
             else:
                 os.environ[key] = old
 
-    values: dict[int, Any] = {}
+    values: dict[int, T] = {}
     failures: list[ChildFailure] = []
     reported: set[int] = set()
     deadline = time.monotonic() + timeout_s
@@ -234,9 +255,65 @@ def run_processes(
         got = procs[rank].exitcode
         if got != code and not any(f.rank == rank for f in failures):
             failures.append(ChildFailure(rank, got, f"was expected to exit with code {code}"))
+    values = dict(sorted(values.items()))  # by rank, whatever order they reported in
     if failures:
         raise GroupProcessError(failures, values, what)
     return values
+
+
+def run_group(
+    target: Callable[..., T],
+    world_size: int,
+    args: tuple[Any, ...] = (),
+    *,
+    timeout_s: float,
+    group_timeout_s: float = 30.0,
+    leave_together: bool = False,
+    faults: FaultSchedule | None = None,
+    intra_op_threads: int | None = 1,
+    **options: Any,
+) -> dict[int, T]:
+    """:func:`run_processes` for a job of one process group: each child first joins the default
+    group (gloo, on a free loopback port), then runs ``target(rank, *args)``.
+
+    ``group_timeout_s`` bounds the rendezvous and is the group's collective limit. With
+    ``leave_together``, a child whose target returned waits at a barrier for the others before
+    it leaves, so that nobody tears the group down while a peer still talks on it (background
+    threads on the group); only for a run whose collectives all complete, as a failed transfer
+    leaves a group whose next collective would not match. ``intra_op_threads`` defaults to 1,
+    as a group usually oversubscribes a small machine's cores. Other ``options`` are
+    :func:`run_processes`' own.
+    """
+    if leave_together and faults is not None and faults.kills:
+        raise ValueError("a group whose faults kill a process cannot leave together")
+    join = (world_size, f"tcp://127.0.0.1:{find_free_port()}", group_timeout_s, leave_together)
+    return run_processes(
+        _group_member,
+        world_size,
+        (target, join, args),
+        timeout_s=timeout_s,
+        faults=faults,
+        intra_op_threads=intra_op_threads,
+        what=options.pop("what", getattr(target, "__name__", "run_group")),
+        **options,
+    )
+
+
+def _group_member(
+    rank: int,
+    target: Callable[..., T],
+    join: tuple[int, str, float, bool],
+    args: tuple[Any, ...],
+) -> T:
+    world_size, init_method, group_timeout_s, leave_together = join
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    init_process_group(
+        rank=rank, world_size=world_size, init_method=init_method, timeout_s=group_timeout_s
+    )
+    value = target(rank, *args)
+    if leave_together:
+        dist.barrier()
+    return value
 
 
 def _drain_reports(
