@@ -38,9 +38,18 @@ from rollout_sync.errors import (
     IngressHoldTimeout,
     PayloadBackpressureTimeout,
     PayloadTimeout,
+    PayloadTransportError,
     WouldBlock,
 )
 from rollout_sync.payload import ReceivedPayload
+from rollout_sync.payload._wire import (
+    FRAME_WORDS,
+    FrameKind,
+    make_frame,
+    read_frame,
+    recv_frame,
+    send_frame,
+)
 from rollout_sync.payload.receiver import _Accepted
 from rollout_sync.testing import run_group
 
@@ -645,6 +654,55 @@ def test_flush_and_hold_that_cannot_complete_raise_clear_errors_in_bounded_time(
     assert trainer["empty_get"][0] < 2.0 and "no payload arrived" in trainer["empty_get"][1]
     assert trainer["intact"]
     assert rollout["stats"].sent == 2 and trainer["stats"].lost == 0
+
+
+# -- closing a failed transport ----------------------------------------------------------------
+
+
+def _failed_close_rank(rank: int, world_size: int) -> dict[str, Any]:
+    """The trainer plays a receiver that breaks the protocol, at moments it picks: an
+    acknowledgment of a goodbye never sent (the sender is open), and a frame no sender takes
+    in answer to a goodbye (close() is waiting for its acknowledgment)."""
+    before = new_payload_groups(timeout=30)
+    during = new_payload_groups(timeout=30)
+    if rank == TRAINER:
+        send_frame(make_frame(FrameKind.BYE_ACK, 0), 1, before.control, 10)
+        frame = torch.empty(FRAME_WORDS, dtype=torch.int64)
+        recv_frame(frame, 1, during.control, 20)
+        kind, _ = read_frame(frame, 1)
+        send_frame(make_frame(FrameKind.OFFER, 0), 1, during.control, 10)
+        return {"answered": kind.name}
+    out: dict[str, Any] = {}
+    sender = PayloadSender(before, TRAINER)
+    # No credit ever comes: this returns when the reader fails, not at its limit.
+    out["open_failure"] = _bounded(lambda: sender.wait_for_credit(20), PayloadTransportError)
+    out["register"] = _bounded(
+        lambda: sender.register_payload(*make_payload(rank, 0)), PayloadTransportError
+    )
+    out["open_close"] = _bounded(lambda: sender.close(20), PayloadTransportError)
+    sender.close(20)  # stopped: a second close returns
+    out["open_closed"] = sender.statistics().closed
+    sender = PayloadSender(during, TRAINER)
+    # The reader fails while close() waits for the goodbye's acknowledgment: close() stops the
+    # threads and raises the failure, long before its limit.
+    out["closing_close"] = _bounded(lambda: sender.close(20), PayloadTransportError)
+    sender.close(20)
+    out["closing_closed"] = sender.statistics().closed
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_a_transport_that_fails_open_or_closing_is_closed_by_close_which_raises_it() -> None:
+    trainer, rollout = run_ranks(_failed_close_rank, 2, timeout=50)
+    assert trainer["answered"] == "BYE"
+    elapsed, message = rollout["open_failure"]
+    assert elapsed < 10 and "acknowledged a goodbye while the payload sender is open" in message
+    # The failure, not "closing": the sender never closed itself on the stray acknowledgment.
+    assert "failed" in rollout["register"][1] and "closing" not in rollout["register"][1]
+    assert "cannot close the payload sender" in rollout["open_close"][1]
+    elapsed, message = rollout["closing_close"]
+    assert elapsed < 10 and "rank 0 sent OFFER to a payload sender" in message
+    assert rollout["open_closed"] and rollout["closing_closed"]
 
 
 # -- NCCL (CUDA) -------------------------------------------------------------------------------

@@ -2,12 +2,15 @@
 
 The sender pool's and the receiver's state are plain synchronous objects that take the time as
 an argument, so holds, deadlines, deferrals and credit are driven here step by step, with a
-clock the test owns.
+clock the test owns. The sender pool's sequences drive a state that asserts every invariant it
+documents after each operation (:class:`_CheckedPoolState`), so they check them at every step.
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import functools
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -29,11 +32,46 @@ from rollout_sync.payload._wire import (
     unpack_payload,
 )
 from rollout_sync.payload.receiver import ReceivedPayload, _ReceiverState
-from rollout_sync.payload.sender import _Expire, _Offer, _SendPoolState
+from rollout_sync.payload.sender import (
+    _NEXT_PHASES,
+    _Expire,
+    _Offer,
+    _PoolPhase,
+    _SendPoolState,
+)
 from rollout_sync.testing import EventLog, RecordingRollout
 
 S = 1_000_000_000  # one second in ns
 CPU = torch.device("cpu")
+
+
+def _checked(operation: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(operation)
+    def run(self: _SendPoolState, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return operation(self, *args, **kwargs)
+        finally:
+            # A refused operation too must leave the state whole.
+            self.check_invariants()
+
+    return run
+
+
+class _CheckedPoolState(_SendPoolState):
+    """A pool state that asserts every documented invariant after each of its operations."""
+
+    def __init__(self, capacity: int, max_in_flight: int) -> None:
+        super().__init__(capacity, max_in_flight)
+        self.check_invariants()
+
+
+_OPERATIONS = sorted(
+    name
+    for name, member in vars(_SendPoolState).items()
+    if inspect.isfunction(member) and not name.startswith("_") and name != "check_invariants"
+)
+for _name in _OPERATIONS:
+    setattr(_CheckedPoolState, _name, _checked(getattr(_SendPoolState, _name)))
 
 
 def _register(state: _SendPoolState, n: int) -> list[int]:
@@ -53,7 +91,7 @@ def _offer(work: object) -> _Offer:
 
 
 def test_offers_take_the_oldest_payloads_against_the_oldest_credit() -> None:
-    state = _SendPoolState(capacity=8, max_in_flight=4)
+    state = _CheckedPoolState(capacity=8, max_in_flight=4)
     assert _register(state, 6) == [0, 1, 2, 3, 4, 5]
     assert state.next_work(0) is None  # no credit yet
     state.add_request(7, credits=3, timeout_ns=10 * S, now_ns=0)
@@ -72,7 +110,7 @@ def test_offers_take_the_oldest_payloads_against_the_oldest_credit() -> None:
 
 
 def test_registry_counts_unsent_in_flight_and_reserved_payloads() -> None:
-    state = _SendPoolState(capacity=3, max_in_flight=2)
+    state = _CheckedPoolState(capacity=3, max_in_flight=2)
     _register(state, 2)
     state.add_request(0, credits=2, timeout_ns=S, now_ns=0)
     offer = _offer(state.next_work(0))
@@ -87,7 +125,7 @@ def test_registry_counts_unsent_in_flight_and_reserved_payloads() -> None:
 
 
 def test_a_hold_stops_launching_and_a_request_keeps_its_time_through_it() -> None:
-    state = _SendPoolState(capacity=8, max_in_flight=8)
+    state = _CheckedPoolState(capacity=8, max_in_flight=8)
     state.add_request(1, credits=1, timeout_ns=1 * S, now_ns=0)
     state.begin_hold(now_ns=S // 2)  # 0.5 s of the request's 1 s used
     _register(state, 1)  # arrives while held: queued
@@ -101,7 +139,7 @@ def test_a_hold_stops_launching_and_a_request_keeps_its_time_through_it() -> Non
 
 def test_without_a_hold_the_same_request_expires_before_it_is_served() -> None:
     """The counterpart of the test above: the deadline is real when nothing holds."""
-    state = _SendPoolState(capacity=8, max_in_flight=8)
+    state = _CheckedPoolState(capacity=8, max_in_flight=8)
     state.add_request(1, credits=1, timeout_ns=1 * S, now_ns=0)
     _register(state, 1)
     state.add_request(2, credits=1, timeout_ns=10 * S, now_ns=0)
@@ -113,7 +151,7 @@ def test_without_a_hold_the_same_request_expires_before_it_is_served() -> None:
 
 
 def test_wakeup_tracks_the_earliest_deadline_on_the_request_clock() -> None:
-    state = _SendPoolState(capacity=8, max_in_flight=8)
+    state = _CheckedPoolState(capacity=8, max_in_flight=8)
     state.add_request(1, credits=1, timeout_ns=3 * S, now_ns=0)
     state.add_request(2, credits=1, timeout_ns=1 * S, now_ns=0)
     assert state.next_wakeup_s(0) == pytest.approx(1.0)
@@ -123,7 +161,7 @@ def test_wakeup_tracks_the_earliest_deadline_on_the_request_clock() -> None:
 
 
 def test_a_deferred_offer_goes_back_in_order_and_waits_for_resume() -> None:
-    state = _SendPoolState(capacity=8, max_in_flight=2)
+    state = _CheckedPoolState(capacity=8, max_in_flight=2)
     _register(state, 3)
     state.add_request(1, credits=3, timeout_ns=1 * S, now_ns=0)
     offer = _offer(state.next_work(0))
@@ -139,7 +177,7 @@ def test_a_deferred_offer_goes_back_in_order_and_waits_for_resume() -> None:
 
 
 def test_an_abandoned_offer_goes_back_at_the_head() -> None:
-    state = _SendPoolState(capacity=8, max_in_flight=2)
+    state = _CheckedPoolState(capacity=8, max_in_flight=2)
     _register(state, 3)
     state.add_request(1, credits=3, timeout_ns=S, now_ns=0)
     offer = _offer(state.next_work(0))
@@ -149,13 +187,13 @@ def test_an_abandoned_offer_goes_back_at_the_head() -> None:
 
 
 def test_an_answer_to_an_offer_not_in_flight_is_a_protocol_error() -> None:
-    state = _SendPoolState(capacity=8, max_in_flight=2)
+    state = _CheckedPoolState(capacity=8, max_in_flight=2)
     with pytest.raises(PayloadTransportError, match="offer 3"):
         state.on_reply(3, FrameKind.ACCEPT, 0)
 
 
 def test_flush_waits_only_for_the_offer_in_flight_at_the_call() -> None:
-    state = _SendPoolState(capacity=8, max_in_flight=1)
+    state = _CheckedPoolState(capacity=8, max_in_flight=1)
     _register(state, 2)
     state.add_request(1, credits=2, timeout_ns=S, now_ns=0)
     assert state.flush_target() is None
@@ -169,7 +207,8 @@ def test_flush_waits_only_for_the_offer_in_flight_at_the_call() -> None:
     assert state.flushed(target)
 
 
-# A random schedule of everything that can happen to a pool, checked against its invariants.
+# A random schedule of everything that can happen to a pool, checked against its invariants
+# (the state checks every documented one after each operation) and against a model of it.
 _ops = st.lists(
     st.one_of(
         st.tuples(st.just("register"), st.integers(1, 4)),
@@ -179,6 +218,8 @@ _ops = st.lists(
         st.tuples(st.just("launch"), st.sampled_from(["accept", "defer", "abandon"])),
         st.tuples(st.just("resume")),
         st.tuples(st.just("tick"), st.integers(0, 3)),
+        st.tuples(st.just("ack"), st.integers(0, 3)),
+        st.tuples(st.just("life"), st.sampled_from(["close", "bye", "fail", "stop"])),
     ),
     max_size=80,
 )
@@ -189,7 +230,7 @@ _ops = st.lists(
 def test_random_schedules_keep_order_and_lose_nothing(
     ops: list[tuple[Any, ...]], capacity: int, max_in_flight: int
 ) -> None:
-    state = _SendPoolState(capacity, max_in_flight)
+    state = _CheckedPoolState(capacity, max_in_flight)
     now = 0
     holds = 0
     sent: list[int] = []
@@ -215,12 +256,16 @@ def test_random_schedules_keep_order_and_lose_nothing(
             holds -= 1
         elif kind == "resume":
             state.receiver_resumed(now)
+        elif kind == "ack":  # the receiver acknowledges all but the last few sent
+            state.acknowledge(max(0, state.sent - int(op[1])))
+        elif kind == "life":
+            _lifecycle_step(state, op[1])
         elif kind == "tick":
             now += int(op[1]) * S // 2
         elif kind == "launch":
             work = state.next_work(now)
-            if holds or state.receiver_deferred:
-                assert work is None, "launched while held or deferred"
+            if holds or state.receiver_deferred or not state.running:
+                assert work is None, "launched while held, deferred, failed or stopped"
             if isinstance(work, _Offer):
                 assert work.count <= max_in_flight
                 clock = state.request_clock(now)
@@ -238,6 +283,191 @@ def test_random_schedules_keep_order_and_lose_nothing(
         assert state.occupancy <= capacity
         assert sent == list(range(len(sent))), "sent out of order or twice"
         assert len(sent) + len(state.unsent) == registered, "a payload was lost"
+        assert (state.sent, state.registered) == (len(sent), registered)
+        assert state.tickets_done == state.tickets_issued  # every offer finished
+        not_acknowledged = [e.seq for e in state.not_acknowledged()]
+        assert not_acknowledged == list(range(state.acknowledged, registered))
+
+
+def _lifecycle_step(state: _SendPoolState, event: str) -> None:
+    """Take ``event`` where the sender would: each move only from where it is legal."""
+    phase = state.phase
+    if event == "close" and phase is _PoolPhase.OPEN:
+        state.begin_close()
+    elif event == "bye" and phase is _PoolPhase.CLOSING:
+        state.bye_acknowledged()
+    elif event == "fail":
+        state.fail(RuntimeError("a thread died"))
+    elif event == "stop" and phase in (_PoolPhase.BYE_ACKED, _PoolPhase.FAILED):
+        state.stop()
+
+
+# -- the pool state's invariants and lifecycle -------------------------------------------------
+
+
+def test_the_checked_state_checks_after_every_operation() -> None:
+    mutators = {
+        "try_reserve", "cancel_reservation", "commit", "add_request", "begin_hold", "end_hold",
+        "receiver_resumed", "next_work", "on_reply", "offer_returned", "offer_accepted",
+        "offer_completed", "acknowledge", "begin_close", "bye_acknowledged", "fail", "stop",
+    }  # fmt: skip
+    assert mutators <= set(_OPERATIONS)
+    state = _CheckedPoolState(capacity=2, max_in_flight=1)
+    with pytest.raises(AssertionError, match="reserved -1 >= 0"):
+        state.cancel_reservation()  # a cancel without a reservation breaks the registry count
+
+
+def _busy_state() -> _SendPoolState:
+    """A pool with something everywhere: sent (one acknowledged), in flight, unsent, a slot
+    reserved, a hold in force, credit left."""
+    state = _SendPoolState(capacity=8, max_in_flight=2)
+    _register(state, 5)
+    state.add_request(0, credits=8, timeout_ns=10 * S, now_ns=0)
+    offer = _offer(state.next_work(0))
+    state.on_reply(offer.offer_id, FrameKind.ACCEPT, 0)
+    state.offer_accepted(offer)
+    state.offer_completed(offer)
+    state.acknowledge(1)
+    _offer(state.next_work(0))
+    assert state.try_reserve()
+    state.begin_hold(S)
+    assert ([e.seq for e in state.unacknowledged], state.sent, [e.seq for e in state.unsent]) == (
+        [1],
+        2,
+        [4],
+    )
+    state.check_invariants()
+    return state
+
+
+def _set(name: str, value: object) -> Callable[[_SendPoolState], None]:
+    return lambda state: setattr(state, name, value)
+
+
+_CORRUPTIONS: dict[str, tuple[Callable[[_SendPoolState], None], str]] = {
+    "a negative reservation": (_set("reserved", -1), r"reserved -1 >= 0"),
+    "more slots used than capacity": (_set("reserved", 8), r"occupancy 11 .* <= capacity 8"),
+    "a registration held nowhere": (
+        _set("next_seq", 6),
+        r"\[2, 3\] then unsent \[4\] are the payloads 3\.\.5",
+    ),
+    "a sent payload forgotten": (lambda s: s.unacknowledged.clear(), r"unacknowledged \[\]"),
+    "acknowledged beyond registered": (_set("acknowledged", 9), r"acknowledged 9 within 0\.\.5"),
+    "an offer newer than the one in flight": (_set("tickets_issued", 3), r"is the newest of 3"),
+    "an answer that is no answer": (_set("reply", FrameKind.RESUME), r"ACCEPT or DEFER"),
+    "a spent request kept": (lambda s: setattr(s.requests[0], "credits", 0), r"grants >= 1"),
+    "more holds than taken": (_set("holds", 2), r"holds 2 within 0\.\.1"),
+    "a hold that stops no clock": (_set("_stopped_since", None), r"request clock stopped"),
+    "a deferral without a DEFER": (_set("receiver_deferred", True), r"only after a DEFER"),
+    "failed without an error": (_set("_phase", _PoolPhase.FAILED), r"keeps its error"),
+    "an error while open": (_set("_error", RuntimeError("x")), r"OPEN sender has no error"),
+    "a transfer counted twice": (_set("transfers", 2), r"transfers 2 <= tickets_done 1"),
+    "a timeout without a wait": (_set("backpressure_timeouts", 1), r"backpressure_timeouts 1"),
+    "negative bytes": (_set("bytes_sent", -1), r"running totals >= 0: \{'bytes_sent': -1\}"),
+}
+
+
+@pytest.mark.parametrize("corruption", _CORRUPTIONS)
+def test_check_invariants_catches_a_corrupted_state(corruption: str) -> None:
+    corrupt, message = _CORRUPTIONS[corruption]
+    state = _busy_state()
+    corrupt(state)
+    with pytest.raises(AssertionError, match=message):
+        state.check_invariants()
+
+
+def test_the_phase_table_is_the_documented_lifecycle() -> None:
+    P = _PoolPhase
+    assert {(a, b) for a, targets in _NEXT_PHASES.items() for b in targets} == {
+        (P.OPEN, P.CLOSING),
+        (P.CLOSING, P.BYE_ACKED),
+        (P.BYE_ACKED, P.STOPPED),
+        (P.OPEN, P.FAILED),
+        (P.CLOSING, P.FAILED),
+        (P.BYE_ACKED, P.FAILED),
+        (P.FAILED, P.STOPPED),
+    }
+
+
+_PATHS: dict[str, list[str]] = {
+    "open": [],
+    "closing": ["begin_close"],
+    "goodbye acknowledged": ["begin_close", "bye_acknowledged"],
+    "failed while open": ["fail"],
+    "failed while closing": ["begin_close", "fail"],
+    "stopped": ["begin_close", "bye_acknowledged", "stop"],
+    "stopped after failing": ["begin_close", "fail", "stop"],
+}
+"""Every phase, reached by the moves the sender makes, and where it matters by more than one
+way."""
+
+_LEGAL: dict[tuple[_PoolPhase, str], _PoolPhase] = {
+    (_PoolPhase.OPEN, "begin_close"): _PoolPhase.CLOSING,
+    (_PoolPhase.CLOSING, "bye_acknowledged"): _PoolPhase.BYE_ACKED,
+    (_PoolPhase.BYE_ACKED, "stop"): _PoolPhase.STOPPED,
+    (_PoolPhase.FAILED, "stop"): _PoolPhase.STOPPED,
+}
+"""The lifecycle written out: (phase, move) -> the phase it leads to; nothing else moves."""
+
+
+def _take(state: _SendPoolState, move: str) -> None:
+    if move == "fail":
+        state.fail(RuntimeError("a thread died"))
+    else:
+        getattr(state, move)()
+
+
+def _reach(path: str) -> _SendPoolState:
+    state = _CheckedPoolState(capacity=4, max_in_flight=2)
+    for move in _PATHS[path]:
+        _take(state, move)
+    return state
+
+
+@pytest.mark.parametrize("move", ["begin_close", "bye_acknowledged", "stop"])
+@pytest.mark.parametrize("path", _PATHS)
+def test_a_lifecycle_move_is_made_only_where_the_lifecycle_allows_it(path: str, move: str) -> None:
+    state = _reach(path)
+    before, error = state.phase, state.error
+    target = _LEGAL.get((before, move))
+    if target is not None:
+        _take(state, move)
+        assert state.phase is target
+        return
+    if move == "bye_acknowledged" and error is not None:
+        _take(state, move)  # an acknowledgment after a failure: the failure stands
+    elif move == "bye_acknowledged":  # the receiver answered a goodbye nobody awaits
+        with pytest.raises(PayloadTransportError, match="acknowledged a goodbye while"):
+            _take(state, move)
+    else:  # the sender's own close() would be wrong
+        with pytest.raises(RuntimeError, match=f"no move from {before.name} to"):
+            _take(state, move)
+    assert (state.phase, state.error) == (before, error)
+
+
+@pytest.mark.parametrize("path", _PATHS)
+def test_a_failure_is_kept_in_any_phase_only_the_first_and_stops_launching(path: str) -> None:
+    state = _reach(path)
+    _register(state, 1)
+    state.add_request(0, credits=1, timeout_ns=S, now_ns=0)
+    first = state.error
+    state.fail(ValueError("a later failure"))
+    assert state.error is first if first is not None else isinstance(state.error, ValueError)
+    stopped = state.phase is _PoolPhase.STOPPED
+    assert stopped == path.startswith("stopped") and (stopped or state.phase is _PoolPhase.FAILED)
+    assert not state.running and state.next_work(0) is None
+
+
+def test_only_the_offer_in_flight_can_finish() -> None:
+    state = _CheckedPoolState(capacity=4, max_in_flight=1)
+    _register(state, 2)
+    state.add_request(0, credits=2, timeout_ns=S, now_ns=0)
+    first = _offer(state.next_work(0))
+    state.offer_returned(first)
+    again = _offer(state.next_work(0))  # the same payload, a new offer
+    with pytest.raises(RuntimeError, match=f"offer {first.offer_id} finished, but the offer"):
+        state.offer_completed(first)
+    assert state.in_flight is again and state.sent == 0
 
 
 # -- the receiver's state ----------------------------------------------------------------------
@@ -332,7 +562,7 @@ def test_a_failed_sender_counts_what_it_had_in_flight_as_lost_and_the_rest_goes_
 
 
 def test_the_sender_keeps_what_is_not_acknowledged_to_send_it_again() -> None:
-    state = _SendPoolState(capacity=8, max_in_flight=2)
+    state = _CheckedPoolState(capacity=8, max_in_flight=2)
     _register(state, 5)
     state.add_request(0, credits=8, timeout_ns=10 * S, now_ns=0)
     for _ in range(2):
@@ -358,7 +588,7 @@ class _End(TransportEnd):
             hold_timeout_error=EgressHoldTimeout,
             failure_subject="the test end",
         )
-        self._state = SimpleNamespace(error=None)
+        self._state = _SendPoolState(capacity=1, max_in_flight=1)
         self._conditions = ()
 
 

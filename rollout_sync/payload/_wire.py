@@ -363,7 +363,14 @@ def use_device(device: torch.device) -> None:
 class _EndState(Protocol):
     """What an end's bookkeeping offers the shared machinery."""
 
-    error: BaseException | None
+    @property
+    def error(self) -> BaseException | None:
+        """The first failure, if a thread failed."""
+        ...
+
+    def fail(self, exc: BaseException) -> None:
+        """Keep ``exc`` unless a failure is kept already."""
+        ...
 
     def flush_target(self) -> int | None:
         """The ticket a flush called now must see finish (None: nothing is in flight)."""
@@ -381,8 +388,9 @@ class TransportEnd:
     runs to a deadline; ``timeout=None`` means ``default_timeout``, ``math.inf`` for ever.
 
     A subclass calls ``__init__`` first, then sets ``_state`` (its bookkeeping, which keeps the
-    ``error``) and ``_conditions`` (every condition a caller or a thread may wait on), and
-    provides ``_begin_hold`` / ``_end_hold`` (its bookkeeping of a hold, see :meth:`_hold`).
+    failure: ``error`` and ``fail``) and ``_conditions`` (every condition a caller or a thread
+    may wait on), and provides ``_begin_hold`` / ``_end_hold`` (its bookkeeping of a hold, see
+    :meth:`_hold`).
     """
 
     _state: _EndState
@@ -493,8 +501,7 @@ class TransportEnd:
     def _fail(self, exc: BaseException) -> None:
         """Keep the first failure and wake every waiter, so that it raises it."""
         with self._lock:
-            if self._state.error is None:
-                self._state.error = exc
+            self._state.fail(exc)
             for condition in self._conditions:
                 condition.notify_all()
 

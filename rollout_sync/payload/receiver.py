@@ -322,6 +322,11 @@ class _ReceiverState:
         self.deferred.clear()
         return ranks
 
+    def fail(self, exc: BaseException) -> None:
+        """Keep the first failure of a thread (see :meth:`TransportEnd._fail`)."""
+        if self.error is None:
+            self.error = exc
+
     def flush_target(self) -> int | None:
         return max(self.in_flight, default=None)
 

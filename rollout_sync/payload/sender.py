@@ -34,13 +34,16 @@ launches again. Holds are shared and re-entrant (the weight-sync thread and the 
 both hold).
 
 The pool's bookkeeping (:class:`_SendPoolState`) is plain synchronous code under one lock that
-returns the work to do; the torch.distributed sends happen outside the lock. One launcher thread
-runs the transfers (up to ``max_in_flight`` payload sends launched together per transfer, in
+returns the work to do; the torch.distributed sends happen outside the lock, and nothing reads
+the bookkeeping without it. Its lifecycle is one :class:`_PoolPhase`: open, closing, goodbye
+acknowledged, stopped, or failed (then stopped by ``close``). One launcher thread runs the
+transfers (up to ``max_in_flight`` payload sends launched together per transfer, in
 registration order); one reader thread takes the receiver's control frames.
 """
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from collections import deque
@@ -201,6 +204,47 @@ class _Expire:
     """(request_id, credits left) of each."""
 
 
+class _PoolPhase(enum.Enum):
+    """Where a sender is in its life: the one lifecycle state of :class:`_SendPoolState`.
+
+    ::
+
+        OPEN --begin_close--> CLOSING --bye_acknowledged--> BYE_ACKED --stop--> STOPPED
+          |                      |                              |                  ^
+          +---------fail---------+-------------fail-------------+--> FAILED --stop-+
+
+    Only the named methods of :class:`_SendPoolState` move it, along these arrows
+    (:data:`_NEXT_PHASES`); any other move is refused. A failure may also come after
+    ``stop`` (a thread that ``close`` did not wait out): the phase stays STOPPED and the error
+    is kept.
+    """
+
+    OPEN = "open"
+    """Registrations are accepted and the launcher runs."""
+    CLOSING = "closing"
+    """``close`` was called: registrations are refused, the launcher drains the registry, and
+    the goodbye goes out once it is empty."""
+    BYE_ACKED = "goodbye acknowledged"
+    """The receiver acknowledged the goodbye, and the reader has returned; ``close`` stops the
+    launcher next."""
+    FAILED = "failed"
+    """A thread failed (the state's ``error``): nothing launches, every call raises it, and
+    ``close`` stops the threads next."""
+    STOPPED = "stopped"
+    """``close`` told the threads to stop. The end: nothing launches, a later ``close``
+    returns at once."""
+
+
+_NEXT_PHASES: dict[_PoolPhase, frozenset[_PoolPhase]] = {
+    _PoolPhase.OPEN: frozenset({_PoolPhase.CLOSING, _PoolPhase.FAILED}),
+    _PoolPhase.CLOSING: frozenset({_PoolPhase.BYE_ACKED, _PoolPhase.FAILED}),
+    _PoolPhase.BYE_ACKED: frozenset({_PoolPhase.STOPPED, _PoolPhase.FAILED}),
+    _PoolPhase.FAILED: frozenset({_PoolPhase.STOPPED}),
+    _PoolPhase.STOPPED: frozenset(),
+}
+"""The moves :class:`_SendPoolState` makes between phases; every other move is refused."""
+
+
 class _SendPoolState:
     """The sender pool's bookkeeping: what is registered, queued, in flight, held; what is next.
 
@@ -215,43 +259,173 @@ class _SendPoolState:
 
     At most one offer is in flight at a time; tickets number them, so a flush can wait for
     exactly the offers launched before it was called.
+
+    Every registered payload is in exactly one place, and they move in sequence order: sent
+    (0 .. ``sent`` - 1), then in flight, then unsent (up to ``next_seq`` - 1). So what can be
+    counted from the places is not stored (``sent``, ``registered``, ``tickets_done``). Each
+    field says what is always true of it; :meth:`check_invariants` asserts all of it.
     """
 
     def __init__(self, capacity: int, max_in_flight: int) -> None:
         self.capacity = capacity
+        """Most payloads unsent, in flight or reserved at once (>= 1); fixed."""
         self.max_in_flight = max_in_flight
+        """Most payloads in one offer (1 .. ``MAX_BATCH``); fixed."""
         self.unsent: deque[_Entry] = deque()
+        """Registered payloads in no offer yet, in order: consecutive sequence numbers, the
+        last ``next_seq - 1``, the first right after the offer in flight (a returned offer goes
+        back at the head)."""
         self.unacknowledged: deque[_Entry] = deque()
         """Sent, and not yet acknowledged by the receiver (kept to be sent again after a
-        recovery)."""
+        recovery): exactly the sequence numbers ``acknowledged .. sent - 1``, in order; none
+        while the receiver has acknowledged more than this end counts sent."""
         self.acknowledged = 0
+        """The receiver's count of this sender's first payloads the trainer moved on from:
+        ``0 <= acknowledged <= next_seq``, never decreasing. It may run ahead of ``sent`` by the
+        offer in flight (the receiver can take it before this end books it)."""
         self.reserved = 0
+        """Registry slots taken by producers still packing: ``reserved >= 0`` and
+        ``occupancy`` (``len(unsent)`` + in flight + ``reserved``) ``<= capacity``."""
         self.in_flight: _Offer | None = None
+        """The one offer picked and not yet finished (completed or returned): 1 ..
+        ``max_in_flight`` consecutive payloads just before ``unsent``; the newest, so its
+        ticket is ``tickets_issued``."""
         self.reply: FrameKind | None = None
+        """The receiver's answer to the offer in flight: None until it comes, then ACCEPT or
+        DEFER; always None while nothing is in flight."""
         self.requests: deque[_Request] = deque()
+        """Credit not yet spent, oldest first; each grants >= 1 payload (a request spent to 0
+        is dropped, an expired one removed). ``len(requests) + requests_expired <=
+        requests_received``."""
         self.holds = 0
+        """Holds in force: ``0 <= holds <= holds_taken``."""
         self.receiver_deferred = False
+        """The receiver deferred an offer and has not sent ``RESUME`` yet: nothing launches.
+        Only a DEFER sets it, so it implies ``offers_deferred >= 1``."""
         self._stopped_since: int | None = None
+        """When the request clock stopped: set exactly while ``holds`` or
+        ``receiver_deferred``."""
         self._stopped_total = 0
+        """Nanoseconds the request clock stood still in stops that have ended: ``>= 0``."""
         self.next_seq = 0
-        self._next_offer_id = 0
+        """The sequence number the next registration gets: payloads 0 .. ``next_seq - 1`` are
+        registered, and ``registered`` is this count."""
         self.tickets_issued = 0
-        self.tickets_done = 0
-        self.closing = False
-        self.stopped = False
-        self.bye_acked = False
-        self.error: BaseException | None = None
-        # counters
-        self.registered = 0
-        self.sent = 0
+        """Offers picked so far: offer n (from 0) has ``offer_id`` n and ticket n + 1, so ticket
+        0 stands for none."""
+        self._phase = _PoolPhase.OPEN
+        """Where the sender is in its life (see :class:`_PoolPhase`)."""
+        self._error: BaseException | None = None
+        """The first failure, never cleared: set in FAILED, None in OPEN, CLOSING and
+        BYE_ACKED; in STOPPED, set if the transport failed before or after the stop."""
+        # Running totals: each >= 0 and never decreasing.
         self.bytes_sent = 0
+        """Bytes of the completed transfers."""
         self.transfers = 0
+        """Completed transfers: ``transfers <= sent <= transfers * max_in_flight`` (each carries
+        1 .. ``max_in_flight`` payloads) and ``transfers <= tickets_done``."""
         self.requests_received = 0
+        """Credit requests added."""
         self.requests_expired = 0
+        """Requests that ran out unserved (each expires once)."""
         self.offers_deferred = 0
+        """Offers the receiver answered DEFER: ``<= tickets_issued``."""
         self.holds_taken = 0
+        """Holds begun."""
         self.backpressure_waits = 0
+        """Registrations that had to wait for room (the owner counts them)."""
         self.backpressure_timeouts = 0
+        """Registrations that gave up waiting: ``<= backpressure_waits``."""
+
+    # -- what is counted, not stored -----------------------------------------------------------
+
+    @property
+    def registered(self) -> int:
+        """Payloads registered so far: every sequence number handed out."""
+        return self.next_seq
+
+    @property
+    def in_flight_count(self) -> int:
+        """Payloads in the offer in flight (0: none)."""
+        return self.in_flight.count if self.in_flight is not None else 0
+
+    @property
+    def sent(self) -> int:
+        """Payloads whose transfer completed: every registered payload neither unsent nor in
+        flight (payloads leave in sequence order, so these are 0 .. ``sent - 1``)."""
+        return self.next_seq - len(self.unsent) - self.in_flight_count
+
+    @property
+    def tickets_done(self) -> int:
+        """The last ticket whose offer finished: offers finish one at a time, in ticket order,
+        so every ticket issued but the one in flight."""
+        return self.tickets_issued - (1 if self.in_flight is not None else 0)
+
+    # -- the lifecycle -------------------------------------------------------------------------
+
+    @property
+    def phase(self) -> _PoolPhase:
+        return self._phase
+
+    @property
+    def error(self) -> BaseException | None:
+        """The transport's first failure, if it failed (see ``_error``)."""
+        return self._error
+
+    @property
+    def running(self) -> bool:
+        """Neither failed nor stopped: the launcher goes on."""
+        return self._phase not in (_PoolPhase.FAILED, _PoolPhase.STOPPED)
+
+    def _enter(self, phase: _PoolPhase) -> None:
+        if phase not in _NEXT_PHASES[self._phase]:
+            raise RuntimeError(
+                f"payload sender: no move from {self._phase.name} to {phase.name} (allowed: "
+                f"{', '.join(sorted(p.name for p in _NEXT_PHASES[self._phase])) or 'none'}); "
+                "the sender's close() or a thread broke the lifecycle"
+            )
+        self._phase = phase
+
+    def begin_close(self) -> None:
+        """OPEN -> CLOSING: refuse registrations from now on, drain, then say goodbye."""
+        self._enter(_PoolPhase.CLOSING)
+
+    def bye_acknowledged(self) -> None:
+        """The receiver acknowledged the goodbye: CLOSING -> BYE_ACKED.
+
+        After a failure it changes nothing: the failure stands.
+
+        Raises:
+            PayloadTransportError: no goodbye awaited an answer (the receiver broke the
+                protocol: an acknowledgment while open, or a second one).
+        """
+        if self._error is not None:
+            return
+        if self._phase is not _PoolPhase.CLOSING:
+            raise PayloadTransportError(
+                f"the receiver acknowledged a goodbye while the payload sender is "
+                f"{self._phase.value}: it answers a goodbye that is not awaited"
+            )
+        self._enter(_PoolPhase.BYE_ACKED)
+
+    def fail(self, exc: BaseException) -> None:
+        """Keep the first failure: OPEN, CLOSING or BYE_ACKED -> FAILED.
+
+        A thread may fail in any phase, so this is never refused: a later failure is dropped
+        (the first is the cause), and one after the stop is kept with the phase left STOPPED.
+        """
+        if self._error is not None:
+            return
+        self._error = exc
+        if self._phase is not _PoolPhase.STOPPED:
+            self._enter(_PoolPhase.FAILED)
+
+    def stop(self) -> None:
+        """BYE_ACKED or FAILED -> STOPPED: the threads are told to return.
+
+        ``close`` stops only once the goodbye was acknowledged or the transport failed.
+        """
+        self._enter(_PoolPhase.STOPPED)
 
     # -- the request clock ---------------------------------------------------------------------
 
@@ -273,8 +447,7 @@ class _SendPoolState:
     @property
     def occupancy(self) -> int:
         """Registry slots in use: unsent, in flight, or reserved by a producer packing."""
-        in_flight = self.in_flight.count if self.in_flight is not None else 0
-        return len(self.unsent) + in_flight + self.reserved
+        return len(self.unsent) + self.in_flight_count + self.reserved
 
     def try_reserve(self) -> bool:
         """Take a registry slot for a payload about to be packed; False when full."""
@@ -292,7 +465,6 @@ class _SendPoolState:
         seq = self.next_seq
         self.next_seq += 1
         self.unsent.append(_Entry(seq, buffer))
-        self.registered += 1
         return seq
 
     def all_sent(self) -> bool:
@@ -330,11 +502,11 @@ class _SendPoolState:
     def next_work(self, now_ns: int) -> _Offer | _Expire | None:
         """What the launcher should do now: an offer to make, requests to expire, or nothing.
 
-        Nothing while an offer is in flight, while held, while the receiver defers, or when
-        there is no payload or no credit. Expired requests are reported before anything is
-        served: a request past its deadline is never served.
+        Nothing once failed or stopped, while an offer is in flight, while held, while the
+        receiver defers, or when there is no payload or no credit. Expired requests are
+        reported before anything is served: a request past its deadline is never served.
         """
-        if self.error is not None or self.stopped or self.in_flight is not None:
+        if not self.running or self.in_flight is not None:
             return None
         if self.holds or self.receiver_deferred:
             return None
@@ -348,11 +520,9 @@ class _SendPoolState:
             return None
         count = min(self.max_in_flight, len(self.unsent), self.credits)
         entries = tuple(self.unsent.popleft() for _ in range(count))
+        offer_id = self.tickets_issued
         self.tickets_issued += 1
-        offer = _Offer(
-            self._next_offer_id, self.tickets_issued, entries, self.requests[0].request_id
-        )
-        self._next_offer_id += 1
+        offer = _Offer(offer_id, self.tickets_issued, entries, self.requests[0].request_id)
         self.in_flight = offer
         self.reply = None
         return offer
@@ -383,8 +553,9 @@ class _SendPoolState:
     def offer_returned(self, offer: _Offer) -> None:
         """The offer was never made (a hold closed the gate first) or the receiver deferred
         it: its payloads go back at the head, in order."""
+        self._check_in_flight(offer)
         self.unsent.extendleft(reversed(offer.entries))
-        self._finish(offer)
+        self._finish()
 
     def offer_accepted(self, offer: _Offer) -> None:
         """Spend the oldest credit on the offer's payloads."""
@@ -398,18 +569,19 @@ class _SendPoolState:
                 self.requests.popleft()
 
     def offer_completed(self, offer: _Offer) -> None:
-        self.sent += offer.count
+        """The offer's transfer completed: its payloads are sent."""
+        self._check_in_flight(offer)
         self.bytes_sent += offer.nbytes
         self.transfers += 1
         self.unacknowledged.extend(e for e in offer.entries if e.seq >= self.acknowledged)
-        self._finish(offer)
+        self._finish()
 
     def acknowledge(self, count: int) -> None:
         """The receiver says the trainer took and moved on from this sender's first
         ``count`` payloads."""
         # The receiver may take a transfer, and move on, before this end has finished its own
         # bookkeeping of it: the offer in flight counts as sent here.
-        launched = self.sent + (self.in_flight.count if self.in_flight is not None else 0)
+        launched = self.sent + self.in_flight_count
         if count > launched:
             raise PayloadTransportError(
                 f"the receiver acknowledged {count} payloads, this sender launched {launched}"
@@ -424,10 +596,17 @@ class _SendPoolState:
         entries = [*self.unacknowledged, *in_flight, *self.unsent]
         return sorted({e.seq: e for e in entries}.values(), key=lambda e: e.seq)
 
-    def _finish(self, offer: _Offer) -> None:
+    def _check_in_flight(self, offer: _Offer) -> None:
+        # ``sent`` and ``tickets_done`` count the offer in flight out: only it can finish.
+        if offer is not self.in_flight:
+            raise RuntimeError(
+                f"payload sender: offer {offer.offer_id} finished, but the offer in flight is "
+                f"{None if self.in_flight is None else self.in_flight.offer_id}"
+            )
+
+    def _finish(self) -> None:
         self.in_flight = None
         self.reply = None
-        self.tickets_done = offer.ticket
 
     # -- flushing ------------------------------------------------------------------------------
 
@@ -437,6 +616,128 @@ class _SendPoolState:
 
     def flushed(self, target: int) -> bool:
         return self.tickets_done >= target
+
+    # -- the invariants ------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Assert every invariant the fields document; for tests and debugging.
+
+        Linear in the payloads held, so never on the hot path.
+
+        Raises:
+            AssertionError: names the first invariant that does not hold, with the values.
+        """
+
+        def require(holds: bool, rule: str) -> None:
+            if not holds:
+                raise AssertionError(f"_SendPoolState invariant broken: {rule}")
+
+        in_flight = list(self.in_flight.entries) if self.in_flight is not None else []
+        unsent = [e.seq for e in self.unsent]
+        unacknowledged = [e.seq for e in self.unacknowledged]
+        require(self.capacity >= 1, f"capacity {self.capacity} >= 1")
+        require(
+            1 <= self.max_in_flight <= MAX_BATCH,
+            f"max_in_flight {self.max_in_flight} within 1..{MAX_BATCH}",
+        )
+        require(self.next_seq >= 0, f"next_seq {self.next_seq} >= 0")
+        require(self.reserved >= 0, f"reserved {self.reserved} >= 0")
+        require(
+            self.occupancy <= self.capacity,
+            f"occupancy {self.occupancy} (unsent {len(unsent)}, in flight {len(in_flight)}, "
+            f"reserved {self.reserved}) <= capacity {self.capacity}",
+        )
+        require(
+            [e.seq for e in in_flight] + unsent == list(range(self.sent, self.next_seq)),
+            f"in flight {[e.seq for e in in_flight]} then unsent {unsent} are the payloads "
+            f"{self.sent}..{self.next_seq - 1}, in order",
+        )
+        if self.in_flight is None:
+            require(self.reply is None, f"reply {self.reply} is None with nothing in flight")
+        else:
+            offer = self.in_flight
+            require(
+                1 <= offer.count <= self.max_in_flight,
+                f"the offer in flight carries {offer.count} payloads, 1..{self.max_in_flight}",
+            )
+            require(
+                offer.ticket == self.tickets_issued and offer.offer_id == offer.ticket - 1,
+                f"the offer in flight (id {offer.offer_id}, ticket {offer.ticket}) is the "
+                f"newest of {self.tickets_issued}",
+            )
+            require(
+                self.reply in (None, FrameKind.ACCEPT, FrameKind.DEFER),
+                f"reply {self.reply} is None, ACCEPT or DEFER",
+            )
+        require(
+            0 <= self.acknowledged <= self.next_seq,
+            f"acknowledged {self.acknowledged} within 0..{self.next_seq} (registered)",
+        )
+        require(
+            unacknowledged == list(range(self.acknowledged, self.sent)),
+            f"unacknowledged {unacknowledged} are the payloads "
+            f"{self.acknowledged}..{self.sent - 1}",
+        )
+        require(
+            all(r.credits >= 1 for r in self.requests),
+            f"every pending request grants >= 1 payload: {[r.credits for r in self.requests]}",
+        )
+        require(
+            len(self.requests) + self.requests_expired <= self.requests_received,
+            f"{len(self.requests)} pending + {self.requests_expired} expired requests <= "
+            f"{self.requests_received} received",
+        )
+        require(
+            0 <= self.holds <= self.holds_taken,
+            f"holds {self.holds} within 0..{self.holds_taken} (taken)",
+        )
+        clock_stopped = self.holds > 0 or self.receiver_deferred
+        require(
+            (self._stopped_since is not None) == clock_stopped,
+            f"the request clock stopped ({self._stopped_since}) exactly while held "
+            f"({self.holds}) or deferred ({self.receiver_deferred})",
+        )
+        require(self._stopped_total >= 0, f"_stopped_total {self._stopped_total} >= 0")
+        require(
+            self.offers_deferred <= self.tickets_issued,
+            f"offers_deferred {self.offers_deferred} <= tickets_issued {self.tickets_issued}",
+        )
+        require(
+            not self.receiver_deferred or self.offers_deferred >= 1,
+            "receiver_deferred only after a DEFER",
+        )
+        if self._phase is _PoolPhase.FAILED:
+            require(self._error is not None, "a FAILED sender keeps its error")
+        elif self._phase is not _PoolPhase.STOPPED:
+            require(
+                self._error is None,
+                f"a {self._phase.name} sender has no error, not {self._error!r}",
+            )
+        require(
+            self.transfers <= self.sent <= self.transfers * self.max_in_flight,
+            f"sent {self.sent} within transfers {self.transfers} .. transfers x "
+            f"max_in_flight {self.max_in_flight}",
+        )
+        require(
+            self.transfers <= self.tickets_done,
+            f"transfers {self.transfers} <= tickets_done {self.tickets_done}",
+        )
+        counters = {
+            "bytes_sent": self.bytes_sent,
+            "transfers": self.transfers,
+            "requests_received": self.requests_received,
+            "requests_expired": self.requests_expired,
+            "holds_taken": self.holds_taken,
+            "offers_deferred": self.offers_deferred,
+            "backpressure_waits": self.backpressure_waits,
+        }
+        negative = {name: value for name, value in counters.items() if value < 0}
+        require(not negative, f"running totals >= 0: {negative}")
+        require(
+            0 <= self.backpressure_timeouts <= self.backpressure_waits,
+            f"backpressure_timeouts {self.backpressure_timeouts} within 0.."
+            f"{self.backpressure_waits} (waits)",
+        )
 
 
 # -- the sender --------------------------------------------------------------------------------
@@ -654,6 +955,7 @@ class PayloadSender(TransportEnd):
         """
 
         def timed_out(limit: float) -> EgressHoldTimeout:
+            # Built inside the flush's wait, under the lock.
             in_flight = self._state.in_flight
             count = in_flight.count if in_flight is not None else 0
             return EgressHoldTimeout(
@@ -771,11 +1073,14 @@ class PayloadSender(TransportEnd):
         """
         limit, deadline = self._deadline(timeout)
         with self._lock:
-            if self._state.stopped:
+            phase = self._state.phase
+            if phase is _PoolPhase.STOPPED:
                 return
-            self._state.closing = True
+            if phase is _PoolPhase.OPEN:
+                self._state.begin_close()
             self._space.notify_all()
-        if self._state.error is None:
+            failed = phase is _PoolPhase.FAILED
+        if not failed:
             self.wait_all_sent(remaining(deadline))
             with self._lock:
                 total = self._state.registered
@@ -786,9 +1091,10 @@ class PayloadSender(TransportEnd):
             )
             with self._lock:
                 # A failure ends this wait too: the threads are stopped below, then it raises.
+                # (STOPPED: another close() got there first.)
                 self._wait_until(
                     self._progress,
-                    lambda: self._state.bye_acked or self._state.error is not None,
+                    lambda: self._state.phase is not _PoolPhase.CLOSING,
                     deadline,
                     "close the payload sender",
                     lambda: PayloadTimeout(
@@ -799,18 +1105,27 @@ class PayloadSender(TransportEnd):
                     ),
                 )
         with self._lock:
-            self._state.stopped = True
+            # The reader returns after the goodbye's acknowledgment, so only then is it joined:
+            # otherwise it may wait for a frame until the control group's timeout.
+            s = self._state
+            reader_returns = s.phase is _PoolPhase.BYE_ACKED or (
+                s.phase is _PoolPhase.STOPPED and s.error is None
+            )
+            if s.phase is not _PoolPhase.STOPPED:
+                s.stop()
             self._work.notify_all()
         self._launcher.join(wait_arg(deadline))
-        if self._state.bye_acked:
+        if reader_returns:
             self._reader.join(wait_arg(deadline))
-        self._raise_if_failed("close the payload sender")
+        with self._lock:
+            self._raise_if_failed("close the payload sender")
 
     # -- introspection -------------------------------------------------------------------------
 
     @property
     def capacity(self) -> int:
-        return self._state.capacity
+        with self._lock:
+            return self._state.capacity
 
     def statistics(self) -> SenderStatistics:
         with self._lock:
@@ -837,7 +1152,7 @@ class PayloadSender(TransportEnd):
                 receiver_deferred=s.receiver_deferred,
                 backpressure_waits=s.backpressure_waits,
                 backpressure_timeouts=s.backpressure_timeouts,
-                closed=s.stopped,
+                closed=s.phase is _PoolPhase.STOPPED,
             )
 
     def __repr__(self) -> str:
@@ -863,7 +1178,7 @@ class PayloadSender(TransportEnd):
             while True:
                 with self._lock:
                     while True:
-                        if self._state.stopped or self._state.error is not None:
+                        if not self._state.running:
                             return
                         now = time.monotonic_ns()
                         work = self._state.next_work(now)
@@ -980,7 +1295,7 @@ class PayloadSender(TransportEnd):
                         self._work.notify()
                     elif kind is FrameKind.BYE_ACK:
                         self._state.acknowledge(words[1])
-                        self._state.bye_acked = True
+                        self._state.bye_acknowledged()
                         self._progress.notify_all()
                         return
                     else:
@@ -1005,13 +1320,15 @@ class PayloadSender(TransportEnd):
     # -- errors --------------------------------------------------------------------------------
 
     def _check_usable(self, operation: str) -> None:
+        """Raise unless registrations are accepted (the caller holds the lock)."""
         self._raise_if_failed(operation)
-        if self._state.closing:
+        if self._state.phase is not _PoolPhase.OPEN:
             raise PayloadTransportError(
                 f"cannot {operation}: the payload sender to rank {self.receiver_rank} is closing"
             )
 
     def _stall_reason(self) -> str:
+        """Why the registry does not drain (the caller holds the lock)."""
         s = self._state
         reasons = []
         if s.holds:
@@ -1026,6 +1343,7 @@ class PayloadSender(TransportEnd):
         return "; ".join(reasons) or "sends are slower than registration"
 
     def _backpressure_message(self, limit: float) -> str:
+        """The caller holds the lock."""
         return (
             f"payload registry to rank {self.receiver_rank} stayed full "
             f"({self._state.occupancy}/{self._state.capacity} payloads unsent or in flight) for "
