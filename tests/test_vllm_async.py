@@ -20,6 +20,7 @@ from vllm_helpers import (  # first: it sets the environment vLLM reads at impor
     check_greedy_output_equals_transformers,
     corrupted_in_transit,
     running_world,
+    writes_by,
 )
 
 pytest.importorskip("vllm")
@@ -291,8 +292,7 @@ def test_a_copy_write_that_does_not_land_is_detected_and_raised(world: World) ->
     backend = world.backend
     version = world.sync()
     new_head = {"lm_head.weight": world.weights_of(version + 1)["lm_head.weight"]}
-    backend.write_method = "copy"
-    try:
+    with writes_by(backend, write_method="copy"):  # "auto" resolves to the rpc path for copy
         with pytest.raises(WeightsNotLandedError, match="lm_head") as caught, backend.paused(30):
             backend.load_weights(new_head, require_all=False)
         assert caught.value.torn
@@ -304,8 +304,6 @@ def test_a_copy_write_that_does_not_land_is_detected_and_raised(world: World) ->
         with pytest.raises(WeightsNotLandedError, match="repacked") as refused, backend.paused(30):
             backend.load_weights(world.weights_of(version))
         assert not refused.value.torn
-    finally:
-        backend.write_method = "reload"
     recovered = world.sync()
     assert not backend.weights_torn and not backend.parked
     result = backend.generate([[4, 4, 4]], greedy_params(12), timeout=60)[0]
@@ -351,9 +349,10 @@ def test_a_native_write_corrupted_mid_load_is_torn_and_parked_until_a_good_sync(
     layers are not servable; the backend says torn and stays parked until a complete sync."""
     backend = world.backend
     world.sync()
-    assert backend.native_writes and backend._native is not None
+    native = backend._writer._native
+    assert backend.native_writes and native is not None and native.transfer is not None
     with (
-        corrupted_in_transit(backend._native.transfer),
+        corrupted_in_transit(native.transfer),
         pytest.raises(WeightsNotLandedError, match="mid-load") as caught,
         backend.paused(30),
     ):
@@ -369,23 +368,22 @@ def test_a_native_write_corrupted_mid_load_is_torn_and_parked_until_a_good_sync(
 @pytest.mark.timeout(120)
 def test_file_transport_writes_and_cleans_up(world: World, tmp_path: Path) -> None:
     backend = world.backend
-    backend.payload_transport, backend.payload_dir = "file", tmp_path
-    backend.write_path = "rpc"  # the older write (the engine's default path is native)
+    writer = backend._writer
     seen: list[str] = []
-    encode = backend._encode
+    encode = writer._encode
 
     def recording_encode(weights: object) -> object:
         payload, cleanup = encode(weights)  # type: ignore[arg-type]
         seen.append(str(payload))
         return payload, cleanup
 
-    backend._encode = recording_encode  # type: ignore[assignment,method-assign]
+    writer._encode = recording_encode  # type: ignore[assignment,method-assign]
     try:
-        version = world.sync()
+        # The rpc path (the engine's default path is native), its payload as a file.
+        with writes_by(backend, write_path="rpc", payload_transport="file", payload_dir=tmp_path):
+            version = world.sync()
     finally:
-        del backend._encode
-        backend.payload_transport, backend.payload_dir = "bytes", None
-        backend.write_path = "auto"
+        del writer._encode
     assert len(seen) == 1 and seen[0].startswith(str(tmp_path))
     assert list(tmp_path.iterdir()) == []
     result = backend.generate([[7, 7]], greedy_params(10), timeout=60)[0]

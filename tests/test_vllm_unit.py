@@ -9,21 +9,25 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
-from rollout_sync import Timeline
+from rollout_sync import KVCachePolicy, Timeline, WeightTransfer
 from rollout_sync.backends.vllm import (
     VLLMAsyncBackend,
     VLLMBlockingBackend,
     VLLMEngineConfig,
     VLLMRequest,
+    VLLMWritePlan,
     require_vllm,
 )
+from rollout_sync.backends.vllm.access import LLMAccess
 from rollout_sync.backends.vllm.client import AsyncLLMWeightSyncClient, GuardedWeightSyncClient
 from rollout_sync.backends.vllm.generations import VersionHistory
 from rollout_sync.backends.vllm.worker import Probe, ProbePlan, copy_in_place, verify_written
@@ -79,6 +83,304 @@ def test_the_paused_bracket_is_a_no_op_before_the_engine_exists(tmp_path: Path) 
         assert not backend.parked and not backend.is_initialized
     assert backend.timeline is not None and len(backend.timeline) == 0
     backend.shutdown()
+
+
+# -- the options: every combination checked when the backend is built -------------------------
+
+_MISSING_DIR = "/nonexistent/rollout_sync_payloads"
+_TMP = "<tmp_path>"
+"""Stands for the test's own (existing) directory in a parameter."""
+
+_INVALID_OPTIONS = [
+    # (VLLMEngineConfig fields, backend keyword arguments, what the message must say)
+    pytest.param(
+        {"weight_transfer_config": None},
+        {"write_path": "native"},
+        ["write_path='native'", "weight_transfer_config None", "write_path='rpc'"],
+        id="native-path-without-a-transfer-engine",
+    ),
+    pytest.param(
+        {"weight_transfer_config": {"backend": "nccl"}},
+        {"write_path": "native"},
+        ["write_path='native'", "weight_transfer_config with backend 'nccl'", "'rollout_sync'"],
+        id="native-path-with-another-transfer-engine",
+    ),
+    pytest.param(
+        {},
+        {"write_path": "native", "write_method": "copy"},
+        ["write_path='native'", "write_method='copy'", "write_method='reload'"],
+        id="native-path-with-a-copy-write",
+    ),
+    pytest.param(
+        {},
+        {"write_path": "native", "payload_transport": "file"},
+        ["payload_transport='file'", "write_path='native'", "write_path='rpc'"],
+        id="file-payload-on-the-native-path",
+    ),
+    pytest.param(
+        {},
+        {"payload_transport": "file"},
+        ["payload_transport='file'", "write_path='auto'", "native path", "write_path='rpc'"],
+        id="file-payload-where-auto-resolves-to-native",
+    ),
+    pytest.param(
+        {},
+        {"write_path": "rpc", "payload_dir": _TMP},
+        ["payload_dir=", "payload_transport='bytes'", "payload_transport='file'"],
+        id="payload-dir-without-the-file-transport",
+    ),
+    pytest.param(
+        {},
+        {"write_path": "rpc", "payload_transport": "file", "payload_dir": _MISSING_DIR},
+        [f"payload_dir={_MISSING_DIR!r}", "not an existing directory"],
+        id="payload-dir-that-does-not-exist",
+    ),
+    pytest.param({}, {"write_method": "paste"}, ["write_method", "'paste'"], id="write-method"),
+    pytest.param({}, {"write_path": "ipc"}, ["write_path", "'ipc'"], id="write-path"),
+    pytest.param({}, {"payload_transport": "shm"}, ["payload_transport", "'shm'"], id="transport"),
+    pytest.param({}, {"verify_columns": 0}, ["verify_columns", "got 0"], id="verify-columns-0"),
+    pytest.param({}, {"verify_columns": 2.5}, ["verify_columns", "got 2.5"], id="columns-float"),
+    pytest.param({}, {"init_timeout": 0}, ["init_timeout", "got 0"], id="init-timeout-0"),
+    pytest.param({}, {"rpc_timeout": -1.0}, ["rpc_timeout", "got -1.0"], id="rpc-timeout-neg"),
+    pytest.param({}, {"rpc_timeout": math.inf}, ["rpc_timeout", "got inf"], id="rpc-timeout-inf"),
+    pytest.param({}, {"rpc_timeout": math.nan}, ["rpc_timeout", "got nan"], id="rpc-timeout-nan"),
+    pytest.param(
+        {}, {"kv_cache_policy": "recompute"}, ["kv_cache_policy", "'recompute'"], id="kv-policy"
+    ),
+]
+
+
+@pytest.mark.parametrize("backend_class", [VLLMAsyncBackend, VLLMBlockingBackend])
+@pytest.mark.parametrize(("config_fields", "options", "said"), _INVALID_OPTIONS)
+def test_an_invalid_combination_of_options_is_refused_when_the_backend_is_built(
+    no_vllm: None,
+    backend_class: type,
+    config_fields: dict[str, object],
+    options: dict[str, object],
+    said: list[str],
+    tmp_path: Path,
+) -> None:
+    """A ``ValueError`` from the constructor, naming each option in conflict with its value and
+    the fix; raised before vLLM is even imported (here it is not importable), so certainly
+    before an engine starts."""
+    options = {k: str(tmp_path) if v == _TMP else v for k, v in options.items()}
+    config = VLLMEngineConfig(tmp_path, **config_fields)  # type: ignore[arg-type]
+    with pytest.raises(ValueError) as caught:
+        backend_class(config, **options)
+    missing = [s for s in said if s not in str(caught.value)]
+    assert not missing, f"{missing} not in: {caught.value}"
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        ({"pause_timeout": 0.0}, ["pause_timeout", "got 0.0"]),
+        ({"pause_mode": "keep"}, ["pause_mode", "PauseMode", "'keep'"]),
+    ],
+    ids=["pause-timeout", "pause-mode"],
+)
+def test_the_async_backends_own_options_are_checked_when_it_is_built(
+    no_vllm: None, options: dict[str, object], said: list[str], tmp_path: Path
+) -> None:
+    with pytest.raises(ValueError) as caught:
+        VLLMAsyncBackend(VLLMEngineConfig(tmp_path), **options)  # type: ignore[arg-type]
+    assert all(s in str(caught.value) for s in said), caught.value
+
+
+def test_an_engine_config_that_names_its_transfer_engine_twice_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"engine_kwargs\['weight_transfer_config'\] conflicts"):
+        VLLMEngineConfig(tmp_path, engine_kwargs={"weight_transfer_config": {"backend": "nccl"}})
+    with pytest.raises(ValueError, match="weight_transfer_config must be a mapping"):
+        VLLMEngineConfig(tmp_path, weight_transfer_config="rollout_sync")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("transfer", "options", "path"),
+    [
+        ("rollout_sync", {}, "native"),
+        ("rollout_sync", {"write_path": "native"}, "native"),
+        ("rollout_sync", {"write_method": "copy"}, "rpc"),
+        ("rollout_sync", {"write_path": "rpc", "payload_transport": "file"}, "rpc"),
+        ("nccl", {}, "rpc"),
+        (None, {}, "rpc"),
+        (None, {"write_method": "copy", "payload_transport": "file"}, "rpc"),
+    ],
+)
+def test_auto_resolves_once_to_the_path_the_engine_can_take(
+    transfer: str | None, options: dict[str, object], path: str
+) -> None:
+    plan = VLLMWritePlan(transfer, **options)  # type: ignore[arg-type]
+    assert plan.path == path and plan.native == (path == "native")
+
+
+def test_the_backend_reports_its_write_plan_without_starting_an_engine(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    backend = VLLMBlockingBackend(VLLMEngineConfig(tmp_path), write_method="copy")
+    assert backend.write_plan == VLLMWritePlan("rollout_sync", write_method="copy")
+    assert not backend.native_writes and not backend.is_initialized
+    assert VLLMAsyncBackend(VLLMEngineConfig(tmp_path)).native_writes
+    with pytest.raises(AttributeError):
+        backend.write_plan = VLLMWritePlan(None)  # type: ignore[misc]
+
+
+# -- engine access: the blocking engine's thread rule and KV policy ----------------------------
+
+
+def test_a_write_from_another_thread_while_one_steps_the_llm_is_refused() -> None:
+    resets: list[bool] = []
+    llm = SimpleNamespace(
+        llm_engine=SimpleNamespace(
+            reset_prefix_cache=lambda reset_running_requests: resets.append(reset_running_requests)
+        )
+    )
+    access = LLMAccess(llm)
+    access.check_write_allowed("VLLMBlockingBackend")  # idle: any thread may write
+    access.after_write(KVCachePolicy.RECOMPUTE)
+    assert resets == []  # nothing in flight to recompute
+    access.stepping = threading.get_ident()  # a step hook on the generating thread
+    access.check_write_allowed("VLLMBlockingBackend")
+    access.after_write(KVCachePolicy.KEEP_STALE)
+    access.after_write(KVCachePolicy.RECOMPUTE)
+    assert resets == [True]
+    other = threading.Thread(target=lambda: None)
+    other.start()
+    other.join()
+    assert other.ident is not None
+    access.stepping = other.ident  # another thread steps the engine
+    with pytest.raises(RuntimeError, match=r"VLLMBlockingBackend: load_weights\(\) on one thread"):
+        access.check_write_allowed("VLLMBlockingBackend")
+
+
+# -- statistics read local state only ----------------------------------------------------------
+
+
+class _FakeEngine:
+    """An engine access (``access.EngineAccess``) with no vLLM behind it, and vLLM's client
+    protocol for its native updates: the worker extension's answers for a model of two
+    tensors, the ``"rollout_sync"`` engine's side of an update received here (a gloo group
+    of this test's threads), and ``reachable``: once false, any call fails the test."""
+
+    def __init__(self) -> None:
+        self.served = {"a.weight": torch.zeros(4, 8), "b.weight": torch.zeros(8)}
+        self.reachable = True
+        self.calls: list[str] = []
+        self.stepping: int | None = None  # as on LLMAccess: no generate() steps this engine
+        self.group: object = None
+        self.transfer: WeightTransfer | None = None
+
+    def _call(self, what: str) -> None:
+        if not self.reachable:
+            raise AssertionError(f"{what} reached the engine")
+        self.calls.append(what)
+
+    # -- access.EngineAccess
+
+    def rpc(self, method: str, *args: object, timeout: float) -> object:
+        self._call(method)
+        if method == "rollout_sync_describe":
+            return {
+                "specs": [[n, list(t.shape), "float32"] for n, t in self.served.items()],
+                "groups": {n: n.split(".")[0] for n in self.served},
+                "unverifiable": {},
+                "tensor_parallel_size": 1,
+            }
+        if method == "rollout_sync_write":
+            return {
+                "written": True,
+                "refused": [],
+                "problems": [],
+                "write_ms": 1.5,
+                "verify_ms": 2.5,
+            }
+        if method == "rollout_sync_native_state":
+            return {"torn": None, "updates": 1, "last_verify_s": 0.004}
+        raise AssertionError(f"unexpected engine call {method}")
+
+    def weight_sync_client(self, timeout_s: float) -> _FakeEngine:
+        self._call("weight_sync_client")
+        return self
+
+    def set_version(self, label: str, timeout: float) -> None:
+        self._call(f"set_version {label}")
+
+    def check_write_allowed(self, owner: str) -> None:
+        pass  # a rule of this process, not an engine call
+
+    def after_write(self, kv_cache_policy: KVCachePolicy) -> None:
+        pass
+
+    # -- vLLM's client protocol, answered as the "rollout_sync" engine in a worker would
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        from rollout_sync.backends.vllm.engine import RolloutSyncInitInfo, join_transfer_group
+
+        self._call("init_weight_transfer_engine")
+        info = RolloutSyncInitInfo(**init_info)
+        self.group, self.transfer = join_transfer_group(info, info.rank_offset, torch.device("cpu"))
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._call("update_weights")
+        assert self.transfer is not None
+        self.transfer.receive(self.served, allow_subset=bool(update_info["allow_subset"]))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call("finish_weight_update")
+
+    def leave(self) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            group.shutdown()  # type: ignore[attr-defined]
+
+
+class _FakeEngineBackend(VLLMBlockingBackend):
+    """The blocking backend on a :class:`_FakeEngine`: the shared part and the write path are
+    the production code; only starting and stopping vLLM are left out."""
+
+    def __init__(self, engine: _FakeEngine, **options: Any) -> None:
+        super().__init__(VLLMEngineConfig("no-model-is-loaded"), **options)
+        self.fake = engine
+
+    def initialize(self) -> None:
+        self._attach(self.fake)  # type: ignore[arg-type]
+
+    def shutdown(self) -> None:
+        self._detach()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("write_path", "verify_ms"), [("native", 4.0), ("rpc", 2.5)])
+def test_statistics_report_the_last_verify_without_calling_the_engine(
+    write_path: str, verify_ms: float
+) -> None:
+    """The read-back's time is recorded when the write returns (native: the engine's state,
+    asked with the write; rpc: the write's report); after that the engine is unreachable and
+    ``statistics()`` still answers, from local state."""
+    pytest.importorskip("vllm")
+    engine = _FakeEngine()
+    backend = _FakeEngineBackend(engine, write_path=write_path, rpc_timeout=30.0)
+    assert math.isnan(backend.statistics().last_verify_ms)  # no write yet: nan, no engine call
+    new = {"a.weight": torch.randn(4, 8), "b.weight": torch.randn(8)}
+    try:
+        with backend.paused():
+            backend.load_weights(new)
+        backend.commit_weight_version(1)
+        engine.reachable = False
+        stats = backend.statistics()
+        assert (stats.writes, stats.weight_version, stats.weights_torn) == (1, 1, False)
+        assert stats.last_verify_ms == pytest.approx(verify_ms)
+        assert not math.isnan(stats.last_write_ms)
+        repr(backend)  # also local
+    finally:
+        backend.shutdown()  # leaves the transfer group: local, no engine call
+        engine.leave()
+    if write_path == "native":
+        assert all(torch.equal(engine.served[n], t) for n, t in new.items())
+        assert engine.calls[-2:] == ["rollout_sync_native_state", "set_version 1"]
+    else:
+        assert "update_weights" not in engine.calls
 
 
 # -- versions ----------------------------------------------------------------------------------

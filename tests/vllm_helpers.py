@@ -27,6 +27,7 @@ from rollout_sync.backends.vllm import (
     VLLMAsyncBackend,
     VLLMBlockingBackend,
     VLLMEngineConfig,
+    VLLMWritePlan,
     greedy_params,
 )
 from rollout_sync.testing import STALLING_WORKER_EXTENSION
@@ -204,6 +205,20 @@ def check_greedy_output_equals_transformers(world: World[Any]) -> None:
 
 
 # -- native weight-transfer tests --------------------------------------------------------------
+
+
+@contextmanager
+def writes_by(backend: VLLMAsyncBackend | VLLMBlockingBackend, **options: Any) -> Iterator[None]:
+    """For the block, ``backend`` writes by the plan ``options`` make (checked as the
+    constructor checks them), so one started engine serves the tests of several write options.
+    A test's seam: the production backend fixes its plan when it is built."""
+    writer = backend._writer
+    kept = writer.plan
+    writer.plan = VLLMWritePlan.for_engine(backend.config, **options)
+    try:
+        yield
+    finally:
+        writer.plan = kept
 
 
 def native_backend(

@@ -3,6 +3,10 @@
 * :mod:`.backend` - the backends a rollout worker drives: :class:`VLLMAsyncBackend` (stream
   generation on ``AsyncLLM``, parked at a step boundary) and :class:`VLLMBlockingBackend` (the
   offline ``LLM``, idle by construction between ``generate`` calls).
+* :mod:`.access` - how a backend reaches its started engine, one object per engine type
+  (:class:`~.access.AsyncLLMAccess`, :class:`~.access.LLMAccess`).
+* :mod:`.write` - the write path: :class:`VLLMWritePlan` (the write options, checked together
+  when a backend is built) and the writer that validates, ships, reads back and reports torn.
 * :mod:`.config` - how an engine is started (:class:`VLLMEngineConfig`, :class:`PauseMode`)
   and vLLM imported on demand (:func:`require_vllm`).
 * :mod:`.generations` - requests and their results dated by weight version
@@ -38,6 +42,7 @@ from .config import greedy_params as greedy_params
 from .config import require_vllm as require_vllm
 from .generations import VLLMGeneration as VLLMGeneration
 from .generations import VLLMRequest as VLLMRequest
+from .write import VLLMWritePlan as VLLMWritePlan
 
 __all__ = [
     "EngineCallTimeout",
@@ -50,6 +55,7 @@ __all__ = [
     "VLLMGeneration",
     "VLLMRequest",
     "VLLMUnavailableError",
+    "VLLMWritePlan",
     "WeightsNotLandedError",
     "greedy_params",
     "park_engine",

@@ -16,14 +16,21 @@ recomputes it with the new weights and every token after the sync is exactly wha
 weights produce from the tokens so far; :attr:`KVCachePolicy.KEEP_STALE` keeps the KV computed
 with the old weights (cheaper, and the continuation is a mix of both versions).
 
-**Weight writes** go through a worker extension
-(:class:`~rollout_sync.backends.vllm.worker.RolloutSyncWorkerExtension`) and ``collective_rpc``:
-tensors do not survive ``collective_rpc`` arguments, so the backend ships one safetensors blob
-(or a file path). Inside the engine vLLM's in-place ``reload_weights`` loads it (this also
-re-packs linear weights on the CPU build). Names, shapes and dtypes are checked against the
-engine's own specs before anything is sent, and after the write every tensor is read back
-through the kernels the forward uses: a write that did not land raises
-:class:`WeightsNotLandedError`, never a success.
+**Weight writes** take the path the write options resolve to when the backend is built
+(:class:`~.write.VLLMWritePlan`; an impossible combination is a ``ValueError`` then, not at
+the first write): vLLM's native weight transfer with this package's ``"rollout_sync"`` engine,
+or one safetensors payload (bytes or a file path) through ``collective_rpc`` to the worker
+extension (:class:`~rollout_sync.backends.vllm.worker.RolloutSyncWorkerExtension`), where
+vLLM's in-place ``reload_weights`` loads it (this also re-packs linear weights on the CPU
+build). Names, shapes and dtypes are checked against the engine's own specs before anything
+is sent, and after the write every tensor is read back through the kernels the forward uses: a
+write that did not land raises :class:`WeightsNotLandedError`, never a success.
+
+**The parts.** What the two backends share (specs, buffers, versions, tracing, requests) is
+one base class; how a call reaches the engine is an object per engine type
+(:class:`~.access.AsyncLLMAccess`, :class:`~.access.LLMAccess`) the backend holds while the
+engine runs; the write is a :class:`~.write.WeightWriter` of its own. ``statistics()`` reads
+local state only.
 
 The engine does not expose writable tensors, so :meth:`served_weights` returns receive buffers
 of the served names, shapes and dtypes (a transfer receives into them in place), and
@@ -38,35 +45,26 @@ import asyncio
 import itertools
 import math
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 import torch
 from typing_extensions import Self
 
 from ...backend import KVCachePolicy, RolloutBase
-from ...errors import (
-    EngineCallTimeout,
-    GenerationTimeout,
-    ManifestRejected,
-    PauseTimeout,
-    WeightMismatchError,
-    WeightsNotLandedError,
-)
+from ...errors import EngineCallTimeout, GenerationTimeout, PauseTimeout
 from ...trace import Span, SpanKind, Timeline
-from ...weights import WeightSpec, check_weights_match, specs_of
+from ...weights import WeightSpec
+from .access import AsyncLLMAccess, EngineAccess, LLMAccess
 from .calls import LoopThread, park_engine
 from .config import PauseMode, VLLMEngineConfig, greedy_params, require_vllm
 from .generations import VersionHistory, VLLMGeneration, VLLMRequest
-from .plugin import ENGINE_NAME as NATIVE_ENGINE
-from .worker import partial_load_groups
+from .write import ServedModel, VLLMWritePlan, WeightWriter, native_transfer_state
 
 if TYPE_CHECKING:
     from .park import ParkFlag
@@ -74,10 +72,17 @@ if TYPE_CHECKING:
 __all__ = ["VLLMAsyncBackend", "VLLMBackendStatistics", "VLLMBlockingBackend"]
 
 T = TypeVar("T")
+A = TypeVar("A", bound=EngineAccess)
 
 
 @dataclass(frozen=True)
 class VLLMBackendStatistics:
+    """A backend's running totals, read from local state (never an engine call).
+
+    ``last_write_ms`` / ``last_verify_ms``: what the engine reported for the last write and its
+    read-back, recorded when that write returned (``nan`` before the first).
+    """
+
     initialized: bool
     parked: bool
     pauses: int
@@ -90,11 +95,22 @@ class VLLMBackendStatistics:
     weights_torn: bool
 
 
-# -- the shared part: specs, receive buffers, the verified write -------------------------------
+# -- the shared part: specs, receive buffers, versions, tracing --------------------------------
 
 
-class _VLLMBackendBase(RolloutBase):
-    """Weights, versions and tracing, shared by both backends; subclasses own the engine."""
+def _positive_seconds(option: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{option} must be a finite number of seconds > 0, got {value!r}")
+
+
+class _VLLMBackendBase(RolloutBase, Generic[A]):
+    """Weights, versions and tracing, shared by both backends.
+
+    Each backend starts its engine and holds an engine access of its type (``A``:
+    :class:`~.access.AsyncLLMAccess` or :class:`~.access.LLMAccess`) while it runs; the
+    shared part reaches the engine only through it. Writes go through a
+    :class:`~.write.WeightWriter` built from the options at construction.
+    """
 
     def __init__(
         self,
@@ -112,6 +128,10 @@ class _VLLMBackendBase(RolloutBase):
     ) -> None:
         """Configure the backend; nothing starts until :meth:`initialize` (lazily, in a sync).
 
+        Every option is checked here, before vLLM is imported or an engine starts: a value out
+        of range, or two options that cannot work together (see :class:`~.write.VLLMWritePlan`),
+        raise :class:`ValueError` naming both and what to change.
+
         Args:
             config: the engine to start.
             kv_cache_policy: what in-flight sequences keep across a sync (see the module).
@@ -120,46 +140,52 @@ class _VLLMBackendBase(RolloutBase):
                 parameters as they are; on vLLM for CPU it does not land and raises).
             write_path: how :meth:`load_weights` reaches the engine. ``"native"``: vLLM's
                 native weight transfer with the ``"rollout_sync"`` engine (the engine must run
-                it: ``VLLMEngineConfig.weight_transfer_config``, the default); ``"rpc"``: one
-                safetensors blob through ``collective_rpc`` (the only path for
-                ``write_method="copy"``); ``"auto"``: native where the engine runs it.
-            verify_columns: input columns read back per weight after each write.
-            payload_transport: ship the safetensors blob as bytes through ``collective_rpc``,
-                or as a file in ``payload_dir`` (large models, engine on the same host).
-            init_timeout, rpc_timeout: seconds for engine start-up and for each engine call.
+                it: ``VLLMEngineConfig.weight_transfer_config``, the default, and
+                ``write_method="reload"``); ``"rpc"``: one safetensors payload through
+                ``collective_rpc`` (the only path for ``write_method="copy"``); ``"auto"``:
+                native where both hold, else rpc.
+            verify_columns: input columns read back per weight after each write (>= 1).
+            payload_transport: the rpc path's payload: bytes through ``collective_rpc``, or a
+                file in ``payload_dir`` (large models, engine on the same host). ``"file"``
+                needs the rpc path.
+            payload_dir: an existing directory for ``payload_transport="file"`` (``None``: the
+                system's temporary directory); only with ``"file"``.
+            init_timeout, rpc_timeout: seconds (finite, > 0) for engine start-up and for each
+                engine call.
             timeline: records pauses here, and (collected with :meth:`collect_engine_spans`)
                 the engine's forward and write spans.
+
+        Raises:
+            ValueError: an invalid option or combination of options.
+            VLLMUnavailableError: vLLM is not importable (says how to install it).
         """
         super().__init__()
-        require_vllm()
-        if write_method not in ("reload", "copy"):
-            raise ValueError(f"write_method must be 'reload' or 'copy', got {write_method!r}")
-        if payload_transport not in ("bytes", "file"):
+        plan = VLLMWritePlan.for_engine(
+            config,
+            write_method=write_method,
+            write_path=write_path,
+            payload_transport=payload_transport,
+            payload_dir=payload_dir,
+            verify_columns=verify_columns,
+        )
+        if not isinstance(kv_cache_policy, KVCachePolicy):
             raise ValueError(
-                f"payload_transport must be 'bytes' or 'file', got {payload_transport!r}"
+                "kv_cache_policy must be a KVCachePolicy (KVCachePolicy.RECOMPUTE or "
+                f"KVCachePolicy.KEEP_STALE), got {kv_cache_policy!r}"
             )
-        if write_path not in ("auto", "native", "rpc"):
-            raise ValueError(f"write_path must be 'auto', 'native' or 'rpc', got {write_path!r}")
-        if verify_columns < 1:
-            raise ValueError(f"verify_columns must be at least 1, got {verify_columns}")
+        _positive_seconds("init_timeout", init_timeout)
+        _positive_seconds("rpc_timeout", rpc_timeout)
+        require_vllm()
         self.config = config
         self.kv_cache_policy = kv_cache_policy
-        self.write_method = write_method
-        self.write_path = write_path
-        self.verify_columns = verify_columns
-        self.payload_transport = payload_transport
-        self.payload_dir = payload_dir
         self.init_timeout = init_timeout
         self.rpc_timeout = rpc_timeout
         self.timeline = timeline
+        self._access: A | None = None
+        self._writer = WeightWriter(plan, self.mark_weights_torn)
+        self._served: ServedModel | None = None
         self._versions = VersionHistory()
-        self._specs: dict[str, WeightSpec] = {}
-        self._spec_meta: dict[str, torch.Tensor] = {}
-        self._groups: dict[str, str] = {}
         self._buffers: dict[str, torch.Tensor] | None = None
-        self._writes = 0
-        self._last_write: Mapping[str, Any] = {}
-        self._native: Any = None
         self._ids = itertools.count()
         self._requests_lock = threading.Lock()
         self._in_flight: dict[str, VLLMRequest] = {}
@@ -178,61 +204,59 @@ class _VLLMBackendBase(RolloutBase):
     ) -> None:
         self.shutdown()
 
-    # -- engine access, provided by the subclass ---------------------------------------------
+    @property
+    def write_plan(self) -> VLLMWritePlan:
+        """The write options, checked together at construction, and the path they resolve to."""
+        return self._writer.plan
 
-    def _rpc(self, method: str, *args: Any, timeout: float | None = None) -> Any:
-        """Call ``method`` of the worker extension on every worker; return the first result."""
-        raise NotImplementedError
-
-    def _after_write(self) -> None:
-        """Called after a verified write (the blocking backend applies its KV policy here)."""
-
-    def _check_write_allowed(self) -> None:
-        """Raise if a write now would race generation (the blocking backend's thread rule)."""
+    @property
+    def native_writes(self) -> bool:
+        """Whether :meth:`load_weights` goes through vLLM's native weight transfer (see
+        ``write_path``) rather than the safetensors payload through ``collective_rpc``."""
+        return self._writer.plan.native
 
     # -- set-up ------------------------------------------------------------------------------
 
-    def _describe_engine(self) -> None:
-        """Fetch the served specs from the engine; turn tracing on if a timeline is set."""
-        info = self._rpc("rollout_sync_describe", timeout=self.rpc_timeout)
-        if int(info["tensor_parallel_size"]) != 1:
-            raise NotImplementedError(
-                "the rollout_sync vLLM backend writes and verifies whole tensors: it supports "
-                f"tensor_parallel_size=1, got {info['tensor_parallel_size']}"
-            )
-        if info["unverifiable"]:
-            lines = [f"{n}: {why}" for n, why in sorted(info["unverifiable"].items())]
-            raise NotImplementedError(
-                "the rollout_sync vLLM backend cannot read back these checkpoint tensors "
-                "from the served model, so it could not tell a write that did not land:\n  "
-                + "\n  ".join(lines[:20])
-            )
-        specs = [
-            WeightSpec(name, tuple(shape), getattr(torch, dtype))
-            for name, shape, dtype in info["specs"]
-        ]
-        self._specs = {s.name: s for s in specs}
-        self._spec_meta = {
-            s.name: torch.empty(s.shape, dtype=s.dtype, device="meta") for s in specs
-        }
-        self._groups = dict(info["groups"])
+    def _started(self) -> A:
+        """The engine access, or :class:`RuntimeError` before start or after shutdown."""
+        access = self._access
+        if access is None:
+            raise RuntimeError(f"{type(self).__name__} is not started: call ensure_initialized()")
+        return access
+
+    def _attach(self, access: A) -> None:
+        """Take the started engine: fetch its served specs; turn tracing on if a timeline is
+        set. The caller shuts the engine down if this raises."""
+        self._access = access
+        self._served = ServedModel.describe(access, self.rpc_timeout)
         if self.timeline is not None:
             self.set_engine_tracing(True)
+
+    def _detach(self) -> A | None:
+        """Leave the native transfer group and drop the engine access (to shut it down)."""
+        self._writer.close()
+        access, self._access = self._access, None
+        return access
+
+    def _served_model(self) -> ServedModel:
+        self.ensure_initialized()
+        served = self._served
+        if served is None:
+            raise RuntimeError(f"{type(self).__name__} is not started: call ensure_initialized()")
+        return served
 
     # -- weights -----------------------------------------------------------------------------
 
     def weight_specs(self) -> list[WeightSpec]:
         """What the engine serves, in checkpoint format (names, shapes, dtypes)."""
-        self.ensure_initialized()
-        return list(self._specs.values())
+        return list(self._served_model().specs.values())
 
     def load_groups(self) -> dict[str, str]:
         """For each served name, the engine module it loads into (``q_proj`` -> ``qkv_proj``).
 
         A partial write (``require_all=False``) must send whole groups.
         """
-        self.ensure_initialized()
-        return dict(self._groups)
+        return dict(self._served_model().groups)
 
     def served_weights(self) -> Mapping[str, torch.Tensor]:
         """Receive buffers of the served names, shapes and dtypes (CPU, allocated once).
@@ -240,10 +264,10 @@ class _VLLMBackendBase(RolloutBase):
         The engine's own tensors are not writable from here (and on vLLM for CPU not even in
         checkpoint layout); receive into these, then :meth:`load_weights` them.
         """
-        self.ensure_initialized()
+        served = self._served_model()
         if self._buffers is None:
             self._buffers = {
-                s.name: torch.empty(s.shape, dtype=s.dtype) for s in self._specs.values()
+                s.name: torch.empty(s.shape, dtype=s.dtype) for s in served.specs.values()
             }
         return self._buffers
 
@@ -255,7 +279,8 @@ class _VLLMBackendBase(RolloutBase):
         Call inside :meth:`paused` (the guard does). Order: validate every name, shape and
         dtype against the engine's specs (and, for a subset, that each module it loads into is
         complete: vLLM rebuilds a packed module such as ``qkv_proj`` from all its parts), ship
-        one safetensors blob, write it in the engine, read every tensor back.
+        the weights along the write plan's path, write them in the engine, read every tensor
+        back.
 
         Raises:
             WeightMismatchError: a bad input; nothing was sent.
@@ -263,190 +288,46 @@ class _VLLMBackendBase(RolloutBase):
                 did not land (weights now torn; generation stays parked until a good sync).
             EngineCallTimeout: the engine did not answer within ``rpc_timeout`` (torn).
         """
+        served = self._served_model()
+        access = self._started()
+        access.check_write_allowed(type(self).__name__)
+        self._writer.write(
+            access,
+            served,
+            weights,
+            require_all=require_all,
+            timeout=self.rpc_timeout,
+            context=f"weights for {type(self).__name__}",
+        )
+        access.after_write(self.kv_cache_policy)
+
+    def weight_sync_client(self, timeout_s: float | None = None) -> Any:
+        """vLLM's weight-sync client protocol over this backend's engine (starting it if
+        needed): an :class:`~rollout_sync.backends.vllm.client.AsyncLLMWeightSyncClient` on
+        :class:`VLLMAsyncBackend`'s loop, an
+        :class:`~rollout_sync.backends.vllm.client.LLMWeightSyncClient` over
+        :class:`VLLMBlockingBackend`'s ``LLM``; each call bounded by ``timeout_s`` (default
+        ``rpc_timeout``). Wrap it in
+        :class:`~rollout_sync.backends.vllm.client.GuardedWeightSyncClient` with ``rollout=``
+        this backend, so every update is paused and versioned here."""
         self.ensure_initialized()
-        self._check_write_allowed()
-        context = f"weights for {type(self).__name__}"
-        check_weights_match(
-            specs_of(weights), self._spec_meta, require_all=require_all, context=context
-        )
-        if not require_all:
-            self._check_whole_groups(weights.keys(), context)
-        native = self.native_writes  # raises for a write_path it cannot take: nothing sent
-        self._writes += 1
-        if native:
-            self._native_write(weights, require_all, context)
-            self._after_write()
-            return
-        payload, cleanup = self._encode(weights)
-        try:
-            report = self._rpc(
-                "rollout_sync_write",
-                payload,
-                self.write_method,
-                self.verify_columns,
-                self._writes,
-                timeout=self.rpc_timeout,
-            )
-        except BaseException as exc:
-            self.mark_weights_torn(f"the engine's weight write failed: {type(exc).__name__}: {exc}")
-            raise
-        finally:
-            cleanup()
-        self._last_write = report
-        if report["refused"]:
-            raise WeightsNotLandedError(
-                list(report["refused"]),
-                torn=False,
-                context=f"{context}: the engine refused the write",
-            )
-        if report["problems"]:
-            self.mark_weights_torn(f"{len(report['problems'])} tensor(s) did not land")
-            raise WeightsNotLandedError(
-                list(report["problems"]),
-                torn=True,
-                context=f"{context}: the {self.write_method!r} write did not land in the "
-                "weights the engine computes with",
-            )
-        self._after_write()
-
-    @property
-    def native_writes(self) -> bool:
-        """Whether :meth:`load_weights` goes through vLLM's native weight transfer (see
-        ``write_path``) rather than the older safetensors blob through ``collective_rpc``."""
-        runs_engine = (self.config.weight_transfer_config or {}).get("backend") == NATIVE_ENGINE
-        if self.write_path == "native" and not runs_engine:
-            raise ValueError(
-                'write_path="native" needs the engine to run the "rollout_sync" weight-transfer '
-                "engine: VLLMEngineConfig(weight_transfer_config={'backend': 'rollout_sync'})"
-            )
-        if self.write_path == "native" and self.write_method != "reload":
-            raise ValueError(
-                'write_path="native" writes through vLLM\'s reload: write_method="reload"'
-            )
-        return self.write_path != "rpc" and runs_engine and self.write_method == "reload"
-
-    def _weight_sync_client(self) -> Any:
-        """vLLM's client protocol over this backend's engine (no pause: the caller's)."""
-        raise NotImplementedError
-
-    def _native_write(
-        self, weights: Mapping[str, torch.Tensor], require_all: bool, context: str
-    ) -> None:
-        """One native update: this process sends, the engine's ``"rollout_sync"`` weight-transfer
-        engine receives, loads and reads back (over a gloo group of the two, on this host)."""
-        from .trainer import (
-            MappingSource,
-            RolloutSyncTrainerEngine,
-            RolloutSyncTrainerInitInfo,
-        )
-
-        try:
-            if self._native is None:
-                info = RolloutSyncTrainerInitInfo.on_this_host(
-                    group_backend="gloo",  # the receive buffers here are CPU tensors
-                    timeout_s=self.rpc_timeout,
-                    verify_columns=self.verify_columns,
-                )
-                self._native = RolloutSyncTrainerEngine.trainer_init(
-                    info, client=self._weight_sync_client(), source=MappingSource({})
-                )
-            stats = self._native.push(
-                weights,
-                version=self._writes,
-                label=None,
-                timeout=self.rpc_timeout,
-                require_all=require_all,
-            )
-        except BaseException as exc:
-            # Leave the group: after a failure it may be out of step; the next write joins anew.
-            self._close_native()
-            if isinstance(exc, (ManifestRejected, WeightMismatchError)):
-                # The manifest vote failed: no rank started loading.
-                raise WeightsNotLandedError(
-                    [f"{type(exc).__name__}: {exc}"],
-                    torn=False,
-                    context=f"{context}: the engine refused the update; nothing was loaded",
-                ) from exc
-            torn = self._native_torn() or f"{type(exc).__name__}: {exc}"
-            self.mark_weights_torn(f"the engine's native weight update failed: {torn}")
-            if isinstance(exc, (TimeoutError, KeyboardInterrupt)):
-                raise
-            raise WeightsNotLandedError(
-                [torn],
-                torn=True,
-                context=f"{context}: the native update did not land in the weights the engine "
-                "computes with",
-            ) from exc
-        # The read-back's time is the engine's; asked for only when statistics are.
-        self._last_write = {"write_ms": (stats.total_s * 1e3) if stats is not None else math.nan}
-
-    def _close_native(self) -> None:
-        """Leave the native transfer group (after a failure, or before the engine shuts down)."""
-        native, self._native = self._native, None
-        if native is not None:
-            try:
-                native.shutdown()
-            except Exception:  # a group broken by the failure that brought us here
-                pass
-
-    def _native_torn(self) -> str | None:
-        """The engine's reason its weights are torn (``None``: untouched); an engine that cannot
-        answer counts as torn."""
-        try:
-            state = self.native_transfer_state()
-        except Exception as exc:  # no answer: assume the worst
-            return f"the engine did not report its state ({type(exc).__name__}: {exc})"
-        if state is None:
-            return "the engine runs no rollout_sync weight-transfer engine"
-        torn: str | None = state.get("torn")
-        return torn
-
-    def _check_whole_groups(self, names: Any, context: str) -> None:
-        problems = partial_load_groups(names, self._groups)
-        if problems:
-            raise WeightMismatchError(problems, context=context)
-
-    def _encode(
-        self, weights: Mapping[str, torch.Tensor]
-    ) -> tuple[bytes | str, Callable[[], None]]:
-        import safetensors.torch
-
-        flat: dict[str, torch.Tensor] = {}
-        seen: set[int] = set()
-        for name, tensor in weights.items():
-            t = tensor.detach().to("cpu").contiguous()
-            storage = t.untyped_storage().data_ptr()
-            # safetensors refuses tensors that share memory; copy the second view of a storage.
-            flat[name] = t.clone() if storage in seen else t
-            seen.add(storage)
-        if self.payload_transport == "bytes":
-            return safetensors.torch.save(flat), lambda: None
-        fd, path = tempfile.mkstemp(
-            suffix=".safetensors", prefix="rollout_sync_", dir=self.payload_dir
-        )
-        os.close(fd)
-        safetensors.torch.save_file(flat, path)
-        return path, lambda: Path(path).unlink(missing_ok=True)
+        limit = self.rpc_timeout if timeout_s is None else timeout_s
+        return self._started().weight_sync_client(limit)
 
     def commit_weight_version(self, version: int) -> None:
         """Record a complete sync; with native writes vLLM's own label (per-token
         ``weight_versions``, ``get_weight_version()``) becomes ``str(version)`` too."""
-        if self._native is not None:
-            self._set_engine_version(str(version))
+        access = self._access
+        if self._writer.native_open and access is not None:
+            access.set_version(str(version), self.rpc_timeout)
         self._versions.commit(version, time.monotonic())
         super().commit_weight_version(version)
-
-    def _set_engine_version(self, label: str) -> None:
-        """Set vLLM's weight-version label (the subclass reaches the engine)."""
 
     def native_transfer_state(self) -> dict[str, Any] | None:
         """The engine's ``"rollout_sync"`` weight-transfer engine state (``torn``: why it must
         not serve, or ``None``; ``updates``; the last transfer), or ``None`` when the engine
-        runs another weight-transfer backend or none."""
-        state: dict[str, Any] | None = self._rpc(
-            "rollout_sync_native_state", timeout=self.rpc_timeout
-        )
-        return state
+        runs another weight-transfer backend or none. One engine call."""
+        return native_transfer_state(self._started(), self.rpc_timeout)
 
     # -- tracing -----------------------------------------------------------------------------
 
@@ -458,7 +339,7 @@ class _VLLMBackendBase(RolloutBase):
         engine core is part of this rollout replica, so its forwards are checked against the
         syncs this process brackets. Needs a ``timeline`` at construction (tracing on).
         """
-        records = self._rpc("rollout_sync_spans", True, timeout=self.rpc_timeout)
+        records = self._started().rpc("rollout_sync_spans", True, timeout=self.rpc_timeout)
         pid = os.getpid()
         spans = [
             Span(
@@ -478,11 +359,12 @@ class _VLLMBackendBase(RolloutBase):
 
     def set_engine_tracing(self, enabled: bool) -> None:
         """Turn the engine's forward spans on or off (on by default when a timeline is set)."""
-        self._rpc("rollout_sync_trace", enabled, timeout=self.rpc_timeout)
+        self._started().rpc("rollout_sync_trace", enabled, timeout=self.rpc_timeout)
 
     def engine_forward_count(self) -> int:
         """Forwards the engine ran since tracing was turned on."""
-        return int(self._rpc("rollout_sync_forward_count", timeout=self.rpc_timeout))
+        count = self._started().rpc("rollout_sync_forward_count", timeout=self.rpc_timeout)
+        return int(count)
 
     # -- requests bookkeeping ----------------------------------------------------------------
 
@@ -507,21 +389,19 @@ class _VLLMBackendBase(RolloutBase):
             return len(self._in_flight)
 
     def _statistics(self, parked: bool, pauses: int) -> VLLMBackendStatistics:
+        """Local state only: no engine call (the writer recorded its numbers at write time)."""
         with self._requests_lock:
             in_flight, finished = len(self._in_flight), self._finished
-        verify_ms = self._last_write.get("verify_ms")
-        if verify_ms is None and self._native is not None:
-            state = self.native_transfer_state() or {}
-            verify_ms = float(state.get("last_verify_s", math.nan)) * 1e3
+        writer = self._writer
         return VLLMBackendStatistics(
             initialized=self.is_initialized,
             parked=parked,
             pauses=pauses,
             requests_in_flight=in_flight,
             requests_finished=finished,
-            writes=self._writes,
-            last_write_ms=float(self._last_write.get("write_ms", math.nan)),
-            last_verify_ms=math.nan if verify_ms is None else float(verify_ms),
+            writes=writer.writes,
+            last_write_ms=writer.last_write_ms,
+            last_verify_ms=writer.last_verify_ms,
             weight_version=self.weight_version,
             weights_torn=self.weights_torn,
         )
@@ -530,7 +410,7 @@ class _VLLMBackendBase(RolloutBase):
 # -- stream generation on AsyncLLM -------------------------------------------------------------
 
 
-class VLLMAsyncBackend(_VLLMBackendBase):
+class VLLMAsyncBackend(_VLLMBackendBase[AsyncLLMAccess]):
     """Stream generation on vLLM's ``AsyncLLM``, with a pause that parks at a step boundary.
 
     The engine's asyncio loop runs on a thread this backend owns; :meth:`submit` returns at
@@ -571,14 +451,22 @@ class VLLMAsyncBackend(_VLLMBackendBase):
         started engine, pauses go by vLLM's message alone). The keyword
         arguments shared with :class:`VLLMBlockingBackend` (KV policy, write method, read-back
         columns, payload transport, timeouts, timeline) are described on the base class.
+
+        Raises:
+            ValueError: ``pause_mode`` not a :class:`PauseMode`, ``pause_timeout`` not a
+                finite number of seconds > 0, or an invalid shared option (the base class).
         """
+        if not isinstance(pause_mode, PauseMode):
+            raise ValueError(
+                "pause_mode must be a PauseMode (PauseMode.KEEP, WAIT or ABORT), got "
+                f"{pause_mode!r}"
+            )
+        _positive_seconds("pause_timeout", pause_timeout)
         super().__init__(config, **kwargs)
         self.pause_mode = pause_mode
         self.pause_timeout = pause_timeout
         self.park_flag = park_flag
         self._flag: ParkFlag | None = None
-        self._loop: LoopThread | None = None
-        self._engine: Any = None
         self._pause_lock = threading.RLock()
         self._park_lock = threading.Lock()
         self._pause_depth = 0
@@ -586,7 +474,7 @@ class VLLMAsyncBackend(_VLLMBackendBase):
         self._pauses = 0
 
     def __repr__(self) -> str:
-        state = "not started" if self._engine is None else "parked" if self._parked else "running"
+        state = "not started" if self._access is None else "parked" if self._parked else "running"
         return (
             f"<{type(self).__name__} {state}: {self.requests_in_flight} requests in flight, "
             f"weights v{self.weight_version}{' (torn)' if self.weights_torn else ''}>"
@@ -617,14 +505,17 @@ class VLLMAsyncBackend(_VLLMBackendBase):
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
 
         try:
-            self._engine = loop.run(create(), self.init_timeout, "starting the vLLM engine")
+            # Only the access holds the engine (shutdown() releases it): a frame of this call
+            # that some traceback keeps alive must not keep the AsyncLLM alive as well.
+            access = AsyncLLMAccess(
+                loop.run(create(), self.init_timeout, "starting the vLLM engine"), loop
+            )
         except BaseException:
             loop.stop(10.0)
             self._close_flag()
             raise
-        self._loop = loop
         try:
-            self._describe_engine()
+            self._attach(access)
         except BaseException:
             self.shutdown()
             raise
@@ -634,10 +525,9 @@ class VLLMAsyncBackend(_VLLMBackendBase):
 
     def shutdown(self, timeout: float = 60.0) -> None:
         """End requests in flight (as failed results), shut the engine down, stop the loop."""
-        self._close_native()
-        engine, loop = self._engine, self._loop
-        self._engine = self._loop = None
-        if engine is not None and loop is not None:
+        access = self._detach()
+        if access is not None:
+            engine, loop = access.release(), access.loop
 
             async def close() -> None:
                 engine.shutdown()
@@ -667,9 +557,8 @@ class VLLMAsyncBackend(_VLLMBackendBase):
         Raises :class:`~rollout_sync.TornWeightsError` while the weights are torn, and
         :class:`RuntimeError` before the engine is started.
         """
-        engine, loop = self._engine, self._loop
-        if engine is None or loop is None:
-            raise RuntimeError(f"{type(self).__name__} is not started: call ensure_initialized()")
+        access = self._started()
+        engine, loop = access.engine, access.loop
         self.check_servable()
         from vllm.inputs import TokensPrompt
 
@@ -707,14 +596,15 @@ class VLLMAsyncBackend(_VLLMBackendBase):
 
     def abort(self, request: VLLMRequest, timeout: float = 30.0) -> None:
         """Abort one request; its result ends with ``finish_reason="abort"``."""
-        engine, loop = self._engine, self._loop
-        if engine is None or loop is None or request.done:
+        access = self._access
+        if access is None or request.done:
             return
+        engine = access.engine
 
         async def abort() -> None:
             await engine.abort(request.request_id)
 
-        loop.run(abort(), timeout, f"aborting request {request.request_id}")
+        access.run(abort(), timeout, f"aborting request {request.request_id}")
 
     # -- the pause ---------------------------------------------------------------------------
 
@@ -761,9 +651,10 @@ class VLLMAsyncBackend(_VLLMBackendBase):
     # either the pause is still open and will resume it, or it has closed and nothing parks.
 
     def _park_locked(self, limit: float) -> None:
-        engine, loop = self._engine, self._loop
-        if self._parked or engine is None or loop is None:
+        access = self._access
+        if self._parked or access is None:
             return
+        engine, loop = access.engine, access.loop
         mode, clear_cache = self.pause_mode.value, self.kv_cache_policy.clear_cache
         # Keep mode: the flag parks the engine at its next step boundary; vLLM's pause (sent
         # at once) finishes the pause and confirms it behind every earlier output.
@@ -796,12 +687,12 @@ class VLLMAsyncBackend(_VLLMBackendBase):
         self._pauses += 1
 
     def _unpark_locked(self, limit: float) -> None:
-        engine, loop = self._engine, self._loop
-        if not self._parked or engine is None or loop is None or self.weights_torn:
+        access = self._access
+        if not self._parked or access is None or self.weights_torn:
             return
         if self._flag is not None:
             self._flag.lower()  # first: a raised flag would park the engine again
-        loop.run(engine.resume_generation(), limit, "resume generation")
+        access.run(access.engine.resume_generation(), limit, "resume generation")
         self._parked = False
 
     def _close_flag(self) -> None:
@@ -831,56 +722,21 @@ class VLLMAsyncBackend(_VLLMBackendBase):
 
     # -- engine calls ------------------------------------------------------------------------
 
-    def _rpc(self, method: str, *args: Any, timeout: float | None = None) -> Any:
-        engine, loop = self._engine, self._loop
-        if engine is None or loop is None:
-            raise RuntimeError(f"{type(self).__name__} is not started")
-        limit = self.rpc_timeout if timeout is None else timeout
-
-        async def call() -> Any:
-            return await engine.collective_rpc(method, timeout=limit, args=args)
-
-        return loop.run(call(), limit, f"engine call {method}")[0]
-
     def run_on_loop(self, coro: Coroutine[Any, Any, T], timeout: float, operation: str) -> T:
         """Run a coroutine on the engine's loop (e.g. raw ``AsyncLLM`` calls in benchmarks)."""
-        if self._loop is None:
-            raise RuntimeError(f"{type(self).__name__} is not started")
-        return self._loop.run(coro, timeout, operation)
+        return self._started().run(coro, timeout, operation)
 
     @property
     def engine(self) -> Any:
         """The ``AsyncLLM`` (``None`` before start); use it on :meth:`run_on_loop` only."""
-        return self._engine
-
-    def weight_sync_client(self, timeout_s: float | None = None) -> Any:
-        """vLLM's weight-sync client protocol over this backend's engine, on its loop (an
-        :class:`~rollout_sync.backends.vllm.client.AsyncLLMWeightSyncClient`; each call
-        bounded by ``timeout_s``, default ``rpc_timeout``). Wrap it in
-        :class:`~rollout_sync.backends.vllm.client.GuardedWeightSyncClient` with
-        ``rollout=`` this backend, so every update is paused and versioned here."""
-        from .client import AsyncLLMWeightSyncClient
-
-        self.ensure_initialized()
-        return AsyncLLMWeightSyncClient(
-            self._engine,
-            run=self.run_on_loop,
-            timeout_s=self.rpc_timeout if timeout_s is None else timeout_s,
-        )
-
-    def _weight_sync_client(self) -> Any:
-        return self.weight_sync_client()
-
-    def _set_engine_version(self, label: str) -> None:
-        engine = self._engine
-        if engine is not None:
-            self.run_on_loop(engine.update_weight_version(label), self.rpc_timeout, "set version")
+        access = self._access
+        return None if access is None else access.engine
 
 
 # -- blocking generation on LLM ----------------------------------------------------------------
 
 
-class VLLMBlockingBackend(_VLLMBackendBase):
+class VLLMBlockingBackend(_VLLMBackendBase[LLMAccess]):
     """The offline ``LLM`` engine, driven step by step inside a blocking :meth:`generate`.
 
     ``paused()`` is the base no-op: while the caller's loop runs a weight-sync command it is
@@ -902,16 +758,15 @@ class VLLMBlockingBackend(_VLLMBackendBase):
 
     def __init__(self, config: VLLMEngineConfig, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
-        self._llm: Any = None
-        self._generating: int | None = None
         self._generate_lock = threading.Lock()
 
     def __repr__(self) -> str:
+        access = self._access
         state = (
             "not started"
-            if self._llm is None
+            if access is None
             else "generating"
-            if self._generating is not None
+            if access.stepping is not None
             else "idle"
         )
         return (
@@ -923,42 +778,24 @@ class VLLMBlockingBackend(_VLLMBackendBase):
         require_vllm()
         from vllm import LLM
 
-        self._llm = LLM(**self.config.to_engine_kwargs())
+        access = LLMAccess(LLM(**self.config.to_engine_kwargs()))
         try:
-            self._describe_engine()
+            self._attach(access)
         except BaseException:
             self.shutdown()
             raise
 
     def shutdown(self) -> None:
         """Shut the engine core down (``LLM`` has no ``shutdown()`` of its own)."""
-        self._close_native()
-        llm, self._llm = self._llm, None
-        if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+        access = self._detach()
+        if access is not None:
+            access.llm.llm_engine.engine_core.shutdown()
 
     @property
     def llm(self) -> Any:
         """The ``vllm.LLM`` (``None`` before start)."""
-        return self._llm
-
-    def weight_sync_client(self, timeout_s: float | None = None) -> Any:
-        """vLLM's weight-sync client protocol over this backend's ``LLM`` (an
-        :class:`~rollout_sync.backends.vllm.client.LLMWeightSyncClient`; each call bounded by
-        ``timeout_s``, default ``rpc_timeout``)."""
-        from .client import LLMWeightSyncClient
-
-        self.ensure_initialized()
-        return LLMWeightSyncClient(
-            self._llm, timeout_s=self.rpc_timeout if timeout_s is None else timeout_s
-        )
-
-    def _weight_sync_client(self) -> Any:
-        return self.weight_sync_client()
-
-    def _set_engine_version(self, label: str) -> None:
-        if self._llm is not None:
-            self._llm.llm_engine.set_weight_version(label)
+        access = self._access
+        return None if access is None else access.llm
 
     def generate(
         self,
@@ -976,6 +813,7 @@ class VLLMBlockingBackend(_VLLMBackendBase):
         are aborted in both cases).
         """
         self.ensure_initialized()
+        access = self._started()
         self.check_servable()
         if not self._generate_lock.acquire(timeout=timeout):
             raise GenerationTimeout(
@@ -984,12 +822,12 @@ class VLLMBlockingBackend(_VLLMBackendBase):
             )
         from vllm.inputs import TokensPrompt
 
-        engine = self._llm.llm_engine
+        engine = access.llm.llm_engine
         params = sampling_params if sampling_params is not None else greedy_params(64)
         requests = [self._new_request(p, None) for p in prompts]
         by_id = {r.request_id: r for r in requests}
         deadline = time.monotonic() + timeout
-        self._generating = threading.get_ident()
+        access.stepping = threading.get_ident()
         try:
             for request in requests:
                 engine.add_request(
@@ -1021,34 +859,11 @@ class VLLMBlockingBackend(_VLLMBackendBase):
                 self._end_request(request, f"{type(exc).__name__}: {exc}")
             raise
         finally:
-            self._generating = None
+            access.stepping = None
             self._generate_lock.release()
         for request in requests:
             self._end_request(request, "the engine reported no end for this request")
         return [r.result(0) for r in requests]
 
-    def _check_write_allowed(self) -> None:
-        owner = self._generating
-        if owner is not None and owner != threading.get_ident():
-            raise RuntimeError(
-                f"{type(self).__name__}: load_weights() on one thread while generate() runs on "
-                "another would race the engine step; write from generate()'s step_hook (between "
-                "steps, on the generating thread) or between generate() calls, or use "
-                "VLLMAsyncBackend for stream generation"
-            )
-
-    def _after_write(self) -> None:
-        if self._generating is not None and self.kv_cache_policy is KVCachePolicy.RECOMPUTE:
-            # Inside a step hook: sequences in flight hold KV of the old weights. Preempting
-            # them makes the next step recompute it with the new ones.
-            self._llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
-
     def statistics(self) -> VLLMBackendStatistics:
         return self._statistics(False, 0)
-
-    def _rpc(self, method: str, *args: Any, timeout: float | None = None) -> Any:
-        if self._llm is None:
-            raise RuntimeError(f"{type(self).__name__} is not started")
-        limit = self.rpc_timeout if timeout is None else timeout
-        # In-process the call runs on this thread, between engine steps.
-        return self._llm.collective_rpc(method, timeout=limit, args=args)[0]

