@@ -11,6 +11,9 @@ race lives here as a subclass.
 * Races rebuilt on purpose: :class:`CheckThenActScheduler` (:mod:`.scheduler`),
   :class:`StallingWorkerExtension` (:mod:`.vllm_worker`, a vLLM engine that can be held between
   steps).
+* The ``paused()`` contract suite (:mod:`.paused_contract`): describe a backend in a
+  :class:`PausedContract` and run :data:`PAUSED_CONTRACT_CHECKS` on it (parametrized in pytest)
+  or :func:`run_paused_contract`; :class:`Parking` and :class:`PauseSharing` say how it parks.
 * Harness (:mod:`.harness`, :mod:`.processes`): :class:`InProcessWorker`,
   :func:`weights_digest`, :func:`run_processes`, :func:`find_free_port`, :class:`ChildFailure`.
 * Models (:mod:`.tiny_llama`): :func:`build_tiny_llama`, :func:`random_llama_weights`,
@@ -35,6 +38,13 @@ from .fakes import VersionStampedModel as VersionStampedModel
 from .fakes import count_host_syncs as count_host_syncs
 from .harness import InProcessWorker as InProcessWorker
 from .harness import weights_digest as weights_digest
+from .paused_contract import PAUSED_CONTRACT_CHECKS as PAUSED_CONTRACT_CHECKS
+from .paused_contract import Parking as Parking
+from .paused_contract import PausedCheck as PausedCheck
+from .paused_contract import PausedContract as PausedContract
+from .paused_contract import PausedContractReport as PausedContractReport
+from .paused_contract import PauseSharing as PauseSharing
+from .paused_contract import run_paused_contract as run_paused_contract
 from .processes import find_free_port as find_free_port
 from .processes import run_processes as run_processes
 from .scheduler import CheckThenActScheduler as CheckThenActScheduler
@@ -47,6 +57,7 @@ from .vllm_worker import STALLING_WORKER_EXTENSION as STALLING_WORKER_EXTENSION
 from .vllm_worker import StallingWorkerExtension as StallingWorkerExtension
 
 __all__ = [
+    "PAUSED_CONTRACT_CHECKS",
     "STALLING_WORKER_EXTENSION",
     "TINY_LLAMA",
     "AsyncTornReadBackend",
@@ -61,6 +72,11 @@ __all__ = [
     "HostSyncCount",
     "InProcessWorker",
     "InstallRecord",
+    "Parking",
+    "PauseSharing",
+    "PausedCheck",
+    "PausedContract",
+    "PausedContractReport",
     "PlainPacker",
     "RecordingPacker",
     "RecordingRollout",
@@ -73,6 +89,7 @@ __all__ = [
     "find_sync_split",
     "greedy_reference",
     "random_llama_weights",
+    "run_paused_contract",
     "run_processes",
     "weights_digest",
 ]
