@@ -9,7 +9,8 @@ The families, in the order a weight sync meets them:
 
 * the guard: :class:`WorkerContractError` (a worker the guard cannot guard),
   :class:`GateTimeout` and its kinds (:class:`PauseTimeout`, :class:`EgressHoldTimeout`,
-  :class:`IngressHoldTimeout`), :class:`FenceTimeout`;
+  :class:`IngressHoldTimeout`), :class:`FenceTimeout`, :class:`PausedContractViolation` (a
+  backend's ``paused()`` failed the contract suite);
 * the weights: :class:`WeightMismatchError` (validation before any write),
   :class:`TornWeightsError` (generation refused), :class:`WeightTransferError` and its kinds
   (:class:`P2RBarrierMismatch`: only one side of a P2R takes the barrier),
@@ -57,6 +58,7 @@ __all__ = [
     "MetricKeyCollisionError",
     "P2RBarrierMismatch",
     "PauseTimeout",
+    "PausedContractViolation",
     "PayloadBackpressureTimeout",
     "PayloadPeerTimeout",
     "PayloadSendersFailed",
@@ -159,6 +161,25 @@ class GateTimeout(RolloutSyncTimeout):
 
 class PauseTimeout(GateTimeout):
     """Generation did not park within the limit (a forward kept running)."""
+
+
+class PausedContractViolation(RolloutSyncError, AssertionError):
+    """A backend's ``paused()`` broke its contract in a check of the contract suite
+    (:mod:`rollout_sync.testing.paused_contract`).
+
+    An ``AssertionError`` too, so a test runner reports it as a failed assertion. The message
+    names the backend, the check and what was seen (a forward while parked, a pause that did not
+    honour its timeout, an exception swallowed, ...).
+
+    Attributes:
+        backend: the ``name`` of the :class:`~rollout_sync.testing.paused_contract.PausedContract`.
+        check: the check that failed (``"check_reentrant"``, ...).
+    """
+
+    def __init__(self, message: str, *, backend: str, check: str) -> None:
+        super().__init__(message)
+        self.backend = backend
+        self.check = check
 
 
 class EgressHoldTimeout(GateTimeout):

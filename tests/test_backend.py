@@ -1,4 +1,8 @@
-"""RolloutBase's default pause, and a backend serving on its own thread that really parks."""
+"""RolloutBase's weights, lazy start and torn state, and a backend serving on its own thread.
+
+The paused() contract of both (re-entrant, bounded, always resumes, a no-op before the engine,
+no forward while parked) is checked in tests/test_paused_contract.py, with every other backend.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ from collections.abc import Mapping
 
 import pytest
 import torch
-from conftest import ThreadRunner, wait_until
+from conftest import wait_until
 
 from rollout_sync import (
     PauseTimeout,
@@ -48,16 +52,6 @@ class SteppedBackend(ThreadedRolloutBackend):
         if self.block_steps:
             assert self.proceed.wait(20), "test never let the step finish"
             self.proceed.clear()
-
-
-def test_base_pause_does_nothing_and_is_reentrant() -> None:
-    engine = BlockingEngine()
-    with engine.paused():
-        with engine.paused(timeout=0.01):
-            pass
-    with pytest.raises(KeyError):
-        with engine.paused():
-            raise KeyError("body error propagates")
 
 
 def test_base_load_weights_validates_everything_before_writing() -> None:
@@ -102,51 +96,6 @@ def test_torn_weights_refuse_generation_until_a_commit() -> None:
     assert engine.weight_version == 7
 
 
-def test_threaded_backend_parks_between_steps(threads: ThreadRunner) -> None:
-    backend = SteppedBackend()
-    backend.start()
-    assert backend.in_step.wait(10)
-    parked = threading.Event()
-    leave = threading.Event()
-
-    def sync() -> None:
-        with backend.paused(timeout=10):
-            parked.set()
-            assert leave.wait(10)
-
-    threads.start(sync)
-    wait_until(lambda: backend.generation_gate.statistics().exclusive_waiting == 1)
-    assert not parked.is_set(), "the pause waits for the step in progress"
-    steps_before = backend.statistics().steps_served
-    backend.in_step.clear()
-    backend.proceed.set()
-    assert parked.wait(10)
-    # Parked: the serving thread is waiting at the gate, not inside a step.
-    wait_until(lambda: backend.generation_gate.statistics().sections_waiting == 1)
-    assert not backend.in_step.is_set()
-    assert backend.statistics().parked
-    assert backend.statistics().steps_served == steps_before + 1
-    leave.set()
-    assert not threads.join_all()
-    assert backend.in_step.wait(10), "serving resumes after the pause"
-    backend.block_steps = False
-    backend.proceed.set()
-    backend.stop()
-
-
-def test_threaded_backend_pause_is_noop_before_start_and_start_inside_begins_parked() -> None:
-    backend = SteppedBackend()
-    with backend.paused(timeout=0.5):
-        assert not backend.running
-        backend.start()  # lazy init inside a sync: the thread must not serve yet
-        wait_until(lambda: backend.generation_gate.statistics().sections_waiting == 1)
-        assert not backend.in_step.is_set()
-    assert backend.in_step.wait(10)
-    backend.block_steps = False
-    backend.proceed.set()
-    backend.stop()
-
-
 def test_threaded_backend_pause_timeout_is_clear_and_serving_continues() -> None:
     backend = SteppedBackend()
     backend.start()
@@ -160,20 +109,6 @@ def test_threaded_backend_pause_timeout_is_clear_and_serving_continues() -> None
     backend.in_step.clear()
     backend.proceed.set()
     assert backend.in_step.wait(10), "serving continues after the failed pause"
-    backend.stop()
-
-
-def test_threaded_backend_resumes_after_exception_in_pause() -> None:
-    backend = SteppedBackend()
-    backend.block_steps = False
-    backend.start()
-    with pytest.raises(ValueError):
-        with backend.paused(timeout=10):
-            with backend.paused(timeout=10):  # re-entrant
-                raise ValueError("transfer failed")
-    assert not backend.generation_gate.held
-    backend.in_step.clear()
-    assert backend.in_step.wait(10), "serving resumes after the pause that raised"
     backend.stop()
 
 

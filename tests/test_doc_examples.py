@@ -135,6 +135,8 @@ class Example:
 EXAMPLES: dict[str, Example] = {
     # -- README.md, docs/distributed.md, docs/transport.md, docs/metrics.md --------------------
     "using_it.py": Example(60),
+    # -- docs/backends.md -------------------------------------------------------------------------
+    "paused_contract.py": Example(90),
     "metrics_logger.py": Example(60),
     "flat_weights.py": Example(90, (pytest.mark.multiprocess,)),
     "pipelined_relay.py": Example(90, (pytest.mark.multiprocess,)),

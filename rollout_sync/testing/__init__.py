@@ -11,6 +11,9 @@ race lives here as a subclass.
 * Races rebuilt on purpose: :class:`CheckThenActScheduler` (:mod:`.scheduler`),
   :class:`StallingWorkerExtension` (:mod:`.vllm_worker`, a vLLM engine that can be held between
   steps).
+* The ``paused()`` contract suite (:mod:`.paused_contract`): describe a backend in a
+  :class:`PausedContract` and run :data:`PAUSED_CONTRACT_CHECKS` on it (parametrized in pytest)
+  or :func:`run_paused_contract`; :class:`Parking` and :class:`PauseSharing` say how it parks.
 * Harness (:mod:`.harness`, :mod:`.processes`, :mod:`.faults`, :mod:`.outcomes`):
   :class:`InProcessWorker`, :func:`weights_digest`, :func:`run_processes`, :func:`run_group`,
   :func:`find_free_port`, :class:`ChildFailure`; a declarative :class:`FaultSchedule` of
@@ -45,6 +48,13 @@ from .harness import InProcessWorker as InProcessWorker
 from .harness import weights_digest as weights_digest
 from .outcomes import ErrorReport as ErrorReport
 from .outcomes import SyncOutcome as SyncOutcome
+from .paused_contract import PAUSED_CONTRACT_CHECKS as PAUSED_CONTRACT_CHECKS
+from .paused_contract import Parking as Parking
+from .paused_contract import PausedCheck as PausedCheck
+from .paused_contract import PausedContract as PausedContract
+from .paused_contract import PausedContractReport as PausedContractReport
+from .paused_contract import PauseSharing as PauseSharing
+from .paused_contract import run_paused_contract as run_paused_contract
 from .processes import find_free_port as find_free_port
 from .processes import run_group as run_group
 from .processes import run_processes as run_processes
@@ -58,6 +68,7 @@ from .vllm_worker import STALLING_WORKER_EXTENSION as STALLING_WORKER_EXTENSION
 from .vllm_worker import StallingWorkerExtension as StallingWorkerExtension
 
 __all__ = [
+    "PAUSED_CONTRACT_CHECKS",
     "STALLING_WORKER_EXTENSION",
     "TINY_LLAMA",
     "AsyncTornReadBackend",
@@ -75,6 +86,11 @@ __all__ = [
     "InProcessWorker",
     "InstallRecord",
     "Kill",
+    "Parking",
+    "PauseSharing",
+    "PausedCheck",
+    "PausedContract",
+    "PausedContractReport",
     "PlainPacker",
     "RecordingPacker",
     "RecordingRollout",
@@ -90,6 +106,7 @@ __all__ = [
     "greedy_reference",
     "random_llama_weights",
     "run_group",
+    "run_paused_contract",
     "run_processes",
     "transfer_fault_hooks",
     "weights_digest",

@@ -208,7 +208,10 @@ class StepEngine(RolloutBase):  # type: ignore[misc]
 
     The served tensor (``weight``, ``width`` float32 elements) holds the version number in
     every element once a write is complete. A step also multiplies a ``step_work`` square
-    matrix (the rest of a decode step's compute). ``step_done`` is set after every step.
+    matrix (the rest of a decode step's compute). ``step_done`` is set after every step, and
+    :attr:`steps_run` counts them. ``step_hook``, if set, runs inside every step (on the
+    engine's event loop: a hook that waits holds a step in progress, as the paused() contract
+    suite does to show a pause timing out).
     """
 
     def __init__(self, *, steps: int = 16, width: int = 1 << 16, step_work: int = 160) -> None:
@@ -222,6 +225,8 @@ class StepEngine(RolloutBase):  # type: ignore[misc]
         self.records: list[GenerationRecord] = []
         self.records_lock = threading.Lock()
         self.step_done = threading.Event()
+        self.step_hook: Callable[[], None] | None = None
+        self._steps_run = 0
         self.init_calls: list[dict[str, Any]] = []
         self.on_init: Callable[[], None] | None = None
 
@@ -249,9 +254,20 @@ class StepEngine(RolloutBase):  # type: ignore[misc]
         return None
 
     def _end_step(self) -> None:
+        with self.records_lock:
+            self._steps_run += 1
         self.step_done.set()
 
+    @property
+    def steps_run(self) -> int:
+        """Decode steps finished so far (every generation's)."""
+        with self.records_lock:
+            return self._steps_run
+
     def _read(self) -> tuple[int, bool]:
+        hook = self.step_hook
+        if hook is not None:
+            hook()
         torch.mm(self._work, self._work)  # the rest of a decode step's compute
         w = self.weight
         first = w[0].item()
@@ -288,7 +304,8 @@ class ParkingStepEngine(StepEngine):
     """:class:`StepEngine` with its own ``paused(timeout)``: generations park between steps.
 
     A step that starts while parked blocks (the engine's event loop with it) until the park
-    ends; :meth:`paused` returns once no step is running.
+    ends; :meth:`paused` returns once no step is running. :attr:`parking` says whether a pause
+    is asked for or held, :attr:`steps_waiting` how many steps wait for it to end.
     """
 
     def post_init_hook(self, **kwargs: Any) -> None:
@@ -296,12 +313,29 @@ class ParkingStepEngine(StepEngine):
         self._cond = threading.Condition()
         self._parks = 0
         self._in_step = 0
+        self._waiting = 0
         self.parks = 0
+
+    @property
+    def parking(self) -> bool:
+        """Whether a pause is asked for or held (no step may start)."""
+        with self._cond:
+            return self._parks > 0
+
+    @property
+    def steps_waiting(self) -> int:
+        """Steps that wait, at their start, for the pause to end."""
+        with self._cond:
+            return self._waiting
 
     def _begin_step(self) -> None:
         with self._cond:
-            if not self._cond.wait_for(lambda: self._parks == 0, timeout=60.0):
-                raise RuntimeError("StepEngine stayed parked for 60 s")
+            self._waiting += 1
+            try:
+                if not self._cond.wait_for(lambda: self._parks == 0, timeout=60.0):
+                    raise RuntimeError("StepEngine stayed parked for 60 s")
+            finally:
+                self._waiting -= 1
             self._in_step += 1
 
     def _end_step(self) -> None:
@@ -319,7 +353,7 @@ class ParkingStepEngine(StepEngine):
                 self._parks -= 1
                 self._cond.notify_all()
                 raise PauseTimeout(
-                    "a decode step kept running",
+                    f"StepEngine did not park within {timeout} s (a decode step kept running)",
                     operation="park StepEngine",
                     timeout=timeout if timeout is not None else float("inf"),
                     sections_running=self._in_step,
