@@ -659,7 +659,7 @@ def test_flush_and_hold_that_cannot_complete_raise_clear_errors_in_bounded_time(
 # -- closing a failed transport ----------------------------------------------------------------
 
 
-def _failed_close_rank(rank: int, world_size: int) -> dict[str, Any]:
+def _failed_close_rank(rank: int) -> dict[str, Any]:
     """The trainer plays a receiver that breaks the protocol, at moments it picks: an
     acknowledgment of a goodbye never sent (the sender is open), and a frame no sender takes
     in answer to a goodbye (close() is waiting for its acknowledgment)."""
@@ -693,7 +693,7 @@ def _failed_close_rank(rank: int, world_size: int) -> dict[str, Any]:
 
 @pytest.mark.timeout(60)
 def test_a_transport_that_fails_open_or_closing_is_closed_by_close_which_raises_it() -> None:
-    trainer, rollout = run_ranks(_failed_close_rank, 2, timeout=50)
+    trainer, rollout = run_group(_failed_close_rank, 2, timeout_s=50, leave_together=True).values()
     assert trainer["answered"] == "BYE"
     elapsed, message = rollout["open_failure"]
     assert elapsed < 10 and "acknowledged a goodbye while the payload sender is open" in message
