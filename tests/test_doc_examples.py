@@ -144,6 +144,8 @@ EXAMPLES: dict[str, Example] = {
     "payload_transport.py": Example(90, (pytest.mark.multiprocess,)),
     "payload_hold.py": Example(90, (pytest.mark.multiprocess,)),
     "recovery.py": Example(90, (pytest.mark.multiprocess,)),
+    # -- docs/scale.md -------------------------------------------------------------------------
+    "scale_model.py": Example(60),
     # -- docs/vllm.md, docs/deploy.md, docs/fast_llm.md, docs/cosmos_rl.md ---------------------
     # Two vLLM engines, each ~30-60 s to start on two cores; the vLLM marker selects it.
     "vllm_backend.py": Example(

@@ -20,12 +20,19 @@ race lives here as a subclass.
   :class:`Kill` s at :func:`fault_point` s (:func:`transfer_fault_hooks`); what a child
   reports: :class:`ErrorReport` (an exception) and :class:`SyncOutcome` (how a rank's sync
   ended).
+* Links (:mod:`.emulated_nic`): :class:`EmulatedNic`, :class:`PacedCollectives`,
+  :class:`PacedWeightTransfer` (a transfer whose collectives are paced at a set rate and latency,
+  so that benchmarks on one machine compete for modelled links), :class:`NicStatistics`.
 * Models (:mod:`.tiny_llama`): :func:`build_tiny_llama`, :func:`random_llama_weights`,
   :class:`greedy_reference`, :func:`find_sync_split` (``transformers`` imported lazily).
 """
 
 from ..errors import ChildFailure as ChildFailure
 from ..errors import GroupProcessError as GroupProcessError
+from .emulated_nic import EmulatedNic as EmulatedNic
+from .emulated_nic import NicStatistics as NicStatistics
+from .emulated_nic import PacedCollectives as PacedCollectives
+from .emulated_nic import PacedWeightTransfer as PacedWeightTransfer
 from .fakes import AsyncTornReadBackend as AsyncTornReadBackend
 from .fakes import EventLog as EventLog
 from .fakes import FakeCudaEvent as FakeCudaEvent
@@ -74,6 +81,7 @@ __all__ = [
     "AsyncTornReadBackend",
     "CheckThenActScheduler",
     "ChildFailure",
+    "EmulatedNic",
     "ErrorReport",
     "EventLog",
     "FakeCudaEvent",
@@ -86,6 +94,9 @@ __all__ = [
     "InProcessWorker",
     "InstallRecord",
     "Kill",
+    "NicStatistics",
+    "PacedCollectives",
+    "PacedWeightTransfer",
     "Parking",
     "PauseSharing",
     "PausedCheck",

@@ -1,0 +1,252 @@
+"""The refit cost model's arithmetic on hand-worked cases, and the emulated NIC it is checked with.
+
+``rollout_sync.scale`` composes a sync's time from its parts; the cases here are small enough to
+work out on paper: one link and one bucket, a pipeline of two hops against the same two hops in
+series, two alternating buffers that hold a pipeline back. The emulated NIC
+(``rollout_sync.testing.emulated_nic``) paces a real transfer at its set rate, and a small real
+relay lands near what the model predicts (loosely: ``benchmarks/scale.py`` is where the figure
+lives). The real transfers run on threads of this process, each in its own standalone gloo group,
+so no process is spawned.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from rollout_sync.distributed import find_free_port, standalone_group
+from rollout_sync.flat import FlatWeights
+from rollout_sync.scale import (
+    FLEET_1T,
+    Link,
+    Phase,
+    Scenario,
+    Stage,
+    SyncCosts,
+    Topology,
+    estimate,
+    pipeline,
+)
+from rollout_sync.testing import EmulatedNic, PacedWeightTransfer
+from rollout_sync.trace import SpanKind, Timeline
+from rollout_sync.transfer import TransferConfig
+
+LATENCY = 0.01
+
+
+def _scenario(**changes: Any) -> Scenario:
+    base: dict[str, Any] = {
+        "model_bytes": 1_000_000,
+        "bucket_bytes": 1_000_000,
+        "replicas": 1,
+        "nic": Link(1e6, LATENCY),
+        "trainer_packs": False,
+    }
+    return Scenario(**{**base, **changes})
+
+
+# -- the arithmetic ---------------------------------------------------------------------------
+
+
+def test_one_link_one_bucket() -> None:
+    # Header, manifest and manifest vote, then the bucket (1 MB at 1 MB/s, then the latency),
+    # then the commit vote: four control collectives of one latency each.
+    e = estimate(Topology.ONE_SOURCE, _scenario())
+    assert e.refit_s == pytest.approx(4 * LATENCY + 1.0 + LATENCY)
+    assert e.stall_s == e.refit_s  # in place: parked for all of it
+    assert e.busiest_link_bytes == 1_000_000
+    assert dict((p.name, p.seconds) for p in e.phases) == pytest.approx(
+        {"park": 0.0, "control": 0.04, "wire: P2R link": 1.0, "pipeline": 0.01}
+    )
+    assert sum(p.seconds for p in e.phases) == pytest.approx(e.refit_s)
+
+
+def test_one_link_one_bucket_with_every_cost() -> None:
+    costs = SyncCosts(
+        collective_s=0.002,
+        manifest_s_per_tensor=0.001,
+        copy_bytes_per_s=1e7,
+        install_s=0.005,
+        install_bytes_per_s=1e7,
+        park_s=0.02,
+    )
+    scenario = _scenario(tensors=10, trainer_packs=True)
+    control = 4 * (LATENCY + 0.002) + 10 * 0.001
+    wire = 0.1 + 1.0 + LATENCY  # pack at 10 MB/s, the link, its latency
+    in_place = estimate(Topology.ONE_SOURCE, scenario, costs)
+    assert in_place.refit_s == pytest.approx(0.02 + control + wire)
+    assert in_place.stall_s == in_place.refit_s
+    staged = estimate(
+        Topology.ONE_SOURCE, _scenario(tensors=10, trainer_packs=True, staged=True), costs
+    )
+    install = 0.005 + 0.1
+    assert staged.stall_s == pytest.approx(0.02 + install)  # park, then install
+    assert staged.refit_s == pytest.approx(control + wire + 0.02 + install)
+    assert staged.phase_s("install") == pytest.approx(install)
+
+
+def test_a_pipeline_of_two_hops_against_the_same_hops_in_series() -> None:
+    # 4 buckets of 0.25 s on each of two links with 10 ms latency.
+    scenario = _scenario(bucket_bytes=250_000, replicas=2)
+    relay = estimate(Topology.PIPELINED_RELAY, scenario)
+    # Two manifests and two votes before the first bucket (6 latencies); the buckets through
+    # both links: (4 + 1) x 0.25 s and two latencies; the last commit vote.
+    assert relay.refit_s == pytest.approx(6 * LATENCY + 5 * 0.25 + 2 * LATENCY + LATENCY)
+    one_source = estimate(Topology.ONE_SOURCE, scenario)
+    # Each hop alone: 3 control, 4 x 0.25 s, one latency, the commit vote.
+    assert one_source.refit_s == pytest.approx(2 * (3 * LATENCY + 1.0 + LATENCY + LATENCY))
+    assert one_source.refit_s / relay.refit_s == pytest.approx(2.10 / 1.34)
+    assert relay.busiest_link_bytes == one_source.busiest_link_bytes == 1_000_000
+
+
+def test_two_alternating_buffers_hold_a_slow_pack_back() -> None:
+    # Pack 0.3 s per bucket into two buffers, each freed when the link (0.2 s, 0.5 s latency)
+    # delivered its bucket: bucket 2 waits for bucket 0 to arrive at 1.0 s.
+    pack = Stage("pack", rate_bytes_per_s=1 / 0.3, buffers=2, freed_by="link")
+    link = Stage("link", rate_bytes_per_s=1 / 0.2, latency_s=0.5)
+    assert pipeline([pack, link], [1, 1, 1]).finish_s == pytest.approx(1.0 + 0.3 + 0.2 + 0.5)
+    unbounded = Stage("pack", rate_bytes_per_s=1 / 0.3)
+    run = pipeline([unbounded, link], [1, 1, 1])
+    assert run.finish_s == pytest.approx(0.9 + 0.2 + 0.5)
+    assert run.busy_at("link") == pytest.approx(0.6)
+
+
+def test_the_fleet_is_bound_by_one_nic_until_it_is_sharded() -> None:
+    estimates = {(e.topology, e.scenario.staged): e for e in FLEET_1T.estimates()}
+    one_nic = FLEET_1T.model_bytes / FLEET_1T.nic.rate_bytes_per_s  # 40 s
+    relay = estimates[(Topology.PIPELINED_RELAY, True)]
+    assert relay.implemented and relay.refit_s > one_nic
+    assert estimates[(Topology.ONE_SOURCE, False)].refit_s > 2 * one_nic
+    sharded = estimates[(Topology.SHARDED, False)]
+    assert not sharded.implemented and "not implemented" in str(sharded)
+    assert FLEET_1T.speed_of_light_s == pytest.approx(1.25)
+    assert FLEET_1T.speed_of_light_s < sharded.refit_s < 1.6 * FLEET_1T.speed_of_light_s
+    assert sharded.busiest_link_bytes == FLEET_1T.model_bytes // FLEET_1T.gpus_per_replica
+    # Staged, the stall is the park and the install; in place, the whole transfer.
+    assert relay.stall_s == pytest.approx(relay.phase_s("park") + relay.phase_s("install"))
+    assert estimates[(Topology.PIPELINED_RELAY, False)].stall_s > one_nic
+
+
+def test_inputs_are_checked_when_built() -> None:
+    with pytest.raises(ValueError, match="rate"):
+        Link(0.0)
+    with pytest.raises(ValueError, match="replicas"):
+        _scenario(replicas=0)
+    with pytest.raises(ValueError, match="copy_bytes_per_s"):
+        SyncCosts(copy_bytes_per_s=0.0)
+    assert Phase("wire", 1.0).seconds == 1.0
+
+
+# -- the emulated NIC, on real transfers --------------------------------------------------------
+
+
+def _on_threads(targets: list[Callable[[], Any]], timeout_s: float = 30.0) -> list[Any]:
+    """Run each target on a thread of its own; their values, or the first error raised."""
+    values: list[Any] = [None] * len(targets)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            values[i] = targets[i]()
+        except BaseException as exc:  # reported to the test below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(targets))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s)
+    assert not any(t.is_alive() for t in threads), "a transfer thread hung"
+    if errors:
+        raise errors[0]
+    return values
+
+
+def _model(tensors: int, numel: int) -> dict[str, torch.Tensor]:
+    return {f"w{i}": torch.full((numel,), float(i)) for i in range(tensors)}
+
+
+@pytest.mark.timeout(60)
+def test_the_emulated_nic_delivers_its_rate_on_one_transfer() -> None:
+    rate, bucket = 20e6, 512 << 10
+    port = find_free_port()
+    config = TransferConfig(bucket_bytes=bucket, timeout_s=20)
+
+    def member(rank: int) -> tuple[float, float]:
+        group = standalone_group("127.0.0.1", port, rank, 2, timeout_s=20)
+        timeline = Timeline()
+        nic = EmulatedNic(Link(rate))
+        transfer = PacedWeightTransfer(group, 0, nic=nic, config=config, timeline=timeline)
+        weights = _model(16, 1 << 16)  # 4 MiB: 8 buckets
+        for version in (1, 2):  # the second, with the manifest caches warm
+            if rank == 0:
+                stats = transfer.send(weights, version=version)
+            else:
+                stats = transfer.receive(weights)
+        # The second transfer's 8 buckets arrive one every bucket / rate.
+        spans = timeline.spans(SpanKind.WEIGHT_COLLECTIVE)
+        arrived = [span.end_ns / 1e9 for span in spans if span.name.startswith("bucket ")][-8:]
+        steady = 7 * bucket / (arrived[-1] - arrived[0])
+        return steady, stats.nbytes / stats.transfer_s
+
+    for steady, whole in _on_threads([lambda: member(0), lambda: member(1)]):
+        assert 0.9 * rate <= steady <= 1.1 * rate
+        assert whole <= 1.02 * rate  # the pacing binds: never faster than the link
+
+
+@pytest.mark.timeout(60)
+def test_a_small_relay_lands_near_the_models_prediction() -> None:
+    rate, latency, bucket = 10e6, 1e-3, 256 << 10
+    p2r_port, r2r_port = find_free_port(), find_free_port()
+    config = TransferConfig(bucket_bytes=bucket, timeout_s=20)
+    weights = _model(16, 1 << 15)  # 2 MiB: 8 buckets
+    start = threading.Barrier(3)
+    ends: dict[str, list[float]] = {"trainer": [], "relay": [], "leaf": []}
+    starts: list[float] = []
+
+    def timed(name: str, sync: Callable[[], object]) -> None:
+        for _ in range(2):  # the second, with the manifest caches warm
+            if start.wait(timeout=20) == 0:
+                starts.append(time.monotonic())
+            sync()
+            ends[name].append(time.monotonic())
+
+    def trainer() -> None:
+        group = standalone_group("127.0.0.1", p2r_port, 0, 2, timeout_s=20)
+        p2r = PacedWeightTransfer(group, 0, nic=EmulatedNic(Link(rate, latency)), config=config)
+        version = iter((1, 2))
+        timed("trainer", lambda: p2r.send(weights, version=next(version)))
+
+    def relay() -> None:
+        nic = EmulatedNic(Link(rate, latency))
+        p2r = PacedWeightTransfer(
+            standalone_group("127.0.0.1", p2r_port, 1, 2, timeout_s=20), 0, nic=nic, config=config
+        )
+        r2r = PacedWeightTransfer(
+            standalone_group("127.0.0.1", r2r_port, 0, 2, timeout_s=20), 0, nic=nic, config=config
+        )
+        flat = FlatWeights.zeros_like(weights)
+        timed("relay", lambda: p2r.relay(flat.tensors, r2r, storage=flat.storage))
+
+    def leaf() -> None:
+        group = standalone_group("127.0.0.1", r2r_port, 1, 2, timeout_s=20)
+        r2r = PacedWeightTransfer(group, 0, nic=EmulatedNic(Link(rate, latency)), config=config)
+        flat = FlatWeights.zeros_like(weights)
+        timed("leaf", lambda: r2r.receive(flat.tensors, storage=flat.storage))
+
+    _on_threads([trainer, relay, leaf])
+    measured = max(times[1] for times in ends.values()) - starts[1]
+    scenario = Scenario(
+        model_bytes=sum(t.numel() * 4 for t in weights.values()),
+        bucket_bytes=bucket,
+        replicas=2,
+        nic=Link(rate, latency),
+        tensors=len(weights),
+    )
+    predicted = estimate(Topology.PIPELINED_RELAY, scenario).refit_s  # links alone
+    assert abs(predicted - measured) / measured < 0.25, (predicted, measured)
