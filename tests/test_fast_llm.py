@@ -45,7 +45,11 @@ from rollout_sync.errors import (  # noqa: E402
     WouldBlock,
 )
 from rollout_sync.gate import Gate  # noqa: E402
-from rollout_sync.integrations.fast_llm import FastLLMReceiver, FastLLMRolloutSender  # noqa: E402
+from rollout_sync.integrations.fast_llm import (  # noqa: E402
+    FastLLMReceiver,
+    FastLLMRolloutSender,
+    ReceivedVersion,
+)
 from rollout_sync.integrations.fast_llm_wire import (  # noqa: E402
     ROLLOUTS_STREAM,
     HeaderUnpickler,
@@ -196,7 +200,11 @@ def test_events_parse_as_fast_llm_writes_them() -> None:
 def test_streams_land_bit_identically_and_training_finished_tears_down(redis: Any) -> None:
     runner = ThreadRunner()
     rollout = TorchLMBackend(CONFIG)
-    trainer, receiver = connected(redis, rollout, runner)
+    landed: list[ReceivedVersion] = []
+    # history=1: the receiver keeps only the latest version and report, and counts them all.
+    trainer, receiver = connected(
+        redis, rollout, runner, history=1, on_version=lambda v, _: landed.append(v)
+    )
     first, second = trainer_weights(1), trainer_weights(2)
     optimizer_state = [
         ("exp_avgs", f"{n}/exp_avgs", torch.zeros_like(t)) for n, t in second.items()
@@ -210,15 +218,16 @@ def test_streams_land_bit_identically_and_training_finished_tears_down(redis: An
     runner.start(train, name="trainer")
     versions = receiver.serve(idle_timeout_s=60)
     joined(runner)
-    assert [(v.version, v.step, v.tensors) for v in versions] == [
+    assert [(v.version, v.step, v.tensors) for v in landed] == [
         (32, 1, len(first)),
         (64, 2, len(second)),
     ]
-    assert versions[1].dropped == len(optimizer_state) and versions[0].dropped == 0
+    assert landed[1].dropped == len(optimizer_state) and landed[0].dropped == 0
+    assert versions == landed[-1:] and receiver.versions_received == 2
     assert served_digest(rollout) == weights_digest(second)
     assert rollout.weight_version == 64 and not rollout.weights_torn
     assert receiver.finished and receiver.group is None
-    assert len(receiver.sync_reports) == 2
+    assert len(receiver.sync_reports) == 1 and receiver.sync_reports[0].error is None
     trainer.close()
 
 
@@ -591,12 +600,16 @@ def test_a_redis_restart_is_a_clear_error(redis: Any, redis_server: RedisServer)
     receiver.close()
 
 
-def test_a_redis_client_without_a_socket_timeout_is_refused(redis_server: RedisServer) -> None:
+def test_a_redis_client_without_a_socket_timeout_is_refused(
+    redis: Any, redis_server: RedisServer
+) -> None:
     import redis as redis_client
 
     unbounded = redis_client.Redis(host="127.0.0.1", port=redis_server.port)
     with pytest.raises(ValueError, match="socket_timeout"):
         FastLLMReceiver(TorchLMBackend(CONFIG), redis=unbounded)
+    with pytest.raises(ValueError, match=r"history=-1"):
+        FastLLMReceiver(TorchLMBackend(CONFIG), redis=redis, history=-1)
 
 
 # -- the pause covers the whole receive --------------------------------------------------------

@@ -225,7 +225,7 @@ def _replica(rank: int, config: FastLLMDemoConfig, client: Any) -> dict[str, Any
         "digests": digests,
         "final_digest": weights_digest(engine.served_weights()),
         "final_version": engine.weight_version,
-        "syncs": len(receiver.versions) + (len(receiver.versions) if r2r and r2r.is_source else 0),
+        "syncs": receiver.versions_received * (2 if r2r and r2r.is_source else 1),
         "forwards": stats.forwards,
         "torn_forwards": stats.torn_forwards,
         "sent": sender.sent,

@@ -72,7 +72,7 @@ from ..errors import (
 from ..guard import SyncReport, holds_payload_egress, weight_sync_bracket, weight_sync_handler
 from ..trace import SpanKind, Timeline
 from ..transfer import TransferStats, WeightTransfer
-from ..worker import BackgroundEngine, reload_received, settle_failed_receive
+from ..worker import DEFAULT_HISTORY, BackgroundEngine, reload_received, settle_failed_receive
 from .fast_llm_wire import (
     EVENTS_STREAM,
     MAX_HEADER_BYTES,
@@ -140,10 +140,19 @@ class FastLLMReceiver:
         max_header_bytes: the longest header accepted (64 KiB).
         on_version: called with each :class:`ReceivedVersion` and the served tensors, right
             after a version is committed (for checks).
+        history: how many recent :class:`ReceivedVersion` s (:attr:`versions`) and sync
+            reports (:attr:`sync_reports`) to keep (1024), so that a run of any length holds
+            bounded memory; :attr:`versions_received` counts them all.
+
+    Attributes:
+        versions: the most recent versions received (at most ``history``), oldest first.
+        sync_reports: the most recent sync reports (at most ``history``), oldest first.
+        versions_received: every version received since the receiver was made.
 
     Raises:
         ValueError: ``redis`` has no socket timeout (its calls could block for ever; give
-            ``redis.Redis(..., socket_timeout=..., socket_connect_timeout=...)``).
+            ``redis.Redis(..., socket_timeout=..., socket_connect_timeout=...)``), or
+            ``history`` is negative.
     """
 
     def __init__(
@@ -165,7 +174,13 @@ class FastLLMReceiver:
         events_stream: str = EVENTS_STREAM,
         max_header_bytes: int = MAX_HEADER_BYTES,
         on_version: Callable[[ReceivedVersion, Mapping[str, torch.Tensor]], None] | None = None,
+        history: int = DEFAULT_HISTORY,
     ) -> None:
+        if isinstance(history, bool) or not isinstance(history, int) or history < 0:
+            raise ValueError(
+                f"FastLLMReceiver(history={history!r}): the number of recent versions to keep "
+                "must be an int >= 0"
+            )
         socket_timeout = _socket_timeout(redis)
         if socket_timeout is None:
             raise ValueError(
@@ -188,8 +203,9 @@ class FastLLMReceiver:
         self.max_header_bytes = max_header_bytes
         self.on_version = on_version
         self.group: BroadcastGroup | None = None
-        self.versions: list[ReceivedVersion] = []
-        self.sync_reports: list[SyncReport] = []
+        self.versions: collections.deque[ReceivedVersion] = collections.deque(maxlen=history)
+        self.sync_reports: collections.deque[SyncReport] = collections.deque(maxlen=history)
+        self.versions_received = 0
         self.finished = False
         self._last_event_id: bytes | str | None = None
         self._redis_run_id: str | None = None
@@ -302,7 +318,8 @@ class FastLLMReceiver:
     def serve(
         self, *, idle_timeout_s: float = 3600.0, poll_s: float = 1.0
     ) -> list[ReceivedVersion]:
-        """Receive every version the trainer announces until ``training_finished``; return them.
+        """Receive every version the trainer announces until ``training_finished``; return the
+        most recent of them (at most ``history``; :attr:`versions_received` counts them all).
 
         Raises:
             FastLLMProtocolError: Redis failed, a bad event, or a stream that broke the
@@ -401,6 +418,7 @@ class FastLLMReceiver:
             version, event.step, tensors, dropped, nbytes, time.perf_counter() - start
         )
         self.versions.append(received)
+        self.versions_received += 1
         if self.on_version is not None:
             self.on_version(received, served)
         return received
