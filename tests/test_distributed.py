@@ -26,11 +26,13 @@ from rollout_sync.testing import (
     ErrorReport,
     FaultSchedule,
     Kill,
+    SyncOutcome,
     fault_point,
     find_free_port,
     run_group,
     run_processes,
 )
+from rollout_sync.worker import P2R, CommandResult
 
 pytestmark = pytest.mark.multiprocess
 
@@ -110,6 +112,12 @@ def test_a_schedule_refuses_what_it_cannot_mean() -> None:
             expected_exits={1: 3},
             faults=FaultSchedule(Kill(1, "loop")),
         )
+    with pytest.raises(ValueError, match=r"ranks \[3\], but the group has ranks 0..1"):
+        run_processes(_counting_child, 2, (1,), timeout_s=5, faults=FaultSchedule(Kill(3, "x")))
+    with pytest.raises(ValueError, match="clean exit"):
+        Kill(1, "loop", exit_code=0)
+    with pytest.raises(ValueError, match="named point"):
+        Kill(-1, "loop")
     with pytest.raises(ValueError, match="cannot leave together"):
         run_group(
             _counting_child,
@@ -119,6 +127,30 @@ def test_a_schedule_refuses_what_it_cannot_mean() -> None:
             leave_together=True,
             faults=FaultSchedule(Kill(1, "loop")),
         )
+
+
+class _Unrebuildable(Exception):
+    def __init__(self, code: int, text: str) -> None:
+        super().__init__(f"{code}: {text}")  # args are not what __init__ takes
+
+
+def _returns_an_unrebuildable_exception(rank: int) -> Exception:
+    return _Unrebuildable(7, "no")
+
+
+@pytest.mark.timeout(60)
+def test_a_value_that_does_not_unpickle_in_the_parent_is_a_childs_failure() -> None:
+    with pytest.raises(GroupProcessError, match="could not be unpickled here"):
+        run_processes(_returns_an_unrebuildable_exception, 1, timeout_s=60)
+
+
+def test_a_sync_outcome_refuses_a_result_it_cannot_read() -> None:
+    failed = CommandResult(P2R(step=1), ok=False, error="WeightTransferError: lost")
+    with pytest.raises(ValueError, match="the CommandResult that handle\\(\\) returns"):
+        SyncOutcome.of(failed)  # one from the history: its exception was dropped
+    with pytest.raises(TypeError, match="not str"):
+        SyncOutcome.of("done")  # type: ignore[arg-type]
+    assert SyncOutcome.of(CommandResult(P2R(step=1), ok=True)).ok
 
 
 def test_an_error_report_matches_the_class_and_its_bases_not_a_name() -> None:
@@ -136,6 +168,9 @@ def test_the_packages_errors_cross_processes_whole() -> None:
     assert (copy.failed_senders, copy.lost) == ({2: "closed"}, 2)
 
 
+WaitOutcome = tuple[CollectiveError | None, float]
+
+
 def _wait_for(work: Any, operation: str, timeout_s: float, group: Any = None) -> WaitOutcome:
     started = time.monotonic()
     try:
@@ -143,9 +178,6 @@ def _wait_for(work: Any, operation: str, timeout_s: float, group: Any = None) ->
     except CollectiveError as exc:
         return exc, time.monotonic() - started
     return None, time.monotonic() - started
-
-
-WaitOutcome = tuple[CollectiveError | None, float]
 
 
 def _collective_child(

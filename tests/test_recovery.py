@@ -263,6 +263,7 @@ def test_a_trainer_killed_mid_p2r_is_restarted_and_the_job_recovers() -> None:
         leaf = results[rank]
         # The torn relay's abort header: untouched, at once.
         assert leaf.error is not None and leaf.error.is_a(ManifestRejected), leaf.errors
+        assert "aborted" in leaf.error.message, leaf.errors
         assert leaf.servable is True and leaf.version_after_death == 1
         assert leaf.elapsed_s < TIMEOUT_S / 2
     # The restarted trainer is at version 1; replica 2 holds it whole and re-seeds the relay.

@@ -106,6 +106,7 @@ def _bad_manifest_child(rank: int) -> list[tuple[Any, ...]]:
 @pytest.mark.timeout(60)
 def test_bad_manifests_fail_everywhere_and_write_nothing() -> None:
     results = run_group(_bad_manifest_child, 3, timeout_s=60)
+    assert all([case for case, *_ in results[rank]] == _CASES for rank in range(3))
     for case, rejected in results[0]:
         assert isinstance(rejected, ManifestRejected), case
         assert rejected.rejected_by == ((2,) if case == "one_replica_differs" else (1, 2)), case

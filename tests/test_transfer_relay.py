@@ -302,7 +302,7 @@ def _killed_child(rank: int, victim: int, informed: bool = True) -> SyncOutcome:
     try:
         first = _sync(rank, worker, p2r, 1)
         assert rank == 0 or first.ok, first.error
-        faults = transfer_fault_hooks()  # armed on the victim only
+        faults = transfer_fault_hooks()  # on every rank; only the victim's process is armed
         hooks.after_pack, hooks.after_receive = faults.after_pack, faults.after_receive
         started = time.monotonic()
         result = _sync(rank, worker, p2r, 2)
@@ -419,6 +419,7 @@ def _barrier_mismatch_child(rank: int) -> list[SyncOutcome]:
 @pytest.mark.timeout(120)
 def test_a_relay_whose_p2r_barrier_fails_tells_its_leaves_at_once() -> None:
     results = run_group(_barrier_mismatch_child, WORLD, timeout_s=90, group_timeout_s=10)
+    assert len(results[0]) == 2
     assert all(sync.failed_with(P2RBarrierMismatch) for sync in results[0])
     informed, uninformed = zip(*(results[rank] for rank in (1, 2, 3)), strict=True)
     assert informed[0].failed_with(P2RBarrierMismatch), informed[0].error

@@ -32,15 +32,24 @@ class Kill:
     """Process ``rank`` dies at ``point`` on step ``step``: ``os._exit(exit_code)``, so no
     ``finally`` runs and its connections drop as a crashed process's do.
 
-    ``step`` is the index the point passes (a bucket's, for :func:`transfer_fault_hooks`), or,
-    for a point passed without one, how many times this process passed the point before
-    (0: the first time).
+    For a point that passes its own index (a bucket's, for :func:`transfer_fault_hooks`),
+    ``step`` is that index: the first pass with it strikes. For a point passed without one, it
+    is how many times this process passed the point before (0: the first time).
+
+    Raises:
+        ValueError: a negative rank or step, an empty point, or exit code 0 (a clean exit).
     """
 
     rank: int
     point: str
     step: int = 0
     exit_code: int = KILLED_EXIT_CODE
+
+    def __post_init__(self) -> None:
+        if self.rank < 0 or self.step < 0 or not self.point:
+            raise ValueError(f"{self}: needs a rank >= 0, a step >= 0 and a named point")
+        if self.exit_code == 0:
+            raise ValueError(f"{self}: exit code 0 is a clean exit, not a death")
 
 
 class FaultSchedule:
@@ -53,7 +62,7 @@ class FaultSchedule:
         self.kills = kills
 
     def __repr__(self) -> str:
-        return f"FaultSchedule{self.kills}"
+        return f"FaultSchedule({', '.join(map(repr, self.kills))})"
 
     @property
     def expected_exits(self) -> dict[int, int]:
@@ -61,6 +70,7 @@ class FaultSchedule:
         return {kill.rank: kill.exit_code for kill in self.kills}
 
     def for_rank(self, rank: int) -> Kill | None:
+        """The kill scheduled for process ``rank``, if any."""
         return next((kill for kill in self.kills if kill.rank == rank), None)
 
 

@@ -9,7 +9,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+
+from ..backend import RolloutBase
+from ..transfer import TransferStats
+from ..worker import CommandResult
 
 __all__ = ["ErrorReport", "SyncOutcome"]
 
@@ -18,9 +21,10 @@ __all__ = ["ErrorReport", "SyncOutcome"]
 class ErrorReport:
     """An exception as a child reports it to the parent: its type's lineage and its text.
 
-    Exceptions do not all survive pickling (their ``__init__`` may take other arguments than
-    ``args``) and carry their traceback's frames; this does, and a test checks it against the
-    exception classes themselves, subclasses included, never against a name string.
+    Any exception can be reported so: one that would not unpickle in the parent (its
+    ``__init__`` takes other arguments than its ``args``; the package's own do unpickle) is
+    still told, and a test checks it against the exception classes themselves, subclasses
+    included, never against a name string.
     """
 
     type_names: tuple[str, ...]
@@ -54,24 +58,59 @@ def _qualified(cls: type) -> str:
 
 @dataclass(frozen=True)
 class SyncOutcome:
-    """What one rank's sync ended in, as a child reports it to the test."""
+    """What one rank's sync ended in, as a child reports it to the test.
+
+    ``version`` and ``servable`` are both set (a replica's) or both ``None`` (a trainer's).
+    """
 
     error: ErrorReport | None = None
+    """What the sync raised; ``None``: it succeeded."""
     elapsed_s: float = 0.0
+    """How long the sync took, as the child timed it."""
     version: int | None = None
     """The weight version the replica serves after the sync (``None``: not a replica)."""
     servable: bool | None = None
     """Whether the replica may serve its weights (not torn); ``None``: not a replica."""
 
+    def __post_init__(self) -> None:
+        if (self.version is None) != (self.servable is None):
+            raise ValueError("SyncOutcome: version and servable are both set or both None")
+
     @classmethod
-    def of(cls, result: Any, backend: Any = None, *, elapsed_s: float = 0.0) -> SyncOutcome:
-        """From what the sync returned: an exception (the trainer's), a worker's
-        ``CommandResult`` (its ``exception``), or anything else (it succeeded); ``backend``
-        (a :class:`~rollout_sync.RolloutBase`) gives the version and servability."""
+    def of(
+        cls,
+        result: BaseException | CommandResult | TransferStats | None,
+        backend: RolloutBase | None = None,
+        *,
+        elapsed_s: float = 0.0,
+    ) -> SyncOutcome:
+        """From what the sync ended in: the exception it raised (a trainer's send), the
+        :class:`~rollout_sync.worker.CommandResult` that ``RolloutWorker.handle`` returned, or a
+        success (its ``TransferStats``, or ``None``); ``backend`` gives a replica's version and
+        servability.
+
+        Raises:
+            ValueError: a failed ``CommandResult`` without its exception (one from the worker's
+                history, which drops them: take the one ``handle`` returns).
+            TypeError: ``result`` is none of these.
+        """
+        error: ErrorReport | None = None
         if isinstance(result, BaseException):
-            error: ErrorReport | None = ErrorReport.of(result)
-        else:
-            error = ErrorReport.of_optional(getattr(result, "exception", None))
+            error = ErrorReport.of(result)
+        elif isinstance(result, CommandResult):
+            if not result.ok:
+                if result.exception is None:
+                    raise ValueError(
+                        "SyncOutcome.of needs the CommandResult that handle() returns: this "
+                        f"failed one has no exception (the worker's history drops them): "
+                        f"{result.error}"
+                    )
+                error = ErrorReport.of(result.exception)
+        elif result is not None and not isinstance(result, TransferStats):
+            raise TypeError(
+                "SyncOutcome.of takes an exception, a CommandResult, TransferStats or None, "
+                f"not {type(result).__name__}"
+            )
         if backend is None:
             return cls(error, elapsed_s)
         return cls(error, elapsed_s, backend.weight_version, not backend.weights_torn)

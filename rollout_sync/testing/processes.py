@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..distributed import find_free_port, init_process_group
+from ..distributed import find_free_port, init_process_group, wait_work
 from ..errors import ChildFailure, GroupProcessError, RolloutSyncError
 from .faults import FaultSchedule
 from .faults import install as install_faults
@@ -154,8 +154,11 @@ def run_processes(
             own, and a child that overstays is killed with everything it started.
 
     Raises:
-        GroupProcessError: a child raised, died with an unexpected exit code, or overstayed.
-        Every child is joined or killed before this returns or raises.
+        GroupProcessError: a child raised, died with an unexpected exit code, overstayed, or
+            returned a value that does not unpickle here. Every child is joined or killed
+            before this returns or raises.
+        ValueError: an exit expected of a rank outside the group, or expected twice (in
+            ``expected_exits`` and in ``faults``); nothing was started.
     """
     # Typed loosely: the stubs' BaseContext lacks Process, which every concrete context has.
     ctx: Any = multiprocessing.get_context(start_method or _default_start_method)
@@ -164,6 +167,11 @@ def run_processes(
         if expected.keys() & faults.expected_exits.keys():
             raise ValueError("a rank's exit is expected twice: in expected_exits and in faults")
         expected.update(faults.expected_exits)
+    strangers = sorted(set(expected) - set(range(nprocs)))
+    if strangers:
+        raise ValueError(
+            f"exits are expected of ranks {strangers}, but the group has ranks 0..{nprocs - 1}"
+        )
     results_queue: multiprocessing.Queue[tuple[str, int, Any]] = ctx.Queue()
     saved_env = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
@@ -271,7 +279,11 @@ def run_group(
     leave_together: bool = False,
     faults: FaultSchedule | None = None,
     intra_op_threads: int | None = 1,
-    **options: Any,
+    expected_exits: Mapping[int, int] | None = None,
+    grace_s: float = 10.0,
+    what: str | None = None,
+    env: Mapping[str, str] | None = None,
+    start_method: str | None = None,
 ) -> dict[int, T]:
     """:func:`run_processes` for a job of one process group: each child first joins the default
     group (gloo, on a free loopback port), then runs ``target(rank, *args)``.
@@ -281,8 +293,8 @@ def run_group(
     it leaves, so that nobody tears the group down while a peer still talks on it (background
     threads on the group); only for a run whose collectives all complete, as a failed transfer
     leaves a group whose next collective would not match. ``intra_op_threads`` defaults to 1,
-    as a group usually oversubscribes a small machine's cores. Other ``options`` are
-    :func:`run_processes`' own.
+    as a group usually oversubscribes a small machine's cores. The other arguments are
+    :func:`run_processes`' own (``what`` defaults to the target's name).
     """
     if leave_together and faults is not None and faults.kills:
         raise ValueError("a group whose faults kill a process cannot leave together")
@@ -294,8 +306,11 @@ def run_group(
         timeout_s=timeout_s,
         faults=faults,
         intra_op_threads=intra_op_threads,
-        what=options.pop("what", getattr(target, "__name__", "run_group")),
-        **options,
+        expected_exits=expected_exits,
+        grace_s=grace_s,
+        what=what or str(getattr(target, "__name__", "run_group")),
+        env=env,
+        start_method=start_method,
     )
 
 
@@ -312,7 +327,11 @@ def _group_member(
     )
     value = target(rank, *args)
     if leave_together:
-        dist.barrier()
+        wait_work(
+            dist.barrier(async_op=True),
+            operation="the group's members leaving together",
+            timeout_s=group_timeout_s,
+        )
     return value
 
 
@@ -333,7 +352,17 @@ def _drain_reports(
         block = False
         reported.add(rank)
         if status == "ok":
-            values[rank] = pickle.loads(payload)
+            try:
+                values[rank] = pickle.loads(payload)
+            except Exception as exc:  # noqa: BLE001 - a value the parent cannot rebuild
+                failures.append(
+                    ChildFailure(
+                        rank,
+                        None,
+                        f"its value could not be unpickled here ({type(exc).__name__}: {exc}); "
+                        "report an exception as an ErrorReport",
+                    )
+                )
         else:
             failures.append(ChildFailure(rank, None, str(payload)))
 
