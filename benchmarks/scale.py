@@ -37,7 +37,6 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -48,8 +47,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # The path is set up above, so a source checkout runs without installing the package.
-from rollout_sync import RolloutBase, SyncMode, TransferConfig, WeightBuffer, build_sync_groups
-from rollout_sync.flat import FlatWeights
+from rollout_sync import SyncMode, TransferConfig, WeightBuffer, build_sync_groups
 from rollout_sync.scale import (
     FLEET_1T,
     Fleet,
@@ -60,26 +58,12 @@ from rollout_sync.scale import (
     Topology,
     estimate,
 )
-from rollout_sync.testing import run_group
+from rollout_sync.testing import IdleFlatRollout, run_group
 from rollout_sync.testing.emulated_nic import EmulatedNic, PacedCollectives, PacedWeightTransfer
 from rollout_sync.transfer import WeightManifest
 from rollout_sync.weights import check_weights_match
 
 IMPLEMENTED = (Topology.ONE_SOURCE, Topology.PIPELINED_RELAY)
-
-
-class _Served(RolloutBase):
-    """A replica's served weights in flat storage; generates nothing (the sync alone)."""
-
-    def __init__(self, weights: Mapping[str, torch.Tensor]) -> None:
-        super().__init__()
-        self.flat = FlatWeights.copy_of(weights)
-
-    def served_weights(self) -> Mapping[str, torch.Tensor]:
-        return self.flat.tensors
-
-    def flat_weight_storage(self) -> torch.Tensor | None:
-        return self.flat.storage
 
 
 @dataclass(frozen=True)
@@ -160,7 +144,7 @@ def _calibrate_copies(
         unpack = _median_s(lambda: torch._foreach_copy_(tensors, views), cold=True)
         out["copy_bytes_per_s"] = nbytes / ((pack + unpack) / 2)
     if rank == 1:
-        served = _Served(weights)
+        served = IdleFlatRollout(weights)
         manifest = WeightManifest.build(weights, bucket_bytes=int(args.bucket_mb * (1 << 20)))
         check = _median_s(lambda: check_weights_match(manifest.specs, served.served_weights()))
         out["manifest_s_per_tensor"] = check / len(weights)
@@ -184,7 +168,7 @@ def _bench_process(rank: int, args: argparse.Namespace, cells: list[Cell]) -> di
     dist.barrier()
     calibration = _calibrate_copies(rank, args, weights)
     collectives: list[list[float]] = []
-    served = _Served(weights)
+    served = IdleFlatRollout(weights)
     buffer = WeightBuffer(served.served_weights(), mode=SyncMode.ASYNC_PER_GENERATION)
     config = TransferConfig(bucket_bytes=int(args.bucket_mb * (1 << 20)), timeout_s=timeout)
     latency = args.latency_ms / 1e3
@@ -254,7 +238,7 @@ def _sync(
     p2r: PacedWeightTransfer | None,
     r2r: PacedWeightTransfer | None,
     weights: dict[str, torch.Tensor],
-    served: _Served,
+    served: IdleFlatRollout,
     buffer: WeightBuffer,
 ) -> float | None:
     """This rank's part of one sync; a staged replica's install time (else ``None``)."""

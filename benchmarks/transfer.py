@@ -45,7 +45,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,25 +56,11 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # The path is set up above, so a source checkout runs without installing the package.
-from rollout_sync import P2R, R2R, RolloutBase, RolloutWorker, TransferConfig, build_sync_groups
+from rollout_sync import P2R, R2R, RolloutWorker, TransferConfig, build_sync_groups
 from rollout_sync.distributed import init_process_group
 from rollout_sync.flat import FlatWeights
-from rollout_sync.testing import RecordingPacker, find_free_port, run_processes
+from rollout_sync.testing import IdleFlatRollout, RecordingPacker, find_free_port, run_processes
 from rollout_sync.trainer import BroadcastWeightPusher, CommandKind, WeightSyncCommand
-
-
-class _IdleRollout(RolloutBase):
-    """Serves flat-stored tensors and generates nothing: the guard's own cost, isolated."""
-
-    def __init__(self, weights: Mapping[str, torch.Tensor]) -> None:
-        super().__init__()
-        self._flat = FlatWeights.copy_of(weights)
-
-    def served_weights(self) -> Mapping[str, torch.Tensor]:
-        return self._flat.tensors
-
-    def flat_weight_storage(self) -> torch.Tensor | None:
-        return self._flat.storage
 
 
 def _model(model_mb: float, tensor_kb: float, seed: int) -> dict[str, torch.Tensor]:
@@ -241,7 +227,7 @@ def _bench_process(rank: int, port: int, args: argparse.Namespace) -> dict[str, 
         p2r_t = groups.p2r_transfer(config=config)
         r2r_t = groups.r2r_transfer(config=config)
         worker = RolloutWorker(
-            _IdleRollout(weights),
+            IdleFlatRollout(weights),
             p2r=p2r_t if rank != 0 else None,
             r2r=r2r_t,
             data_packer=RecordingPacker(),

@@ -106,6 +106,16 @@ DEFAULT_HISTORY = 1024
 """How many recent results and sync reports a worker keeps (``RolloutWorker(history=...)``)."""
 
 
+def bounded_history(owner: str, history: int) -> int:
+    """``history`` checked as a bound on what ``owner`` keeps: an int >= 0, else ValueError."""
+    if isinstance(history, bool) or not isinstance(history, int) or history < 0:
+        raise ValueError(
+            f"{owner}(history={history!r}): the number of recent entries to keep must be an "
+            f"int >= 0 (the default is {DEFAULT_HISTORY})"
+        )
+    return history
+
+
 # -- commands ----------------------------------------------------------------------------------
 
 
@@ -576,11 +586,7 @@ class RolloutWorker:
         on_transfer: Callable[[TransferStats, Mapping[str, torch.Tensor]], None] | None = None,
         history: int = DEFAULT_HISTORY,
     ) -> None:
-        if isinstance(history, bool) or not isinstance(history, int) or history < 0:
-            raise ValueError(
-                f"RolloutWorker(history={history!r}): the number of recent results to keep must "
-                f"be an int >= 0 (the default is {DEFAULT_HISTORY})"
-            )
+        bounded_history("RolloutWorker", history)
         _check_transfer("p2r", p2r)
         _check_transfer("r2r", r2r)
         self.rollout = rollout

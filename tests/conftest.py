@@ -18,7 +18,10 @@ if os.environ.get("ROLLOUT_SYNC_TEST_START_METHOD", "forkserver") == "forkserver
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
-    """Wait for a state another thread reaches (a bounded poll on observable state)."""
+    """Wait for a state another thread reaches (a bounded poll on observable state).
+
+    Only where the code under test offers no event to wait on: where it does (a hook, a
+    callback, a threading.Event of the test's own), wait on that instead."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:

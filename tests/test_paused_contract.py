@@ -524,14 +524,24 @@ class ParksLate(SteppingBackend):
         super().__init__()
         self.pause_asked = False
         self.stall_over = threading.Event()
+        self._steps_left = 0
+        self._three_served = threading.Event()
+
+    def serve_step(self) -> None:
+        super().serve_step()
+        if self.stall_over.is_set() and self._steps_left > 0:
+            self._steps_left -= 1  # only this serving thread counts down
+            if self._steps_left == 0:
+                self._three_served.set()
 
     @contextmanager
     def paused(self, timeout: float | None = None) -> Iterator[None]:
         self.pause_asked = True
+        self._three_served.clear()
+        self._steps_left = 3
         try:
             assert self.stall_over.wait(TIMEOUT), "the stall never ended"
-            target = self.statistics().steps_served + 3
-            wait_until(lambda: self.statistics().steps_served >= target, TIMEOUT, "3 steps")
+            assert self._three_served.wait(TIMEOUT), "three more steps never ran"
             with super().paused(timeout):
                 yield
         finally:

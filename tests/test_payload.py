@@ -696,7 +696,9 @@ def test_a_transport_that_fails_open_or_closing_is_closed_by_close_which_raises_
     trainer, rollout = run_group(_failed_close_rank, 2, timeout_s=50, leave_together=True).values()
     assert trainer["answered"] == "BYE"
     elapsed, message = rollout["open_failure"]
-    assert elapsed < 10 and "acknowledged a goodbye while the payload sender is open" in message
+    assert (
+        elapsed < 10 and "rank 0 acknowledged a goodbye while the payload sender is open" in message
+    )
     # The failure, not "closing": the sender never closed itself on the stray acknowledgment.
     assert "failed" in rollout["register"][1] and "closing" not in rollout["register"][1]
     assert "cannot close the payload sender" in rollout["open_close"][1]

@@ -295,7 +295,7 @@ def _lifecycle_step(state: _SendPoolState, event: str) -> None:
     if event == "close" and phase is _PoolPhase.OPEN:
         state.begin_close()
     elif event == "bye" and phase is _PoolPhase.CLOSING:
-        state.bye_acknowledged()
+        state.bye_acknowledged(0)
     elif event == "fail":
         state.fail(RuntimeError("a thread died"))
     elif event == "stop" and phase in (_PoolPhase.BYE_ACKED, _PoolPhase.FAILED):
@@ -413,6 +413,8 @@ _LEGAL: dict[tuple[_PoolPhase, str], _PoolPhase] = {
 def _take(state: _SendPoolState, move: str) -> None:
     if move == "fail":
         state.fail(RuntimeError("a thread died"))
+    elif move == "bye_acknowledged":
+        state.bye_acknowledged(0)
     else:
         getattr(state, move)()
 
@@ -437,8 +439,9 @@ def test_a_lifecycle_move_is_made_only_where_the_lifecycle_allows_it(path: str, 
     if move == "bye_acknowledged" and error is not None:
         _take(state, move)  # an acknowledgment after a failure: the failure stands
     elif move == "bye_acknowledged":  # the receiver answered a goodbye nobody awaits
-        with pytest.raises(PayloadTransportError, match="acknowledged a goodbye while"):
+        with pytest.raises(PayloadTransportError, match="rank 0 acknowledged a goodbye while") as e:
             _take(state, move)
+        assert e.value.peer == 0
     else:  # the sender's own close() would be wrong
         with pytest.raises(RuntimeError, match=f"no move from {before.name} to"):
             _take(state, move)

@@ -72,7 +72,13 @@ from ..errors import (
 from ..guard import SyncReport, holds_payload_egress, weight_sync_bracket, weight_sync_handler
 from ..trace import SpanKind, Timeline
 from ..transfer import TransferStats, WeightTransfer
-from ..worker import DEFAULT_HISTORY, BackgroundEngine, reload_received, settle_failed_receive
+from ..worker import (
+    DEFAULT_HISTORY,
+    BackgroundEngine,
+    bounded_history,
+    reload_received,
+    settle_failed_receive,
+)
 from .fast_llm_wire import (
     EVENTS_STREAM,
     MAX_HEADER_BYTES,
@@ -176,11 +182,7 @@ class FastLLMReceiver:
         on_version: Callable[[ReceivedVersion, Mapping[str, torch.Tensor]], None] | None = None,
         history: int = DEFAULT_HISTORY,
     ) -> None:
-        if isinstance(history, bool) or not isinstance(history, int) or history < 0:
-            raise ValueError(
-                f"FastLLMReceiver(history={history!r}): the number of recent versions to keep "
-                "must be an int >= 0"
-            )
+        bounded_history("FastLLMReceiver", history)
         socket_timeout = _socket_timeout(redis)
         if socket_timeout is None:
             raise ValueError(

@@ -390,8 +390,8 @@ class _SendPoolState:
         """OPEN -> CLOSING: refuse registrations from now on, drain, then say goodbye."""
         self._enter(_PoolPhase.CLOSING)
 
-    def bye_acknowledged(self) -> None:
-        """The receiver acknowledged the goodbye: CLOSING -> BYE_ACKED.
+    def bye_acknowledged(self, receiver: int) -> None:
+        """Rank ``receiver`` acknowledged the goodbye: CLOSING -> BYE_ACKED.
 
         After a failure it changes nothing: the failure stands.
 
@@ -403,8 +403,9 @@ class _SendPoolState:
             return
         if self._phase is not _PoolPhase.CLOSING:
             raise PayloadTransportError(
-                f"the receiver acknowledged a goodbye while the payload sender is "
-                f"{self._phase.value}: it answers a goodbye that is not awaited"
+                f"rank {receiver} acknowledged a goodbye while the payload sender is "
+                f"{self._phase.value}: it answers a goodbye that is not awaited",
+                peer=receiver,
             )
         self._enter(_PoolPhase.BYE_ACKED)
 
@@ -1295,7 +1296,7 @@ class PayloadSender(TransportEnd):
                         self._work.notify()
                     elif kind is FrameKind.BYE_ACK:
                         self._state.acknowledge(words[1])
-                        self._state.bye_acknowledged()
+                        self._state.bye_acknowledged(self.receiver_rank)
                         self._progress.notify_all()
                         return
                     else:

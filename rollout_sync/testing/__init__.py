@@ -40,6 +40,7 @@ from .fakes import FakeCudaStream as FakeCudaStream
 from .fakes import FlushOnlyPacker as FlushOnlyPacker
 from .fakes import ForwardResult as ForwardResult
 from .fakes import HostSyncCount as HostSyncCount
+from .fakes import IdleFlatRollout as IdleFlatRollout
 from .fakes import InstallRecord as InstallRecord
 from .fakes import PlainPacker as PlainPacker
 from .fakes import RecordingPacker as RecordingPacker
@@ -91,6 +92,7 @@ __all__ = [
     "ForwardResult",
     "GroupProcessError",
     "HostSyncCount",
+    "IdleFlatRollout",
     "InProcessWorker",
     "InstallRecord",
     "Kill",

@@ -135,6 +135,7 @@ class _PacedWork(dist.Work):
                 done = work.wait()
             if done is False:
                 return False
+        # Sleeping is the pacing itself: the emulated link's time, not a wait for another thread.
         arrives = self._arrival()
         pause = arrives - time.monotonic()
         if pause > deadline - time.monotonic():

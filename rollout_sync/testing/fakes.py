@@ -37,6 +37,7 @@ from .._deadline import deadline_after, expired, limit_of, wait_arg
 from ..backend import RolloutBase, ThreadedRolloutBackend
 from ..buffer import WeightBuffer, install_inference_sync
 from ..errors import PayloadBackpressureTimeout, PayloadTimeout, ShutdownTimeout
+from ..flat import FlatWeights
 from ..gate import Gate
 from ..guard import SyncMode
 from ..trace import SpanKind, Timeline
@@ -263,6 +264,21 @@ class RecordingRollout(RolloutBase):
             yield
         finally:
             self.log.add("pause:exit")
+
+
+class IdleFlatRollout(RolloutBase):
+    """Serves ``weights`` (copied into one flat storage, so transfers write it zero-copy) and
+    generates nothing: what a sync costs on its own, for benchmarks. Base ``paused`` contract."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.flat = FlatWeights.copy_of(weights)
+
+    def served_weights(self) -> Mapping[str, torch.Tensor]:
+        return self.flat.tensors
+
+    def flat_weight_storage(self) -> torch.Tensor | None:
+        return self.flat.storage
 
 
 # -- packers -----------------------------------------------------------------------------------

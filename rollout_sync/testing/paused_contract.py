@@ -342,29 +342,13 @@ def _shared_across_threads(run: _Run, backend: Any) -> None:
 
 
 def _serialized_across_threads(run: _Run, backend: Any) -> None:
-    contract = run.contract
-    short = contract.short_timeout
     with backend.paused(run.limit):
         before = run.forwards(backend)
-        body_ran = threading.Event()
-
-        def second() -> None:
-            with backend.paused(short):
-                body_ran.set()
-
-        other = _Attempt(second, "paused-contract-second").start()
-        if not other.done.wait(short + contract.late_s):
-            raise run.violation(
-                f"a second thread's paused({short:g}) was still waiting "
-                f"{short + contract.late_s:g} s after it was called, while the first thread "
-                "held a pause: it does not honour its timeout"
-            )
-        if body_ran.is_set():
-            raise run.violation(
-                "a second thread's pause entered its body while the first held one (the "
-                "contract says SERIALIZED; say SHARED if pauses share the park)"
-            )
-        run.timed_out(other, short, "a second thread's pause while the first held one")
+        run.short_pause_times_out(
+            backend,
+            "the first thread held a pause",
+            hint=" (the contract says SERIALIZED; say SHARED if pauses share the park)",
+        )
         run.still_held(backend, before, "after a second thread's pause ran out of time")
     run.generating(backend, before, "after the first thread's pause exited")
     after = _Attempt(lambda: _enter_and_exit(backend, run.limit), "paused-contract-after")
@@ -385,29 +369,13 @@ def check_bounded(contract: PausedContract[Any]) -> None:
     """
     run = _Run(contract, "check_bounded")
     stall = run.require(contract.stall, "stall")
-    short = contract.short_timeout
     with _running(contract) as backend:
         run.generating(backend, run.forwards(backend), "before pausing")
         parks = run.parks(backend)
         with stall(backend):
-            body_ran = threading.Event()
-
-            def pause() -> None:
-                with backend.paused(short):
-                    body_ran.set()
-
-            attempt = _Attempt(pause, "paused-contract-bounded").start()
-            if not attempt.done.wait(short + contract.late_s):
-                raise run.violation(
-                    f"paused({short:g}) was still waiting {short + contract.late_s:g} s after it "
-                    "was called, while a forward was held: it does not honour its timeout"
-                )
-            if body_ran.is_set():
-                raise run.violation(
-                    f"paused({short:g}) entered its body while a forward was held: it did not "
-                    "wait for the forward to end"
-                )
-            run.timed_out(attempt, short, "a pause while a forward was held")
+            run.short_pause_times_out(
+                backend, "a forward was held", hint=": it did not wait for the forward to end"
+            )
             if contract.parked is not None and contract.parked(backend):
                 raise run.violation("a pause that ran out of time left generation parked")
         held = run.forwards(backend)
@@ -823,6 +791,26 @@ class _Run:
         ran = count(backend) - before
         if ran:
             raise self.violation(f"{where}: {ran} forward(s) ran while generation was parked")
+
+    def short_pause_times_out(self, backend: Any, while_what: str, *, hint: str = "") -> None:
+        """``paused(short_timeout)`` on another thread, while ``while_what``, gives up in time,
+        never runs its body, and raises the PauseTimeout that names its limit."""
+        short, late = self.contract.short_timeout, self.contract.late_s
+        body_ran = threading.Event()
+
+        def pause() -> None:
+            with backend.paused(short):
+                body_ran.set()
+
+        attempt = _Attempt(pause, "paused-contract-short").start()
+        if not attempt.done.wait(short + late):
+            raise self.violation(
+                f"paused({short:g}) was still waiting {short + late:g} s after it was called, "
+                f"while {while_what}: it does not honour its timeout"
+            )
+        if body_ran.is_set():
+            raise self.violation(f"paused({short:g}) entered its body while {while_what}{hint}")
+        self.timed_out(attempt, short, f"a pause while {while_what}")
 
     def timed_out(self, attempt: _Attempt, limit: float, what: str) -> None:
         """``attempt`` raised the package's PauseTimeout, naming ``limit``, not before it."""
