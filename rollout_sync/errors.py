@@ -30,7 +30,7 @@ The families, in the order a weight sync meets them:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -76,6 +76,7 @@ __all__ = [
     "SchedulerTimeout",
     "ShutdownTimeout",
     "TornWeightsError",
+    "TransferPlanMismatch",
     "UnsafeHeaderError",
     "VLLMUnavailableError",
     "WeightBroadcastError",
@@ -309,6 +310,28 @@ class P2RBarrierMismatch(ManifestRejected):
     ) -> None:
         super().__init__(message, operation=operation, version=version, rejected_by=(rank,))
         self.missing_on = missing_on
+
+
+class TransferPlanMismatch(ManifestRejected):
+    """The ranks of a sharded transfer computed different transfer plans (their layouts, bucket
+    size or checksum setting differ); refused on every rank before any byte moved.
+
+    Attributes:
+        digests: each global rank's plan digest.
+        rejected_by: the ranks whose digest differs from the first source rank's.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        operation: str,
+        version: int | None,
+        digests: Mapping[int, int],
+        rejected_by: Sequence[int],
+    ) -> None:
+        super().__init__(message, operation=operation, version=version, rejected_by=rejected_by)
+        self.digests = dict(digests)
 
 
 class RelayForwardError(WeightTransferError):

@@ -52,7 +52,7 @@ from .errors import (
 from .metrics import TimedSample, WeightSyncTimer
 from .payload.receiver import PayloadReceiver
 from .trace import SpanKind
-from .transfer import TransferConfig, TransferStats, WeightTransfer
+from .transfer import ShardedTransfer, TransferConfig, TransferStats, WeightTransfer
 from .weights import WeightMismatchError
 
 __all__ = [
@@ -458,8 +458,15 @@ class TransferWeightPusher:
     producer blocked on a full send registry, which drains only while the trainer still
     receives (docs/transport.md). So a receiver without a barrier is refused.
 
+    **A sharded trainer** pushes with a :class:`~rollout_sync.transfer.ShardedTransfer` as
+    ``transfer``: every trainer rank builds its own pusher (and its own
+    :class:`WeightBroadcastCallback`, whose ``weights()`` returns that rank's local shards, no
+    gather; announce on one rank's ``channel`` only) and every rank's ``push_weights`` runs at
+    once; each sends only the regions it owns (docs/distributed.md, "Sharded trainers").
+
     Args:
-        transfer: the P2R transfer on the trainer's rank (its source).
+        transfer: the P2R transfer on the trainer's rank (its source; one of the sources of a
+            sharded transfer).
         barrier: the P2R barrier; ``None``: none (only without a receiver). The replica's
             ``RolloutWorker(p2r_barrier=...)`` must agree: with one side only, both raise
             :class:`~rollout_sync.errors.P2RBarrierMismatch` (on gloo, at once).
@@ -474,14 +481,14 @@ class TransferWeightPusher:
 
     def __init__(
         self,
-        transfer: WeightTransfer,
+        transfer: WeightTransfer | ShardedTransfer,
         *,
         barrier: Callable[[float], None] | None = None,
         receiver: PayloadReceiver | None = None,
     ) -> None:
         if not transfer.is_source:
             raise ValueError(
-                f"TransferWeightPusher runs on the P2R source (rank {transfer.src}), "
+                f"TransferWeightPusher runs on a P2R source ({transfer!r}), "
                 f"not on rank {dist.get_rank()}"
             )
         if receiver is not None and barrier is None:

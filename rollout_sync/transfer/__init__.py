@@ -24,6 +24,7 @@ from ..errors import ChecksumMismatchError as ChecksumMismatchError
 from ..errors import ManifestError as ManifestError
 from ..errors import ManifestRejected as ManifestRejected
 from ..errors import RelayForwardError as RelayForwardError
+from ..errors import TransferPlanMismatch as TransferPlanMismatch
 from ..errors import WeightTransferError as WeightTransferError
 from ..errors import WeightTransferTimeout as WeightTransferTimeout
 from ..flat import ALIGN_BYTES as ALIGN_BYTES
@@ -31,23 +32,36 @@ from .config import BUFFER_WRITE as BUFFER_WRITE
 from .config import TransferConfig as TransferConfig
 from .config import TransferHooks as TransferHooks
 from .config import TransferStats as TransferStats
+from .layout import Layout as Layout
+from .layout import LocalTensor as LocalTensor
+from .layout import Piece as Piece
 from .manifest import ManifestEntry as ManifestEntry
 from .manifest import OriginChecksums as OriginChecksums
 from .manifest import WeightManifest as WeightManifest
 from .manifest import bucket_checksum as bucket_checksum
 from .manifest import named_weights as named_weights
+from .plan import Move as Move
+from .plan import TransferPlan as TransferPlan
+from .sharded import ShardedTransfer as ShardedTransfer
 from .weight_transfer import WeightTransfer as WeightTransfer
 
 __all__ = [
     "BUFFER_WRITE",
     "ChecksumMismatchError",
+    "Layout",
+    "LocalTensor",
     "ManifestEntry",
     "ManifestError",
     "ManifestRejected",
+    "Move",
     "OriginChecksums",
+    "Piece",
     "RelayForwardError",
+    "ShardedTransfer",
     "TransferConfig",
     "TransferHooks",
+    "TransferPlan",
+    "TransferPlanMismatch",
     "TransferStats",
     "WeightManifest",
     "WeightTransfer",

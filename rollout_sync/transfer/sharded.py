@@ -1,0 +1,675 @@
+"""A sharded transfer: every source rank sends its own bytes, point to point, to the target
+ranks that serve them.
+
+:class:`ShardedTransfer` moves one version along a :class:`~rollout_sync.transfer.TransferPlan`
+over one process group holding the source ranks (a sharded trainer's) and the target ranks (one
+replica's, tensor-parallel or not). No rank gathers the model: a source rank reads regions of
+its own local tensors, a target rank writes regions of its own. One transfer, in order:
+
+1. **Plan vote.** Every rank all-gathers ``(version, digest, ok)``: the digest of its plan and
+   wire settings (bucket size, checksums), and whether its own tensors match its layout (a
+   source's weights, a target's served tensors, checked with
+   :func:`~rollout_sync.weights.check_weights_match` before anything is written). Different
+   digests are :class:`~rollout_sync.errors.TransferPlanMismatch` on every rank, a rank that said
+   no is its own error there and :class:`~rollout_sync.errors.ManifestRejected` elsewhere, and
+   source ranks that disagree on the version are refused too: nothing moved, the group is
+   usable.
+2. **Buckets per peer.** The moves of each (source, target) pair are packed, in plan order,
+   into buckets of at most ``bucket_bytes`` (a larger region gets a bucket of its own), with the
+   bucket's checksum appended when checksums are on. All source ranks send at once: each sends
+   its buckets round-robin over its targets with at most two in flight (two staging buffers: a
+   source rank's extra memory is two buckets); each target keeps two receives posted per source
+   and takes buckets round-robin over its sources. A target verifies a bucket's checksum before
+   it writes any of it; after a mismatch it writes nothing more, keeps receiving (so no sender
+   is left hanging) and votes no.
+3. **Commit vote.** Every rank all-gathers whether its side succeeded; only then does
+   :meth:`ShardedTransfer.receive` return. A failure names the ranks that failed, and a target
+   that wrote anything says how much (``tensors_written``), so a worker marks it torn and never
+   serves it: one rank's part of a replica is not a version on its own, so even a target that
+   received its own part whole is torn when another rank failed.
+
+Every wait is bounded by ``config.timeout_s``: a dead or hung peer is a
+:class:`~rollout_sync.errors.WeightTransferError` (or its timeout) in bounded time. The same
+code runs on gloo (CPU tensors) and NCCL (CUDA tensors).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..distributed import GroupCollectives, wait_work
+from ..errors import (
+    ChecksumMismatchError,
+    CollectiveError,
+    CollectiveTimeout,
+    ManifestRejected,
+    RelayForwardError,
+    TransferPlanMismatch,
+    WeightMismatchError,
+    WeightTransferError,
+    WeightTransferTimeout,
+)
+from ..trace import SpanKind, Timeline
+from ..weights import WeightSpec, check_weights_match
+from .config import TransferConfig, TransferHooks, TransferStats
+from .layout import region_of
+from .manifest import bucket_checksum
+from .plan import Move, TransferPlan
+
+__all__ = ["ShardedTransfer"]
+
+_ALIGN = 8
+_CHECKSUM_BYTES = 16
+_YES = 1
+_NO = 0
+
+
+@dataclass(frozen=True)
+class _Slot:
+    move: Move
+    offset: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    """One message from one source rank to one target rank."""
+
+    index: int
+    """Its position among the pair's buckets (the message tag)."""
+    slots: tuple[_Slot, ...]
+    data_bytes: int
+    """Payload and alignment padding, a multiple of 8."""
+    checksummed: bool
+
+    @property
+    def wire_bytes(self) -> int:
+        return self.data_bytes + (_CHECKSUM_BYTES if self.checksummed else 0)
+
+
+def _buckets(
+    moves: list[Move], dtypes: Mapping[str, torch.dtype], limit: int, checksums: bool
+) -> list[_Bucket]:
+    out: list[_Bucket] = []
+    slots: list[_Slot] = []
+    used = 0
+    for move in moves:
+        size = -(-move.nbytes // _ALIGN) * _ALIGN
+        if slots and used + size > limit:
+            out.append(_Bucket(len(out), tuple(slots), used, checksums))
+            slots, used = [], 0
+        slots.append(_Slot(move, used, dtypes[move.tensor]))
+        used += size
+    if slots:
+        out.append(_Bucket(len(out), tuple(slots), used, checksums))
+    return out
+
+
+def _interleave(queues: Mapping[int, Sequence[_Bucket]]) -> list[tuple[int, _Bucket]]:
+    """Buckets round-robin over peers (in peer order): each peer's first, then each one's second."""
+    order = []
+    depth = max((len(q) for q in queues.values()), default=0)
+    for k in range(depth):
+        for peer in sorted(queues):
+            if k < len(queues[peer]):
+                order.append((peer, queues[peer][k]))
+    return order
+
+
+@dataclass
+class _Progress:
+    tensors_written: set[str] = field(default_factory=set)
+    failed_buckets: list[tuple[int, int, int]] = field(default_factory=list)
+    """The first corrupted bucket: (its place among this rank's receives, its number from its
+    source, the source's global rank); nothing is written from it on."""
+    checksums_verified: int = 0
+    buckets: int = 0
+    nbytes: int = 0
+
+
+class ShardedTransfer:
+    """Move versions from ``source_ranks`` to ``target_ranks`` of ``group`` along ``plan``.
+
+    One object per (group, plan); reuse it across syncs. Source ranks call :meth:`send` with
+    their own local tensors, target ranks :meth:`receive` into theirs, for every sync, in the
+    same order. It has the members of :class:`~rollout_sync.worker.SupportsWeightTransfer`, so a
+    :class:`~rollout_sync.RolloutWorker` drives it as its P2R transfer on every rank of a
+    replica. Not thread-safe: one transfer at a time per object.
+
+    Args:
+        group: holds exactly ``source_ranks`` and ``target_ranks`` (``None``: the default group).
+        plan: from the source layout (``plan.source``, one entry per source rank) to the target
+            layout (``plan.target``, one per target rank).
+        source_ranks / target_ranks: global ranks, in layout order: ``source_ranks[i]`` holds
+            ``plan.source.ranks[i]``.
+        config: ``bucket_bytes``, ``checksums`` and ``timeout_s`` are used (zero-copy is not:
+            regions of sharded tensors are packed).
+        device: where buckets live. Default: CUDA for an NCCL group, CPU otherwise.
+        hooks: fault injection for tests: ``after_pack(k, bucket)`` on a source after its
+            ``k``-th bucket of the sync is packed, ``after_receive(k, bucket)`` on a target
+            after its ``k``-th arrived, before it is verified or written.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        plan: TransferPlan,
+        *,
+        source_ranks: Sequence[int],
+        target_ranks: Sequence[int],
+        config: TransferConfig | None = None,
+        timeline: Timeline | None = None,
+        device: torch.device | str | None = None,
+        hooks: TransferHooks | None = None,
+    ) -> None:
+        self.group = group
+        self.plan = plan
+        self.source_ranks = tuple(source_ranks)
+        self.target_ranks = tuple(target_ranks)
+        self.config = config if config is not None else TransferConfig()
+        self.timeline = timeline
+        self.hooks = hooks if hooks is not None else TransferHooks()
+        self.collectives = GroupCollectives(group)
+        self.ranks = self.collectives.ranks
+        self.rank = self.collectives.rank
+        if len(self.source_ranks) != plan.source.world:
+            raise ValueError(
+                f"the plan's source layout has {plan.source.world} rank(s), "
+                f"source_ranks {list(self.source_ranks)} has {len(self.source_ranks)}"
+            )
+        if len(self.target_ranks) != plan.target.world:
+            raise ValueError(
+                f"the plan's target layout has {plan.target.world} rank(s), "
+                f"target_ranks {list(self.target_ranks)} has {len(self.target_ranks)}"
+            )
+        members = self.source_ranks + self.target_ranks
+        if len(set(members)) != len(members) or set(members) != set(self.ranks):
+            raise ValueError(
+                f"source ranks {list(self.source_ranks)} and target ranks "
+                f"{list(self.target_ranks)} must be disjoint and together be the group "
+                f"{list(self.ranks)}"
+            )
+        if device is None:
+            nccl = self.collectives.backend == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
+        self.device = torch.device(device)
+        self.is_source = self.rank in self.source_ranks
+        self.index = (self.source_ranks if self.is_source else self.target_ranks).index(self.rank)
+        dtypes = {s.name: s.dtype for s in plan.source.specs}
+        limit = self.config.bucket_bytes
+        checksums = self.config.checksums
+        if self.is_source:
+            self._queues = {
+                t: _buckets(plan.pair(self.index, t), dtypes, limit, checksums)
+                for t in range(plan.target.world)
+            }
+            self._specs = plan.source.local_specs(self.index)
+        else:
+            self._queues = {
+                s: _buckets(plan.pair(s, self.index), dtypes, limit, checksums)
+                for s in range(plan.source.world)
+            }
+            self._specs = plan.target.local_specs(self.index)
+        self._queues = {peer: q for peer, q in self._queues.items() if q}
+        wire = repr((plan.digest, limit, checksums)).encode()
+        self.digest = int.from_bytes(hashlib.sha256(wire).digest()[:8], "little") >> 1
+        """The plan's digest with the wire settings: what the ranks vote on."""
+        self._buffers: list[torch.Tensor] = []
+
+    def __repr__(self) -> str:
+        side = "source" if self.is_source else "target"
+        return (
+            f"<ShardedTransfer {side} {self.index} sources={list(self.source_ranks)} "
+            f"targets={list(self.target_ranks)} moves={len(self.plan.moves)} "
+            f"bucket_bytes={self.config.bucket_bytes}>"
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """The payload bytes this rank sends (a source) or receives (a target) per sync."""
+        return sum(s.move.nbytes for q in self._queues.values() for b in q for s in b.slots)
+
+    # -- the source side -------------------------------------------------------------------
+
+    def send(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        *,
+        version: int,
+        origin: object = None,
+        storage: torch.Tensor | None = None,
+    ) -> TransferStats:
+        """Send this source rank's part of ``version`` from ``weights``, its local tensors.
+
+        ``origin`` and ``storage`` are accepted for the worker's sake and not used (regions of
+        local tensors are always packed).
+
+        Raises:
+            WeightMismatchError: ``weights`` do not match this rank's layout (every rank
+                refuses, nothing moves).
+            TransferPlanMismatch / ManifestRejected: another rank's plan or tensors differ.
+            WeightTransferError: a peer failed or died during the transfer (its timeout
+                subclass if it hung).
+        """
+        start = time.perf_counter()
+        own = self._check(weights, "the source's weights", require_all=True)
+        self._plan_vote(version, own)
+        voted = time.perf_counter()
+        progress = _Progress()
+        failure: WeightTransferError | None = None
+        try:
+            self._send_buckets(weights, version, progress)
+        except WeightTransferError as exc:
+            failure = exc
+        self._commit_vote(version, progress, failure, receiving=False)
+        end = time.perf_counter()
+        return self._stats("send", version, progress, start, voted, end)
+
+    def abort(self, reason: str, *, version: int | None = None) -> None:
+        """On a source, in place of :meth:`send`: vote no at the plan vote, so every other rank
+        raises :class:`~rollout_sync.errors.ManifestRejected` at once (nothing is sent or
+        written) instead of at its limit. A failure to deliver the abort is not raised: the
+        reason to abort is the error to report."""
+        what = "a version" if version is None else f"version {version}"
+        refusal = WeightMismatchError([reason], context=f"source rank {self.rank} aborted {what}")
+        try:
+            self._plan_vote(version if version is not None else -1, refusal)
+        except (WeightMismatchError, WeightTransferError):
+            pass
+
+    def _send_buckets(
+        self, weights: Mapping[str, torch.Tensor], version: int, progress: _Progress
+    ) -> None:
+        in_flight: deque[tuple[dist.Work | None, str]] = deque()
+        for k, (target, bucket) in enumerate(_interleave(self._queues)):
+            if len(in_flight) == 2:
+                work, op = in_flight.popleft()
+                self._wait(work, op, version, 0)
+            buffer = self._buffer(k % 2, bucket.wire_bytes)
+            self._pack(weights, bucket, buffer)
+            if self.hooks.after_pack is not None:
+                self.hooks.after_pack(k, buffer)
+            dst = self.target_ranks[target]
+            op = f"send bucket {bucket.index + 1} of version {version} to rank {dst}"
+            with self._span(op):
+                work = dist.isend(buffer, dst=dst, group=self.group, tag=bucket.index)
+            in_flight.append((work, op))
+            progress.buckets += 1
+            progress.nbytes += sum(s.move.nbytes for s in bucket.slots)
+        while in_flight:
+            work, op = in_flight.popleft()
+            self._wait(work, op, version, 0)
+
+    def _pack(
+        self, weights: Mapping[str, torch.Tensor], bucket: _Bucket, buffer: torch.Tensor
+    ) -> None:
+        for slot in bucket.slots:
+            move = slot.move
+            region = region_of(weights[move.source_local], move.source_box)
+            view = buffer[slot.offset : slot.offset + move.nbytes].view(slot.dtype)
+            view.view(region.shape).copy_(region)
+        if bucket.checksummed:
+            data = buffer[: bucket.data_bytes]
+            buffer[bucket.data_bytes :].view(torch.int64).copy_(bucket_checksum(data))
+
+    def _buffer(self, which: int, nbytes: int) -> torch.Tensor:
+        while len(self._buffers) <= which:
+            self._buffers.append(torch.empty(0, dtype=torch.uint8, device=self.device))
+        if self._buffers[which].numel() < nbytes:
+            self._buffers[which] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._buffers[which][:nbytes]
+
+    # -- the target side -------------------------------------------------------------------
+
+    def receive(
+        self,
+        into: Mapping[str, torch.Tensor],
+        *,
+        allow_subset: bool = False,
+        write_kind: str = SpanKind.WEIGHT_WRITE,
+        storage: torch.Tensor | None = None,
+    ) -> TransferStats:
+        """Receive this target rank's part of the next version into ``into``, its local tensors
+        (written in place, region by region, each bucket only once its checksum matched).
+
+        ``allow_subset``: ``into`` may hold tensors the layout does not (left untouched);
+        otherwise they must be exactly the layout's. ``storage`` is not used.
+
+        Raises:
+            WeightMismatchError: ``into`` does not match this rank's layout (nothing written,
+                every rank refuses).
+            TransferPlanMismatch / ManifestRejected: another rank's plan or tensors differ, or
+                the source aborted; nothing was written.
+            ChecksumMismatchError: a bucket arrived corrupted; the buckets before it were
+                written (``tensors_written``), none after.
+            WeightTransferError: a peer failed or died; ``tensors_written`` says whether this
+                rank's tensors are torn (never ``complete``: one rank's part of a replica is not
+                a version on its own, so a rank that wrote anything is torn).
+        """
+        start = time.perf_counter()
+        own = self._check(into, "served weights", require_all=not allow_subset)
+        version = self._plan_vote(None, own)
+        voted = time.perf_counter()
+        progress = _Progress()
+        failure: WeightTransferError | None = None
+        try:
+            self._receive_buckets(into, version, progress, write_kind)
+        except WeightTransferError as exc:
+            failure = exc
+        self._commit_vote(version, progress, failure, receiving=True)
+        end = time.perf_counter()
+        return self._stats("receive", version, progress, start, voted, end)
+
+    def relay(
+        self,
+        into: Mapping[str, torch.Tensor],
+        forward: object,
+        *,
+        allow_subset: bool = False,
+        write_kind: str = SpanKind.WEIGHT_WRITE,
+        storage: torch.Tensor | None = None,
+    ) -> TransferStats:
+        """Receive as :meth:`receive` does, then send what arrived through ``forward`` (an R2R
+        :class:`~rollout_sync.WeightTransfer` between this rank and the same rank of the other
+        replicas). Not pipelined: the second hop starts when the first is complete.
+
+        Raises:
+            RelayForwardError: the receive completed (``complete``), passing it on failed.
+        """
+        try:
+            stats = self.receive(into, allow_subset=allow_subset, write_kind=write_kind)
+        except (WeightTransferError, WeightMismatchError) as exc:
+            abort = getattr(forward, "abort", None)
+            if abort is not None:  # the downstream replicas fail now, not at their limit
+                version = getattr(exc, "version", None)
+                abort(f"the relay's receive failed: {type(exc).__name__}", version=version)
+            raise
+        send: Callable[..., TransferStats] = getattr(forward, "send")  # noqa: B009
+        try:
+            send(into, version=stats.version, storage=storage)
+        except WeightTransferError as exc:
+            raise RelayForwardError(
+                f"received version {stats.version} whole, but passing it on failed: {exc}",
+                operation=f"relay version {stats.version}",
+                version=stats.version,
+                tensors_written=stats.tensors_written,
+                cause=exc,
+            ) from exc
+        return TransferStats(
+            "relay",
+            stats.version,
+            stats.tensors,
+            stats.buckets,
+            stats.nbytes,
+            stats.manifest_s,
+            stats.transfer_s,
+            stats.total_s,
+            stats.tensors_written,
+            stats.checksums_verified,
+            layout=stats.layout,
+        )
+
+    def _receive_buckets(
+        self,
+        into: Mapping[str, torch.Tensor],
+        version: int,
+        progress: _Progress,
+        write_kind: str,
+    ) -> None:
+        pending: dict[int, deque[_Bucket]] = {s: deque(q) for s, q in self._queues.items()}
+        posted: dict[int, deque[tuple[dist.Work | None, torch.Tensor, _Bucket]]] = {
+            s: deque() for s in self._queues
+        }
+        free: dict[int, list[torch.Tensor]] = {s: [] for s in self._queues}
+
+        def post(source: int) -> None:
+            while pending[source] and len(posted[source]) < 2:
+                bucket = pending[source].popleft()
+                buffer = (
+                    free[source].pop()
+                    if free[source]
+                    else torch.empty(0, dtype=torch.uint8, device=self.device)
+                )
+                if buffer.numel() < bucket.wire_bytes:
+                    buffer = torch.empty(bucket.wire_bytes, dtype=torch.uint8, device=self.device)
+                view = buffer[: bucket.wire_bytes]
+                src = self.source_ranks[source]
+                work = dist.irecv(view, src=src, group=self.group, tag=bucket.index)
+                posted[source].append((work, buffer, bucket))
+
+        for source in self._queues:
+            post(source)
+        for k, (source, expected) in enumerate(_interleave(self._queues)):
+            work, buffer, bucket = posted[source].popleft()
+            assert bucket is expected
+            src = self.source_ranks[source]
+            op = f"receive bucket {bucket.index + 1} of version {version} from rank {src}"
+            with self._span(op):
+                self._wait(work, op, version, len(progress.tensors_written))
+            view = buffer[: bucket.wire_bytes]
+            if self.hooks.after_receive is not None:
+                self.hooks.after_receive(k, view)
+            progress.buckets += 1
+            progress.nbytes += sum(s.move.nbytes for s in bucket.slots)
+            if not progress.failed_buckets and self._verified(bucket, view, progress):
+                self._unpack(into, bucket, view, progress, write_kind, version)
+            elif not progress.failed_buckets:
+                progress.failed_buckets.append((k, bucket.index + 1, src))
+            free[source].append(buffer)
+            post(source)
+
+    def _verified(self, bucket: _Bucket, view: torch.Tensor, progress: _Progress) -> bool:
+        if not bucket.checksummed:
+            return True
+        expected = view[bucket.data_bytes :].view(torch.int64)
+        ok = bool(torch.equal(bucket_checksum(view[: bucket.data_bytes]), expected))
+        progress.checksums_verified += ok
+        return ok
+
+    def _unpack(
+        self,
+        into: Mapping[str, torch.Tensor],
+        bucket: _Bucket,
+        view: torch.Tensor,
+        progress: _Progress,
+        write_kind: str,
+        version: int,
+    ) -> None:
+        with self._write_span(write_kind, f"write bucket {bucket.index + 1} v{version}"):
+            for slot in bucket.slots:
+                move = slot.move
+                target = region_of(into[move.target_local], move.target_box)
+                data = view[slot.offset : slot.offset + move.nbytes].view(slot.dtype)
+                progress.tensors_written.add(move.target_local)
+                target.copy_(data.view(target.shape))
+
+    # -- votes -----------------------------------------------------------------------------
+
+    def _check(
+        self, tensors: Mapping[str, torch.Tensor], what: str, *, require_all: bool
+    ) -> WeightMismatchError | None:
+        specs: list[WeightSpec] = list(self._specs.values())
+        try:
+            if self.is_source:
+                missing = [s for s in specs if s.name not in tensors]
+                problems = [f"{s.name}: missing (this rank's layout holds it)" for s in missing]
+                problems += [
+                    f"{s.name}: shape {list(tensors[s.name].shape)} {tensors[s.name].dtype}, the "
+                    f"layout says {list(s.shape)} {s.dtype}"
+                    for s in specs
+                    if s.name in tensors
+                    and (tuple(tensors[s.name].shape), tensors[s.name].dtype) != (s.shape, s.dtype)
+                ]
+                if problems:
+                    raise WeightMismatchError(problems, context=f"{what} on rank {self.rank}")
+            else:
+                check_weights_match(
+                    specs, tensors, require_all=require_all, context=f"{what} on rank {self.rank}"
+                )
+        except WeightMismatchError as exc:
+            return exc
+        return None
+
+    def _plan_vote(self, version: int | None, own: WeightMismatchError | None) -> int:
+        """All-gather (version, digest, ok); the version the source ranks send, or raise."""
+        op = "sharded transfer plan vote"
+        mine = torch.tensor(
+            [version if version is not None else -1, self.digest, _YES if own is None else _NO],
+            dtype=torch.int64,
+            device=self.device,
+        )
+        rows = [torch.zeros(3, dtype=torch.int64, device=self.device) for _ in self.ranks]
+        with self._span(op):
+            work = self.collectives.all_gather(rows, mine)
+            self._wait(work, op, version, 0)
+        table = torch.stack(rows).tolist()  # one device-to-host copy
+        votes = {rank: row for rank, row in zip(self.ranks, table, strict=True)}
+        lead = votes[self.source_ranks[0]]
+        digests = {rank: int(row[1]) for rank, row in votes.items()}
+        versions = {rank: int(votes[rank][0]) for rank in self.source_ranks}
+        agreed = lead[0] if len(set(versions.values())) == 1 else None
+        differ = [rank for rank, d in digests.items() if d != lead[1]]
+        if differ:
+            raise TransferPlanMismatch(
+                f"the ranks of a sharded transfer computed different plans (layouts, bucket "
+                f"size or checksums differ): rank(s) {differ} differ from source rank "
+                f"{self.source_ranks[0]}; digests {digests}; nothing was sent",
+                operation=op,
+                version=agreed,
+                digests=digests,
+                rejected_by=differ,
+            )
+        if own is not None:
+            raise own
+        refused = [rank for rank, row in votes.items() if row[2] != _YES]
+        if refused:
+            raise ManifestRejected(
+                f"rank(s) {refused} refused version {agreed} (their tensors do not match their "
+                f"layout, or the source aborted); nothing was sent",
+                operation=op,
+                version=agreed,
+                rejected_by=refused,
+            )
+        if agreed is None:
+            raise ManifestRejected(
+                f"the source ranks disagree on the version: {versions}; nothing was sent",
+                operation=op,
+                version=None,
+                rejected_by=list(self.source_ranks),
+            )
+        return int(agreed)
+
+    def _commit_vote(
+        self,
+        version: int,
+        progress: _Progress,
+        failure: WeightTransferError | None,
+        *,
+        receiving: bool,
+    ) -> None:
+        op = f"sharded transfer commit vote of version {version}"
+        written = len(progress.tensors_written)
+        if failure is not None:
+            # A collective failed: the group may be broken; do not wait on it again.
+            raise failure
+        corrupt = progress.failed_buckets
+        mine = torch.tensor([_NO if corrupt else _YES], dtype=torch.int64, device=self.device)
+        rows = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in self.ranks]
+        with self._span(op):
+            work = self.collectives.all_gather(rows, mine)
+            self._wait(work, op, version, written)
+        votes = torch.cat(rows).tolist()
+        failed = [rank for rank, v in zip(self.ranks, votes, strict=True) if v != _YES]
+        if corrupt:
+            raise ChecksumMismatchError(
+                f"bucket {corrupt[0][1]} of version {version} from rank {corrupt[0][2]} arrived "
+                f"corrupted on rank {self.rank} (its checksum differs); nothing was written from "
+                f"it or after it; {written} tensor(s) written before; rank(s) {failed} failed",
+                operation=f"receive version {version}",
+                version=version,
+                tensors_written=written,
+                buckets=[k for k, _, _ in corrupt],
+                failed_ranks=failed,
+            )
+        if failed:
+            # Never ``complete``: a target rank's part is not a version on its own. Its peers of
+            # the same replica failed, so what it wrote is torn with respect to theirs.
+            raise WeightTransferError(
+                f"version {version} failed on rank(s) {failed}"
+                + (
+                    f"; this rank (rank {self.rank}) received its own part whole, but a "
+                    "replica's part alone is not a version: it is torn"
+                    if receiving and written
+                    else ""
+                ),
+                operation=op,
+                version=version,
+                tensors_written=written,
+            )
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    def _wait(self, work: dist.Work | None, op: str, version: int | None, written: int) -> None:
+        try:
+            wait_work(
+                work,
+                operation=op,
+                timeout_s=self.config.timeout_s,
+                group=self.group,
+                ranks=self.ranks,
+            )
+        except CollectiveTimeout as exc:
+            raise WeightTransferTimeout(
+                f"{exc} [{written} target tensor(s) written before it failed]",
+                operation=op,
+                version=version,
+                tensors_written=written,
+            ) from exc
+        except CollectiveError as exc:
+            raise WeightTransferError(
+                f"{exc} [{written} target tensor(s) written before it failed]",
+                operation=op,
+                version=version,
+                tensors_written=written,
+            ) from exc
+
+    def _stats(
+        self, role: str, version: int, progress: _Progress, start: float, voted: float, end: float
+    ) -> TransferStats:
+        return TransferStats(
+            role,
+            version,
+            len(self._specs),
+            progress.buckets,
+            progress.nbytes,
+            voted - start,
+            end - voted,
+            end - start,
+            len(progress.tensors_written),
+            progress.checksums_verified,
+            layout=f"plan:{self.digest:016x}",
+        )
+
+    @contextmanager
+    def _span(self, name: str) -> Iterator[None]:
+        if self.timeline is None:
+            yield
+        else:
+            with self.timeline.span(SpanKind.WEIGHT_COLLECTIVE, name):
+                yield
+
+    @contextmanager
+    def _write_span(self, kind: str, name: str) -> Iterator[None]:
+        if self.timeline is None:
+            yield
+        else:
+            with self.timeline.span(kind, name):
+                yield

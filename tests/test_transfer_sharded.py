@@ -1,0 +1,255 @@
+"""Sharded transfers between real processes (gloo, loopback): two trainer ranks holding FSDP
+shards push to replicas of two tensor-parallel ranks, through the trainer callback and the
+rollout worker, as a job runs them. Every byte leaves the trainer rank that owns it once; a
+bad plan, bad tensors or a bad bucket is refused; a trainer rank killed mid-plan leaves no
+replica rank serving torn weights."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from rollout_sync import RolloutWorker, WeightBroadcastCallback
+from rollout_sync.errors import (
+    ChecksumMismatchError,
+    ManifestRejected,
+    TornWeightsError,
+    TransferPlanMismatch,
+    WeightMismatchError,
+    WeightTransferError,
+)
+from rollout_sync.sharded_groups import build_sharded_sync_groups
+from rollout_sync.testing import (
+    FaultSchedule,
+    IdleFlatRollout,
+    Kill,
+    SyncOutcome,
+    run_group,
+    transfer_fault_hooks,
+)
+from rollout_sync.trainer import TransferWeightPusher
+from rollout_sync.transfer import (
+    Layout,
+    ShardedTransfer,
+    TransferConfig,
+    TransferHooks,
+    TransferPlan,
+)
+from rollout_sync.worker import P2R, R2R
+
+TRAINERS = (0, 1)
+
+
+def _model(version: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(version)
+    shapes = {
+        "embed": (32, 16),
+        "q": (16, 16),
+        "k": (16, 16),
+        "v": (16, 16),
+        "o": (16, 16),
+        "up": (48, 16),
+        "down": (16, 48),
+        "norm": (16,),
+    }
+    return {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+
+
+def _layouts() -> tuple[Layout, Layout]:
+    model = _model(0)
+    # The trainer: FSDP2-style, every tensor cut along dim 0 over its two ranks.
+    trainer = Layout.build(model, 2, shard={n: 0 for n in model})
+    # A replica of two tensor-parallel ranks: q/k/v column-parallel and fused, o and down
+    # row-parallel, up column-parallel, the embedding vocab-parallel, the norm replicated.
+    replica = Layout.build(
+        model,
+        2,
+        shard={"embed": 0, "q": 0, "k": 0, "v": 0, "o": 1, "up": 0, "down": 1},
+        fuse={"qkv": (("q", "k", "v"), 0)},
+    )
+    return trainer, replica
+
+
+def _served(backend: IdleFlatRollout) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in backend.served_weights().items()}
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def _job_child(rank: int) -> dict[str, Any]:
+    """Trainers 0, 1; replicas [2, 3] and [4, 5]."""
+    trainer_layout, replica_layout = _layouts()
+    plan = TransferPlan.between(trainer_layout, replica_layout)
+    groups = build_sharded_sync_groups(TRAINERS, [(2, 3), (4, 5)], timeout_s=20)
+    config = TransferConfig(bucket_bytes=1024, checksums=True, timeout_s=20)
+    out: dict[str, Any] = {}
+    if rank in TRAINERS:
+        transfer = groups.p2r_transfer(plan, config=config)
+        assert transfer is not None
+        version_weights = {"v": 1}
+
+        def weights() -> dict[str, torch.Tensor]:
+            return trainer_layout.shard(_model(version_weights["v"]), rank)
+
+        callback = WeightBroadcastCallback(
+            weights, pusher=TransferWeightPusher(transfer), sync_on_run_begin=False
+        )
+        callback.sync(step=1)  # version 1, through the callback, on both trainer ranks at once
+        out["sent"] = callback.pusher.last_stats.nbytes  # type: ignore[attr-defined]
+        # A plan mismatch: rank 3 builds its transfer with another bucket size.
+        out["mismatch"] = _raised(lambda: transfer.send(weights(), version=2))
+        # Rank 2 serves a tensor of the wrong shape: refused everywhere.
+        out["rejected"] = _raised(lambda: transfer.send(weights(), version=2))
+        # A bucket of trainer rank 1's corrupted after its checksum: the receiver refuses it.
+        if rank == 1:
+            transfer.hooks = TransferHooks(
+                after_pack=lambda k, b: b[:4].fill_(7) if k == 1 else None
+            )
+        version_weights["v"] = 2
+        out["corrupt"] = _raised(lambda: transfer.send(weights(), version=2))
+        transfer.hooks = TransferHooks()
+        version_weights["v"] = 3
+        callback.sync(step=3)  # the group is still usable
+        return out
+    j, k = groups.position(rank)  # type: ignore[misc]
+    backend = IdleFlatRollout(replica_layout.shard(_model(0), k))
+    worker = RolloutWorker(
+        backend,
+        p2r=groups.p2r_transfer(plan, config=config),
+        r2r=groups.r2r_transfer(config=config),
+        weight_sync_timeout=20,
+    )
+    try:
+        if j == 0:
+            assert worker.handle(P2R(step=1, relay=True)).ok
+        else:
+            assert worker.handle(R2R(step=1)).ok
+        out["v1"] = _equal(_served(backend), replica_layout.shard(_model(1), k))
+        if j == 0:
+            p2r = worker.p2r
+            assert isinstance(p2r, ShardedTransfer)
+            other = TransferConfig(bucket_bytes=2048, checksums=True, timeout_s=20)
+            odd = groups.p2r_transfer(plan, config=other if rank == 3 else config)
+            assert odd is not None
+            before = _served(backend)
+            out["mismatch"] = _raised(lambda: odd.receive(backend.served_weights()))
+            bad = dict(backend.served_weights())
+            if rank == 2:
+                bad["norm"] = torch.zeros(3)
+            out["rejected"] = _raised(lambda: p2r.receive(bad))
+            out["untouched"] = _equal(_served(backend), before)
+            result = worker.handle(P2R(step=2))
+            out["corrupt"] = SyncOutcome.of(result, backend)
+            assert worker.handle(P2R(step=3, relay=True)).ok
+        else:
+            assert worker.handle(R2R(step=3)).ok
+        out["v3"] = _equal(_served(backend), replica_layout.shard(_model(3), k))
+        out["version"] = backend.weight_version
+    finally:
+        worker.close(10)
+    return out
+
+
+def _raised(call: Any) -> BaseException | None:
+    try:
+        call()
+    except Exception as exc:  # reported to the parent whole: the package's errors pickle
+        return exc
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_a_sharded_trainer_pushes_to_tensor_parallel_replicas_through_callback_and_worker() -> None:
+    results = run_group(_job_child, 6, timeout_s=120, group_timeout_s=20)
+    trainer_layout, replica_layout = _layouts()
+    plan = TransferPlan.between(trainer_layout, replica_layout)
+    # Every replica rank holds exactly its slice of version 1, then of version 3.
+    for rank in (2, 3, 4, 5):
+        assert results[rank]["v1"] and results[rank]["v3"], rank
+        assert results[rank]["version"] == 2, rank  # the callback's second push
+    # Each trainer rank sent only what the plan gives it: about half the bytes, and together
+    # each byte of the replica once (the replicated norm once per tensor-parallel rank).
+    model_bytes = sum(t.numel() * 4 for t in _model(0).values())
+    sent = [results[r]["sent"] for r in TRAINERS]
+    assert sent == [plan.bytes_sent(0), plan.bytes_sent(1)]
+    assert sum(sent) == model_bytes + 16 * 4  # the norm twice
+    assert max(sent) <= 0.55 * model_bytes
+    # A plan mismatch is refused on every rank of the P2R group before any byte moves.
+    for rank in (0, 1, 2, 3):
+        exc = results[rank]["mismatch"]
+        assert isinstance(exc, TransferPlanMismatch), (rank, exc)
+        assert exc.rejected_by == (3,)
+    # A tensor that does not match the layout: its rank's own error, everyone else refuses.
+    assert isinstance(results[2]["rejected"], WeightMismatchError)
+    assert "norm" in str(results[2]["rejected"])
+    for rank in (0, 1, 3):
+        exc = results[rank]["rejected"]
+        assert isinstance(exc, ManifestRejected) and exc.rejected_by == (2,), (rank, exc)
+    assert results[2]["untouched"] and results[3]["untouched"]
+    # A corrupted bucket: the rank that got it refuses it and stays servable only if it wrote
+    # nothing; nobody commits version 2.
+    outcomes = [results[r]["corrupt"] for r in (2, 3)]
+    assert any(o.failed_with(ChecksumMismatchError) for o in outcomes)
+    assert all(o.error is not None and o.version == 1 for o in outcomes)
+    for rank in (0, 1):
+        assert isinstance(results[rank]["corrupt"], WeightTransferError)
+
+
+def _killed_child(rank: int) -> dict[str, Any]:
+    trainer_layout, replica_layout = _layouts()
+    plan = TransferPlan.between(trainer_layout, replica_layout)
+    groups = build_sharded_sync_groups(TRAINERS, [(2, 3)], timeout_s=8)
+    config = TransferConfig(bucket_bytes=512, timeout_s=8)
+    if rank in TRAINERS:
+        transfer = groups.p2r_transfer(plan, config=config)
+        assert transfer is not None
+        transfer.send(trainer_layout.shard(_model(1), rank), version=1)
+        transfer.hooks = transfer_fault_hooks()  # trainer rank 1 dies after two buckets
+        started = time.monotonic()
+        error = _raised(lambda: transfer.send(trainer_layout.shard(_model(2), rank), version=2))
+        return {"error": error, "elapsed": time.monotonic() - started}
+    k = rank - 2
+    backend = IdleFlatRollout(replica_layout.shard(_model(0), k))
+    worker = RolloutWorker(
+        backend, p2r=groups.p2r_transfer(plan, config=config), weight_sync_timeout=8
+    )
+    try:
+        assert worker.handle(P2R(step=1)).ok
+        started = time.monotonic()
+        outcome = SyncOutcome.of(
+            worker.handle(P2R(step=2)), backend, elapsed_s=time.monotonic() - started
+        )
+        try:
+            backend.check_servable()
+            servable: bool | str = True
+        except TornWeightsError as exc:
+            servable = str(exc)
+        whole_v1 = _equal(_served(backend), replica_layout.shard(_model(1), k))
+        return {"outcome": outcome, "servable": servable, "whole_v1": whole_v1}
+    finally:
+        worker.close(10)
+
+
+@pytest.mark.timeout(90)
+def test_a_trainer_rank_killed_mid_plan_leaves_no_replica_rank_serving_torn_weights() -> None:
+    results = run_group(
+        _killed_child,
+        4,
+        timeout_s=90,
+        group_timeout_s=8,
+        faults=FaultSchedule(Kill(1, "after_pack", 2)),
+    )
+    for rank in (2, 3):
+        outcome = results[rank]["outcome"]
+        assert outcome.failed_with(WeightTransferError), (rank, outcome)
+        assert outcome.elapsed_s < 9.0
+        if outcome.servable:  # untouched: it still serves version 1, whole
+            assert outcome.version == 1 and results[rank]["whole_v1"] is True
+        else:  # torn, and refusing to serve
+            assert "refuses to generate" in results[rank]["servable"]
+    assert isinstance(results[0]["error"], WeightTransferError)
