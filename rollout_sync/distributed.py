@@ -214,7 +214,8 @@ class GroupCollectives:
     group registered with the default group, group ranks ``0 .. size - 1`` for a standalone
     one (whose members need no default group at all, or are in a different one: inside a vLLM
     worker the default group is vLLM's own). ``rank`` is this process's rank in that numbering.
-    Both operations start the collective and return its work handle (``async_op``).
+    Every operation starts the collective (or the point-to-point send or receive) and returns
+    its work handle (``async_op``).
     """
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
@@ -248,6 +249,26 @@ class GroupCollectives:
             gathered: dist.Work = self.group.allgather([outputs], [tensor])
             return gathered
         work: dist.Work | None = dist.all_gather(outputs, tensor, group=self.group, async_op=True)
+        assert work is not None
+        return work
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
+        """Start sending ``tensor`` to ``dst``, matched by the ``recv`` of the same ``tag``."""
+        if self.standalone:
+            assert self.group is not None
+            sent: dist.Work = self.group.send([tensor], dst, tag)
+            return sent
+        work: dist.Work | None = dist.isend(tensor, dst=dst, group=self.group, tag=tag)
+        assert work is not None
+        return work
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int) -> dist.Work:
+        """Start receiving into ``tensor`` what ``src`` sends with ``tag``."""
+        if self.standalone:
+            assert self.group is not None
+            received: dist.Work = self.group.recv([tensor], src, tag)
+            return received
+        work: dist.Work | None = dist.irecv(tensor, src=src, group=self.group, tag=tag)
         assert work is not None
         return work
 

@@ -300,7 +300,7 @@ class ShardedTransfer:
             dst = self.target_ranks[target]
             op = f"send bucket {bucket.index + 1} of version {version} to rank {dst}"
             with self._span(op):
-                work = dist.isend(buffer, dst=dst, group=self.group, tag=bucket.index)
+                work = self.collectives.send(buffer, dst, bucket.index)
             in_flight.append((work, op))
             progress.buckets += 1
             progress.nbytes += sum(s.move.nbytes for s in bucket.slots)
@@ -442,7 +442,7 @@ class ShardedTransfer:
                     buffer = torch.empty(bucket.wire_bytes, dtype=torch.uint8, device=self.device)
                 view = buffer[: bucket.wire_bytes]
                 src = self.source_ranks[source]
-                work = dist.irecv(view, src=src, group=self.group, tag=bucket.index)
+                work = self.collectives.recv(view, src, bucket.index)
                 posted[source].append((work, buffer, bucket))
 
         for source in self._queues:
