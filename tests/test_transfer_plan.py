@@ -44,7 +44,7 @@ def _layouts(draw: st.DrawFn) -> tuple[Layout, Layout]:
     specs = [
         WeightSpec(
             f"t{i}",
-            tuple(draw(st.lists(st.integers(1, 7), min_size=1, max_size=3))),
+            tuple(draw(st.lists(st.integers(1, 7), min_size=0, max_size=3))),
             draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float64])),
         )
         for i in range(n)
@@ -52,11 +52,15 @@ def _layouts(draw: st.DrawFn) -> tuple[Layout, Layout]:
 
     def side() -> Layout:
         ranks = draw(st.integers(1, 4))
-        shard = {}
+        shard, sections = {}, {}
         for s in specs:
+            if not s.shape:  # a scalar is replicated
+                continue
             dim = draw(st.one_of(st.none(), st.integers(0, len(s.shape) - 1)))
             if dim is not None:
                 shard[s.name] = dim
+                if s.shape[dim] % 2 == 0 and draw(st.booleans()):
+                    sections[s.name] = 2
         fuse = {}
         # Fuse two tensors of one dtype that can be concatenated along dim 0 on every rank.
         pairs = [
@@ -65,7 +69,7 @@ def _layouts(draw: st.DrawFn) -> tuple[Layout, Layout]:
             for b in specs
             if a.name < b.name
             and a.dtype == b.dtype
-            and len(a.shape) == len(b.shape)
+            and len(a.shape) == len(b.shape) > 0
             and a.shape[1:] == b.shape[1:]
             and shard.get(a.name, 0) == 0
             and shard.get(b.name, 0) == 0
@@ -73,7 +77,7 @@ def _layouts(draw: st.DrawFn) -> tuple[Layout, Layout]:
         if pairs and draw(st.booleans()):
             a, b = draw(st.sampled_from(pairs))
             fuse["fused"] = ((a.name, b.name), 0)
-        return Layout.build(specs, ranks, shard=shard, fuse=fuse)
+        return Layout.build(specs, ranks, shard=shard, fuse=fuse, sections=sections)
 
     return side(), side()
 
@@ -131,6 +135,21 @@ def test_fused_on_the_target_only() -> None:
         targets[1]["qkv"],
         torch.cat([whole[n][3:] for n in ("q", "k", "v")]),
     )
+
+
+def test_a_trainers_fused_qkv_reaches_each_tensor_parallel_rank_as_its_q_k_and_v_parts() -> None:
+    specs = [WeightSpec("qkv", (12, 4), torch.float32), WeightSpec("scale", (), torch.float32)]
+    trainer = Layout.build(specs, 2, shard={"qkv": 0})  # FSDP: rows 0-5 and 6-11
+    replica = Layout.build(specs, 2, shard={"qkv": 0}, sections={"qkv": 3})
+    whole = _whole(specs)
+    targets, counts = _apply(TransferPlan.between(trainer, replica), whole)
+    rows = torch.cat([whole["qkv"][2:4], whole["qkv"][6:8], whole["qkv"][10:12]])
+    assert torch.equal(targets[1]["qkv"], rows)
+    assert torch.equal(targets[0]["scale"], whole["scale"])
+    with pytest.raises(ValueError, match="cannot cut 12 into 5 equal sections"):
+        Layout.build(specs, 2, shard={"qkv": 0}, sections={"qkv": 5})
+    with pytest.raises(ValueError, match=r"sections \[4, 4\] do not add up to 12"):
+        Layout.build(specs, 2, shard={"qkv": 0}, sections={"qkv": [4, 4]})
 
 
 def test_layouts_of_different_tensors_are_refused() -> None:

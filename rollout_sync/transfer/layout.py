@@ -90,7 +90,8 @@ class LocalTensor:
         offset = 0
         for piece in self.pieces:
             yield piece, offset
-            offset += piece.shape[self.cat_dim]
+            if piece.shape:  # a scalar is a piece of its own
+                offset += piece.shape[self.cat_dim]
 
     def local_box(self, piece: Piece, offset: int, region: Box) -> Box:
         """Where ``region`` (a box of ``piece``'s logical tensor, inside ``piece``) lies in this
@@ -125,6 +126,7 @@ class Layout:
         *,
         shard: Mapping[str, int] | None = None,
         fuse: Mapping[str, tuple[Sequence[str], int]] | None = None,
+        sections: Mapping[str, int | Sequence[int]] | None = None,
     ) -> Layout:
         """The layout of ``specs`` (or of whole tensors, by name) over ``ranks`` ranks.
 
@@ -134,6 +136,12 @@ class Layout:
             fuse: ``{local_name: (names, dim)}``: each rank holds one tensor ``local_name``, its
                 pieces of ``names`` (sharded or not, as ``shard`` says) concatenated along
                 ``dim``, instead of those tensors under their own names.
+            sections: ``{name: n}`` or ``{name: sizes}``, for a tensor in ``shard`` that is
+                several tensors fused along its shard dimension (a model's ``qkv`` weight, in
+                ``n`` equal parts or parts of ``sizes`` rows, as for grouped-query attention):
+                each section is cut over the ranks on its own, and a rank holds its part of
+                every section, concatenated, under the tensor's name: a tensor-parallel
+                engine's fused q/k/v (or gate/up), meeting a trainer's plain ``qkv``.
 
         Raises:
             ValueError: a name that is not a tensor, a dimension out of range, a tensor fused
@@ -170,13 +178,20 @@ class Layout:
                     )
                 fused_into[name] = fused_name
 
-        def piece(name: str, rank: int) -> Piece:
+        cuts = {n: _section_bounds(by_name[n], shard, k) for n, k in (sections or {}).items()}
+
+        def pieces_of(name: str, rank: int) -> tuple[Piece, ...]:
             spec = by_name[name]
-            box = list(whole(spec.shape))
-            if name in shard:
-                dim = shard[name]
-                box[dim] = chunk_bounds(spec.shape[dim], ranks)[rank]
-            return Piece(name, tuple(box))
+            if name not in shard:
+                return (Piece(name, whole(spec.shape)),)
+            dim = shard[name]
+            out = []
+            for start, stop in cuts.get(name, [(0, spec.shape[dim])]):
+                box = list(whole(spec.shape))
+                a, b = chunk_bounds(stop - start, ranks)[rank]
+                box[dim] = (start + a, start + b)
+                out.append(Piece(name, tuple(box)))
+            return tuple(out)
 
         per_rank = []
         for rank in range(ranks):
@@ -184,10 +199,10 @@ class Layout:
             for spec in spec_list:
                 if spec.name in fused_into:
                     continue
-                p = piece(spec.name, rank)
-                local.append(LocalTensor(spec.name, (p,), 0, p.shape, spec.dtype))
+                own = pieces_of(spec.name, rank)
+                local.append(_fused(spec.name, own, shard.get(spec.name, 0), [spec]))
             for local_name, (names, dim) in fuse.items():
-                pieces = tuple(piece(n, rank) for n in names)
+                pieces = tuple(p for n in names for p in pieces_of(n, rank))
                 local.append(_fused(local_name, pieces, dim, [by_name[n] for n in names]))
             per_rank.append(tuple(local))
         return cls(tuple(spec_list), tuple(per_rank)).checked()
@@ -237,7 +252,8 @@ class Layout:
         out = {}
         for tensor in self.ranks[rank]:
             parts = [region_of(weights[p.tensor], p.box) for p in tensor.pieces]
-            out[tensor.name] = torch.cat(parts, dim=tensor.cat_dim).contiguous()
+            joined = parts[0] if len(parts) == 1 else torch.cat(parts, dim=tensor.cat_dim)
+            out[tensor.name] = joined.clone(memory_format=torch.contiguous_format)
         return out
 
     def describe(self) -> tuple[object, ...]:
@@ -253,7 +269,31 @@ class Layout:
         )
 
 
+def _section_bounds(
+    spec: WeightSpec, shard: Mapping[str, int], sections: int | Sequence[int]
+) -> list[tuple[int, int]]:
+    if spec.name not in shard:
+        raise ValueError(f"sections of {spec.name!r} need it in shard (they are cut along its dim)")
+    size = spec.shape[shard[spec.name]]
+    if isinstance(sections, int):
+        if sections < 1 or size % sections:
+            raise ValueError(f"{spec.name}: cannot cut {size} into {sections} equal sections")
+        sizes = [size // sections] * sections
+    else:
+        sizes = list(sections)
+        if sum(sizes) != size or any(n < 0 for n in sizes):
+            raise ValueError(f"{spec.name}: sections {sizes} do not add up to {size}")
+    bounds, start = [], 0
+    for n in sizes:
+        bounds.append((start, start + n))
+        start += n
+    return bounds
+
+
 def _fused(name: str, pieces: tuple[Piece, ...], dim: int, specs: list[WeightSpec]) -> LocalTensor:
+    if len(pieces) == 1:  # one piece: nothing to concatenate (a scalar too)
+        shape = pieces[0].shape
+        return LocalTensor(name, pieces, dim if dim < len(shape) else 0, shape, specs[0].dtype)
     dtypes = {s.dtype for s in specs}
     if len(dtypes) != 1:
         raise ValueError(

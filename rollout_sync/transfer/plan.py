@@ -144,7 +144,9 @@ def _assign(
 ) -> list[tuple[Box, _Holder]]:
     """Cut ``piece`` into cells no source piece boundary crosses and give each cell to the
     holder that has sent least so far (ties to the lower rank)."""
-    overlapping = [(h, box) for h in holders if (box := intersect(h.piece.box, piece.box))]
+    overlapping = [
+        (h, box) for h in holders if (box := intersect(h.piece.box, piece.box)) is not None
+    ]
     cuts = []
     for dim, (start, stop) in enumerate(piece.box):
         points = {start, stop}
