@@ -143,6 +143,7 @@ def test_a_trainers_fused_qkv_reaches_each_tensor_parallel_rank_as_its_q_k_and_v
     replica = Layout.build(specs, 2, shard={"qkv": 0}, sections={"qkv": 3})
     whole = _whole(specs)
     targets, counts = _apply(TransferPlan.between(trainer, replica), whole)
+    assert all(bool((c == 1).all()) for rank in counts for c in rank.values())
     rows = torch.cat([whole["qkv"][2:4], whole["qkv"][6:8], whole["qkv"][10:12]])
     assert torch.equal(targets[1]["qkv"], rows)
     assert torch.equal(targets[0]["scale"], whole["scale"])

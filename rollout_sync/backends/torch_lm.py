@@ -53,7 +53,9 @@ from ..scheduler import (
     SequenceState,
 )
 from ..trace import SpanKind, Timeline
+from ..transfer import Layout
 from ..weights import check_weights_match, specs_of
+from .tensor_parallel import TensorParallel, tiny_lm_layout
 
 __all__ = [
     "KVCachePolicy",
@@ -62,6 +64,7 @@ __all__ = [
     "TorchLMBackend",
     "TorchLMStatistics",
     "TorchLMStreamBackend",
+    "tiny_lm_tp_layout",
     "tiny_lm_weights",
 ]
 
@@ -106,32 +109,43 @@ class TinyLMConfig:
 
 
 class _Block(nn.Module):
-    """Pre-norm self-attention (reading a KV cache) and MLP."""
+    """Pre-norm self-attention (reading a KV cache) and MLP; with ``tp``, this rank's heads
+    and MLP rows (module docstring of :mod:`~rollout_sync.backends.tensor_parallel`)."""
 
-    def __init__(self, config: TinyLMConfig) -> None:
+    def __init__(self, config: TinyLMConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         d, dtype = config.d_model, config.dtype
-        self.n_heads = config.n_heads
+        parts = 1 if tp is None else tp.size
+        self.tp = tp
+        self.n_heads = config.n_heads // parts
+        self.width = d // parts
+        """This rank's share of the attention's width (its heads)."""
         self.ln1 = nn.LayerNorm(d, dtype=dtype)
-        self.qkv = nn.Linear(d, 3 * d, dtype=dtype)
-        self.proj = nn.Linear(d, d, dtype=dtype)
+        self.qkv = nn.Linear(d, 3 * self.width, dtype=dtype)
+        self.proj = nn.Linear(self.width, d, dtype=dtype)
         self.ln2 = nn.LayerNorm(d, dtype=dtype)
-        self.fc1 = nn.Linear(d, config.d_ff, dtype=dtype)
-        self.fc2 = nn.Linear(config.d_ff, d, dtype=dtype)
+        self.fc1 = nn.Linear(d, config.d_ff // parts, dtype=dtype)
+        self.fc2 = nn.Linear(config.d_ff // parts, d, dtype=dtype)
 
     def forward(
         self, x: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        b, p, d = x.shape
-        h = self.n_heads
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (t.view(b, p, h, d // h).transpose(1, 2) for t in (q, k, v))
+        b, p, _ = x.shape
+        h, w = self.n_heads, self.width
+        q, k, v = self.qkv(self.ln1(x)).split(w, dim=-1)
+        q, k, v = (t.view(b, p, h, w // h).transpose(1, 2) for t in (q, k, v))
         attn = F.scaled_dot_product_attention(
             q, torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2), attn_mask=mask
         )
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, p, d))
-        x = x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        x = x + self._row_parallel(self.proj, attn.transpose(1, 2).reshape(b, p, w), "proj")
+        x = x + self._row_parallel(self.fc2, F.gelu(self.fc1(self.ln2(x))), "fc2")
         return x, k, v
+
+    def _row_parallel(self, linear: nn.Linear, x: torch.Tensor, what: str) -> torch.Tensor:
+        if self.tp is None:
+            return linear(x)  # type: ignore[no-any-return]
+        partial = F.linear(x, linear.weight)
+        return self.tp.all_reduce(partial, what) + linear.bias
 
 
 class TinyCausalLM(nn.Module):
@@ -140,25 +154,40 @@ class TinyCausalLM(nn.Module):
     Build it with :meth:`build` (deterministic weights from a seed, the global RNG untouched).
     """
 
-    def __init__(self, config: TinyLMConfig) -> None:
+    def __init__(self, config: TinyLMConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         dtype = config.dtype
         self.config = config
+        self.tp = tp
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model, dtype=dtype)
         self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model, dtype=dtype)
-        self.blocks = nn.ModuleList(_Block(config) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(_Block(config, tp) for _ in range(config.n_layers))
         self.ln_f = nn.LayerNorm(config.d_model, dtype=dtype)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False, dtype=dtype)
 
     @classmethod
-    def build(cls, config: TinyLMConfig, seed: int | None = None) -> TinyCausalLM:
-        """A model with weights drawn from ``seed`` (default ``config.seed``), on its device."""
+    def build(
+        cls, config: TinyLMConfig, seed: int | None = None, *, tp: TensorParallel | None = None
+    ) -> TinyCausalLM:
+        """A model with weights drawn from ``seed`` (default ``config.seed``), on its device.
+
+        With ``tp``, this rank's slice of the same model (:func:`tiny_lm_tp_layout`): the
+        whole weights are drawn, then cut.
+        """
+        seed = config.seed if seed is None else seed
         # The modules' own initialization draws from the global RNG; fork it so that building
         # a model never changes the caller's random stream (init_weights overwrites it all).
         with torch.random.fork_rng(devices=[]):
-            model = cls(config)
+            model = cls(config, tp)
         model = model.to(config.device)
-        model.init_weights(config.seed if seed is None else seed)
+        if tp is None:
+            model.init_weights(seed)
+        else:
+            whole = tiny_lm_weights(config, seed)
+            local = tiny_lm_tp_layout(config, tp.size).shard(whole, tp.rank)
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    param.copy_(local[name])
         return model.eval()
 
     @torch.no_grad()
@@ -230,6 +259,23 @@ def tiny_lm_weights(config: TinyLMConfig, seed: int) -> dict[str, torch.Tensor]:
     return {name: param.detach() for name, param in model.named_parameters()}
 
 
+def tiny_lm_tp_layout(config: TinyLMConfig, tp: int) -> Layout:
+    """How the tiny LM of ``config`` lies on a replica of ``tp`` tensor-parallel ranks (see
+    :func:`~rollout_sync.backends.tensor_parallel.tiny_lm_layout`): the target layout of a
+    :class:`~rollout_sync.transfer.TransferPlan` from a trainer's.
+
+    Raises:
+        ValueError: the heads or the MLP do not split evenly over ``tp`` ranks.
+    """
+    if config.n_heads % tp:
+        raise ValueError(
+            f"tensor parallelism over {tp} ranks needs even splits: {config.n_heads} heads"
+        )
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        specs = specs_of(dict(TinyCausalLM(config).named_parameters()))
+    return tiny_lm_layout(specs, config.n_layers, tp)
+
+
 # -- the backend -------------------------------------------------------------------------------
 
 
@@ -238,8 +284,8 @@ class _KVState:
 
     __slots__ = ("epoch", "generator", "k", "length", "stale", "v")
 
-    def __init__(self, config: TinyLMConfig, epoch: int) -> None:
-        shape = (config.n_layers, config.n_heads, config.max_seq_len, config.head_dim)
+    def __init__(self, config: TinyLMConfig, epoch: int, heads: int) -> None:
+        shape = (config.n_layers, heads, config.max_seq_len, config.head_dim)
         self.k = torch.zeros(shape, dtype=config.dtype, device=config.device)
         self.v = torch.zeros(shape, dtype=config.dtype, device=config.device)
         self.length = 0
@@ -285,6 +331,12 @@ class TorchLMBackend(RolloutBase):
             (:class:`~rollout_sync.flat.FlatWeights`) and declare it in
             :meth:`flat_weight_storage`, so transfers receive into it and send from it without
             staging copies. ``False``: each parameter has its own storage.
+        tp: serve this rank's slice of a tensor-parallel replica
+            (:class:`~rollout_sync.backends.tensor_parallel.TensorParallel`): the served
+            tensors are the slice (:func:`tiny_lm_tp_layout` says which), and every forward
+            all-reduces over the replica's group. Every rank of the replica runs the same
+            :meth:`generate` calls, with the same requests, in lockstep (SPMD, as vLLM's
+            workers do); greedy output equals the unsharded model's (docs/distributed.md).
 
     Attributes:
         layer_hook: ``None`` or a callable run inside every forward, before each block
@@ -301,9 +353,14 @@ class TorchLMBackend(RolloutBase):
         timeline: Timeline | None = None,
         name: str = "generation",
         flat_weights: bool = True,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         self.config = config if config is not None else TinyLMConfig()
+        self.tp = tp
+        self.tp_size = 1 if tp is None else tp.size
+        if tp is not None:
+            tiny_lm_tp_layout(self.config, tp.size)  # refuses a model that does not split evenly
         self.flat_weights = flat_weights
         self.kv_policy = KVCachePolicy(kv_policy)
         self.pause_timeout = pause_timeout
@@ -326,8 +383,9 @@ class TorchLMBackend(RolloutBase):
     # -- lifecycle -----------------------------------------------------------------------------
 
     def initialize(self) -> None:
-        """Build the model with the config's seed (weight version 0)."""
-        model = TinyCausalLM.build(self.config)
+        """Build the model with the config's seed (weight version 0); with ``tp``, this rank's
+        slice of it."""
+        model = TinyCausalLM.build(self.config, tp=self.tp)
         for param in model.parameters():
             param.requires_grad_(False)
         self._served = dict(model.named_parameters())
@@ -554,7 +612,7 @@ class TorchLMBackend(RolloutBase):
     def _cache_for(self, seq: SequenceState, epoch: int) -> _KVState:
         kv = seq.engine_state
         if kv is None:
-            kv = _KVState(self.config, epoch)
+            kv = _KVState(self.config, epoch, self.config.n_heads // self.tp_size)
             seq.engine_state = kv
         if not isinstance(kv, _KVState):
             raise TypeError(
