@@ -306,6 +306,6 @@ def _fused(name: str, pieces: tuple[Piece, ...], dim: int, specs: list[WeightSpe
     others = {tuple(s[:dim] + s[dim + 1 :]) for s in shapes}
     if len(others) != 1:
         raise ValueError(f"fuse {name!r}: pieces of shapes {shapes} differ off dim {dim}")
-    shape = list(shapes[0])
-    shape[dim] = sum(s[dim] for s in shapes)
-    return LocalTensor(name, pieces, dim, tuple(shape), specs[0].dtype)
+    joined = list(shapes[0])
+    joined[dim] = sum(s[dim] for s in shapes)
+    return LocalTensor(name, pieces, dim, tuple(joined), specs[0].dtype)
