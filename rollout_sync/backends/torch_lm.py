@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..backend import KVCachePolicy, RolloutBase
+from ..errors import ShutdownTimeout
 from ..flat import FlatWeights
 from ..gate import Gate
 from ..scheduler import (
@@ -55,6 +56,7 @@ from ..scheduler import (
 from ..trace import SpanKind, Timeline
 from ..transfer import Layout
 from ..weights import check_weights_match, specs_of
+from .lockstep import Lockstep, StepPlan
 from .tensor_parallel import TensorParallel, tiny_lm_layout
 
 __all__ = [
@@ -379,6 +381,10 @@ class TorchLMBackend(RolloutBase):
         self._torn_forwards = 0
         self._tokens_processed = 0
         self._recomputed_tokens = 0
+        self._announce: Callable[[StepPlan], None] | None = None
+        """A tensor-parallel leader's announcement of each step (the stream backend's)."""
+        self._mirrored: dict[int, _KVState] = {}
+        """A tensor-parallel follower's caches, by request id."""
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -528,7 +534,7 @@ class TorchLMBackend(RolloutBase):
             TornWeightsError: the served weights are torn.
         """
         self.check_servable()
-        model = self.model
+        self.ensure_initialized()
         cfg = self.config
         live = [s for s in sequences if not s.finished]
         if not live:
@@ -540,7 +546,6 @@ class TorchLMBackend(RolloutBase):
 
         batch = len(live)
         width = max(len(p) for p in pending)
-        past = max(kv.length for kv in caches)
         device = cfg.device
         tokens = torch.zeros(batch, width, dtype=torch.long)
         positions = torch.zeros(batch, width, dtype=torch.long)
@@ -550,6 +555,41 @@ class TorchLMBackend(RolloutBase):
             tokens[b, : len(new)] = torch.tensor(new, dtype=torch.long)
             positions[b] = (kv.length + offsets).clamp_(max=cfg.max_seq_len - 1)
             new_mask[b, : len(new)] = True
+        if self._announce is not None:  # a tensor-parallel leader: the followers run it too
+            ids = tuple(s.request_id for s in live)
+            lengths = tuple(kv.length for kv in caches)
+            self._announce(StepPlan(ids, lengths, tokens, positions, new_mask))
+        logits, new_k, new_v = self._forward(caches, tokens, positions, new_mask, epoch)
+
+        last = torch.tensor([len(p) - 1 for p in pending], device=device)
+        next_logits = logits[torch.arange(batch, device=device), last]
+        for b, (seq, kv) in enumerate(zip(live, caches, strict=True)):
+            try:
+                token, logprob = self._choose(seq, kv, next_logits[b])
+            except Exception as exc:
+                seq.fail(exc)
+                continue
+            self._append(kv, new_k, new_v, b, len(pending[b]))
+            if kv.stale:
+                seq.stale_cache_tokens += 1
+            seq.append_token(token, logprob, version)
+            if seq.finished:
+                seq.engine_state = None
+
+    def _forward(
+        self,
+        caches: Sequence[_KVState],
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        new_mask: torch.Tensor,
+        epoch: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One batched forward over the new ``tokens`` of sequences with these ``caches``,
+        torn-read counted and recorded; returns ``(logits, new_k, new_v)``."""
+        model = self.model
+        device = self.config.device
+        batch = tokens.shape[0]
+        past = max(kv.length for kv in caches)
         lengths = torch.tensor([kv.length for kv in caches])
         past_mask = torch.arange(past).unsqueeze(0) < lengths.unsqueeze(1)
         past_k = torch.stack([kv.k[:, :, :past] for kv in caches], dim=1)
@@ -576,7 +616,7 @@ class TorchLMBackend(RolloutBase):
             )
         seen.append(self._write_seq)
         torn = any(s % 2 for s in seen) or len(set(seen)) > 1
-        n_tokens = sum(len(p) for p in pending)
+        n_tokens = int(new_mask.sum())
         self._forwards += 1
         self._torn_forwards += torn
         self._tokens_processed += n_tokens
@@ -590,24 +630,35 @@ class TorchLMBackend(RolloutBase):
                 epoch=epoch,
                 torn=torn,
             )
+        return logits, new_k, new_v
 
-        last = torch.tensor([len(p) - 1 for p in pending], device=device)
-        next_logits = logits[torch.arange(batch, device=device), last]
-        for b, (seq, kv) in enumerate(zip(live, caches, strict=True)):
-            try:
-                token, logprob = self._choose(seq, kv, next_logits[b])
-            except Exception as exc:
-                seq.fail(exc)
-                continue
-            n = len(pending[b])
-            kv.k[:, :, kv.length : kv.length + n] = new_k[:, b, :, :n]
-            kv.v[:, :, kv.length : kv.length + n] = new_v[:, b, :, :n]
-            kv.length += n
-            if kv.stale:
-                seq.stale_cache_tokens += 1
-            seq.append_token(token, logprob, version)
-            if seq.finished:
-                seq.engine_state = None
+    @staticmethod
+    def _append(kv: _KVState, new_k: torch.Tensor, new_v: torch.Tensor, b: int, n: int) -> None:
+        kv.k[:, :, kv.length : kv.length + n] = new_k[:, b, :, :n]
+        kv.v[:, :, kv.length : kv.length + n] = new_v[:, b, :, :n]
+        kv.length += n
+
+    def _mirror(self, plan: StepPlan) -> None:
+        """A tensor-parallel follower's step: the leader's announced forward, on this rank's
+        slice and caches (sequences the leader no longer runs are dropped)."""
+        self.check_servable()
+        epoch = self._weights_epoch
+        heads = self.config.n_heads // self.tp_size
+        caches: dict[int, _KVState] = {}
+        for request_id, length in zip(plan.ids, plan.lengths, strict=True):
+            kv = self._mirrored.get(request_id) or _KVState(self.config, epoch, heads)
+            if length > kv.length:
+                raise RuntimeError(
+                    f"lockstep lost: the leader's cache of request {request_id} holds {length} "
+                    f"tokens, this rank's {kv.length}"
+                )
+            kv.length = length
+            caches[request_id] = kv
+        self._mirrored = caches
+        batch = list(caches.values())
+        _, new_k, new_v = self._forward(batch, plan.tokens, plan.positions, plan.new_mask, epoch)
+        for b, kv in enumerate(batch):
+            self._append(kv, new_k, new_v, b, int(plan.new_mask[b].sum()))
 
     def _cache_for(self, seq: SequenceState, epoch: int) -> _KVState:
         kv = seq.engine_state
@@ -738,6 +789,14 @@ class TorchLMStreamBackend(TorchLMBackend):
     special casing: a worker sets ``rollout = TorchLMStreamBackend(...)`` and decorates its
     handlers. Requests go in with :meth:`put`, results come out of :meth:`get_all`.
 
+    **Tensor parallel** (``tp``): the replica's first rank (the leader) runs the scheduler and
+    takes the requests; it announces each step to the other ranks, which run the same forward
+    on their slices from a thread of their own; a pause parks every rank and ends with the
+    ranks agreeing on the version they serve (:mod:`~rollout_sync.backends.lockstep`). Make the
+    replica's group with a long timeout (a follower waits on it for the next step for as long
+    as generation idles); every other wait on it is bounded by ``tp.timeout_s``. Requests and
+    results are the leader's; :meth:`put` on a follower raises ``RuntimeError``.
+
     Args:
         max_concurrent: sequences decoded together.
         drain_on_pause: what ``paused()`` does when the caller (the guard) does not say:
@@ -755,11 +814,29 @@ class TorchLMStreamBackend(TorchLMBackend):
         drain_on_pause: bool = False,
         timeline: Timeline | None = None,
         name: str = "generation",
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__(
-            config, kv_policy=kv_policy, pause_timeout=pause_timeout, timeline=timeline, name=name
+            config,
+            kv_policy=kv_policy,
+            pause_timeout=pause_timeout,
+            timeline=timeline,
+            name=name,
+            tp=tp,
         )
         self.drain_on_pause = drain_on_pause
+        self.lockstep: Lockstep | None = None
+        if tp is not None and tp.size > 1:
+            self.lockstep = Lockstep(
+                tp,
+                gate=self.generation_gate,
+                mirror=self._mirror,
+                state=lambda: (not self.weights_torn, self.weight_version),
+                reconcile=self._reconcile,
+            )
+            if self.lockstep.leader:
+                self._announce = self.lockstep.announce_step
+        self._started = False
         self.scheduler = RolloutTaskScheduler(
             self,
             max_concurrent=max_concurrent,
@@ -769,17 +846,53 @@ class TorchLMStreamBackend(TorchLMBackend):
             name=name,
         )
 
+    @property
+    def follower(self) -> bool:
+        """A tensor-parallel rank other than the replica's first: it mirrors the leader."""
+        return self.lockstep is not None and not self.lockstep.leader
+
     def start(self) -> None:
-        """Build the model if needed and start the scheduler thread."""
+        """Build the model if needed and start the scheduler thread (a tensor-parallel
+        follower: the thread that mirrors the leader's steps)."""
         self.ensure_initialized()
-        self.scheduler.start()
+        if self.lockstep is not None and not self.lockstep.leader:
+            self.lockstep.start_follower()
+        else:
+            self.scheduler.start()
+        self._started = True
 
     def stop(self, timeout: float = 30.0, *, finish_active: bool = False) -> None:
-        """Stop the scheduler (see :meth:`RolloutTaskScheduler.stop`) and shut down."""
+        """Stop the scheduler (see :meth:`RolloutTaskScheduler.stop`) and shut down; a
+        tensor-parallel leader then tells its followers, which wait for that (``timeout``).
+
+        Raises:
+            ShutdownTimeout: a follower's loop did not end within ``timeout``.
+        """
         try:
-            self.scheduler.stop(timeout, finish_active=finish_active)
+            if self.follower:
+                assert self.lockstep is not None
+                if not self.lockstep.join_follower(timeout):
+                    raise ShutdownTimeout(
+                        f"tensor-parallel rank {self.lockstep.tp.rank}: its leader did not stop "
+                        f"generation within {timeout:.1f} s"
+                    )
+            else:
+                self.scheduler.stop(timeout, finish_active=finish_active)
+                if self.lockstep is not None and self._started:
+                    self.lockstep.announce_stop()
         finally:
             self.shutdown()
+
+    def _reconcile(self, states: list[tuple[bool, int]]) -> None:
+        """After a pause: if any rank of the replica is torn, or the ranks hold different
+        versions, this rank's weights are torn too (the replica must not mix them)."""
+        versions = {version for _, version in states}
+        if self.weights_torn or (all(ok for ok, _ in states) and len(versions) == 1):
+            return
+        self.mark_weights_torn(
+            "the ranks of this tensor-parallel replica disagree after a sync: (servable, "
+            f"version) by rank {states}; a forward would mix them"
+        )
 
     def put(
         self,
@@ -789,7 +902,15 @@ class TorchLMStreamBackend(TorchLMBackend):
         sampling: SamplingParams | None = None,
         stop_token_ids: Sequence[int] = (),
     ) -> int:
-        """Queue a request; see :meth:`RolloutTaskScheduler.put`."""
+        """Queue a request; see :meth:`RolloutTaskScheduler.put`.
+
+        Raises:
+            RuntimeError: on a tensor-parallel follower (requests go to the leader).
+        """
+        if self.follower:
+            raise RuntimeError(
+                "requests go to a tensor-parallel replica's leader (its rank 0), not a follower"
+            )
         return self.scheduler.put(
             request, max_new_tokens=max_new_tokens, sampling=sampling, stop_token_ids=stop_token_ids
         )
@@ -808,5 +929,18 @@ class TorchLMStreamBackend(TorchLMBackend):
         :class:`~rollout_sync.scheduler.ParkReport` (time to park, sequences in flight).
         """
         drain = self.drain_on_pause if wait_for_active_tasks is None else wait_for_active_tasks
-        with self.scheduler.paused(timeout, wait_for_active_tasks=drain) as report:
-            yield report
+        lockstep = self.lockstep
+        if lockstep is None or not self._started:
+            with self.scheduler.paused(timeout, wait_for_active_tasks=drain) as report:
+                yield report
+        elif lockstep.leader:
+            with (
+                self.scheduler.paused(timeout, wait_for_active_tasks=drain) as report,
+                lockstep.leader_hold(),
+            ):
+                yield report
+        else:
+            start = time.perf_counter()
+            limit = self.pause_timeout if timeout is None else timeout
+            with lockstep.follower_hold(limit):
+                yield ParkReport(drained=drain, park_s=time.perf_counter() - start, in_flight=0)
