@@ -15,11 +15,12 @@ its own local tensors, a target rank writes regions of its own. One transfer, in
    source ranks that disagree on the version are refused too: nothing moved, the group is
    usable.
 2. **Buckets per peer.** The moves of each (source, target) pair are packed, in plan order,
-   into buckets of at most ``bucket_bytes`` (a larger region gets a bucket of its own), with the
-   bucket's checksum appended when checksums are on. All source ranks send at once: each sends
-   its buckets round-robin over its targets with at most two in flight (two staging buffers: a
-   source rank's extra memory is two buckets); each target keeps two receives posted per source
-   and takes buckets round-robin over its sources. A target verifies a bucket's checksum before
+   into buckets of at most ``bucket_bytes`` on the wire, checksum included when checksums are
+   on (a larger region is cut along its outer dimensions). All source ranks send at once: each
+   sends its buckets round-robin over its targets with at most two in flight, from two staging
+   buffers made once (a source rank's extra memory is two buckets); each target keeps two
+   receives posted per source, into two buffers per source (two buckets per source rank), and
+   takes buckets round-robin over its sources. A target verifies a bucket's checksum before
    it writes any of it; after a mismatch it writes nothing more, keeps receiving (so no sender
    is left hanging) and votes no.
 3. **Commit vote.** Every rank all-gathers whether its side succeeded; only then does
@@ -40,7 +41,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -60,7 +61,7 @@ from ..errors import (
 from ..trace import SpanKind, Timeline
 from ..weights import WeightSpec, check_weights_match
 from .config import TransferConfig, TransferHooks, TransferStats
-from .layout import region_of
+from .layout import Box, region_of
 from .manifest import bucket_checksum
 from .plan import Move, TransferPlan
 
@@ -95,13 +96,52 @@ class _Bucket:
         return self.data_bytes + (_CHECKSUM_BYTES if self.checksummed else 0)
 
 
+def _narrow(move: Move, dim: int, start: int, stop: int, unit: int) -> Move:
+    """``move`` cut to ``[start, stop)`` of its region along ``dim`` (``unit``: bytes per index)."""
+
+    def cut(box: Box) -> Box:
+        out = list(box)
+        out[dim] = (box[dim][0] + start, box[dim][0] + stop)
+        return tuple(out)
+
+    return replace(
+        move,
+        source_box=cut(move.source_box),
+        target_box=cut(move.target_box),
+        nbytes=unit * (stop - start),
+    )
+
+
+def _split(move: Move, limit: int) -> list[Move]:
+    """``move`` cut into regions of at most ``limit`` bytes each (along its outermost
+    dimensions), so that no bucket outgrows the bucket size."""
+    if move.nbytes <= limit:
+        return [move]
+    shape = [stop - start for start, stop in move.source_box]
+    dim = next(d for d, n in enumerate(shape) if n > 1)
+    unit = move.nbytes // shape[dim]
+    if unit > limit:  # one index along ``dim`` is still too large: cut each one further
+        return [
+            part
+            for i in range(shape[dim])
+            for part in _split(_narrow(move, dim, i, i + 1, unit), limit)
+        ]
+    step = limit // unit
+    return [
+        _narrow(move, dim, i, min(i + step, shape[dim]), unit) for i in range(0, shape[dim], step)
+    ]
+
+
 def _buckets(
-    moves: list[Move], dtypes: Mapping[str, torch.dtype], limit: int, checksums: bool
+    moves: list[Move], dtypes: Mapping[str, torch.dtype], bucket_bytes: int, checksums: bool
 ) -> list[_Bucket]:
+    """The moves packed into buckets whose bytes on the wire (payload, alignment, checksum)
+    are at most ``bucket_bytes``; a region larger than that is cut (:func:`_split`)."""
+    limit = max(_ALIGN, (bucket_bytes - (_CHECKSUM_BYTES if checksums else 0)) // _ALIGN * _ALIGN)
     out: list[_Bucket] = []
     slots: list[_Slot] = []
     used = 0
-    for move in moves:
+    for move in (part for m in moves for part in _split(m, limit)):
         size = -(-move.nbytes // _ALIGN) * _ALIGN
         if slots and used + size > limit:
             out.append(_Bucket(len(out), tuple(slots), used, checksums))
@@ -219,10 +259,14 @@ class ShardedTransfer:
             }
             self._specs = plan.target.local_specs(self.index)
         self._queues = {peer: q for peer, q in self._queues.items() if q}
+        self._largest = {peer: max(b.wire_bytes for b in q) for peer, q in self._queues.items()}
+        """The largest bucket to or from each peer: what each staging buffer holds."""
         wire = repr((plan.digest, limit, checksums)).encode()
         self.digest = int.from_bytes(hashlib.sha256(wire).digest()[:8], "little") >> 1
         """The plan's digest with the wire settings: what the ranks vote on."""
         self._buffers: list[torch.Tensor] = []
+        """A source's two staging buffers; a target's two per source (made on first use)."""
+        self._receive_buffers: dict[int, list[torch.Tensor]] = {}
 
     def __repr__(self) -> str:
         side = "source" if self.is_source else "target"
@@ -288,25 +332,27 @@ class ShardedTransfer:
     def _send_buckets(
         self, weights: Mapping[str, torch.Tensor], version: int, progress: _Progress
     ) -> None:
+        # Two staging buffers, each the largest bucket's size, made once: a source rank's
+        # extra memory is two buckets (a send in flight holds its buffer until it completes).
+        if not self._buffers:
+            size = max(self._largest.values(), default=0)
+            self._buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in "ab"]
         in_flight: deque[tuple[dist.Work | None, str]] = deque()
         for k, (target, bucket) in enumerate(_interleave(self._queues)):
             if len(in_flight) == 2:
-                work, op = in_flight.popleft()
-                self._wait(work, op, version, 0)
-            buffer = self._buffer(k % 2, bucket.wire_bytes)
+                self._wait(*in_flight.popleft(), version, 0)
+            buffer = self._buffers[k % 2][: bucket.wire_bytes]
             self._pack(weights, bucket, buffer)
             if self.hooks.after_pack is not None:
                 self.hooks.after_pack(k, buffer)
             dst = self.target_ranks[target]
             op = f"send bucket {bucket.index + 1} of version {version} to rank {dst}"
             with self._span(op):
-                work = self.collectives.send(buffer, dst, bucket.index)
-            in_flight.append((work, op))
+                in_flight.append((self.collectives.send(buffer, dst, bucket.index), op))
             progress.buckets += 1
             progress.nbytes += sum(s.move.nbytes for s in bucket.slots)
         while in_flight:
-            work, op = in_flight.popleft()
-            self._wait(work, op, version, 0)
+            self._wait(*in_flight.popleft(), version, 0)
 
     def _pack(
         self, weights: Mapping[str, torch.Tensor], bucket: _Bucket, buffer: torch.Tensor
@@ -319,13 +365,6 @@ class ShardedTransfer:
         if bucket.checksummed:
             data = buffer[: bucket.data_bytes]
             buffer[bucket.data_bytes :].view(torch.int64).copy_(bucket_checksum(data))
-
-    def _buffer(self, which: int, nbytes: int) -> torch.Tensor:
-        while len(self._buffers) <= which:
-            self._buffers.append(torch.empty(0, dtype=torch.uint8, device=self.device))
-        if self._buffers[which].numel() < nbytes:
-            self._buffers[which] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return self._buffers[which][:nbytes]
 
     # -- the target side -------------------------------------------------------------------
 
@@ -428,21 +467,20 @@ class ShardedTransfer:
         posted: dict[int, deque[tuple[dist.Work | None, torch.Tensor, _Bucket]]] = {
             s: deque() for s in self._queues
         }
-        free: dict[int, list[torch.Tensor]] = {s: [] for s in self._queues}
+        # Two buffers per source, made once: bucket k of a source lands in its buffer k % 2,
+        # free again by then (bucket k - 2 was taken before bucket k is posted).
+        for source, size in self._largest.items():
+            if source not in self._receive_buffers:
+                self._receive_buffers[source] = [
+                    torch.empty(size, dtype=torch.uint8, device=self.device) for _ in "ab"
+                ]
 
         def post(source: int) -> None:
             while pending[source] and len(posted[source]) < 2:
                 bucket = pending[source].popleft()
-                buffer = (
-                    free[source].pop()
-                    if free[source]
-                    else torch.empty(0, dtype=torch.uint8, device=self.device)
-                )
-                if buffer.numel() < bucket.wire_bytes:
-                    buffer = torch.empty(bucket.wire_bytes, dtype=torch.uint8, device=self.device)
-                view = buffer[: bucket.wire_bytes]
+                buffer = self._receive_buffers[source][bucket.index % 2]
                 src = self.source_ranks[source]
-                work = self.collectives.recv(view, src, bucket.index)
+                work = self.collectives.recv(buffer[: bucket.wire_bytes], src, bucket.index)
                 posted[source].append((work, buffer, bucket))
 
         for source in self._queues:
@@ -463,7 +501,6 @@ class ShardedTransfer:
                 self._unpack(into, bucket, view, progress, write_kind, version)
             elif not progress.failed_buckets:
                 progress.failed_buckets.append((k, bucket.index + 1, src))
-            free[source].append(buffer)
             post(source)
 
     def _verified(self, bucket: _Bucket, view: torch.Tensor, progress: _Progress) -> bool:
