@@ -140,6 +140,7 @@ EXAMPLES: dict[str, Example] = {
     "metrics_logger.py": Example(60),
     "flat_weights.py": Example(90, (pytest.mark.multiprocess,)),
     "pipelined_relay.py": Example(90, (pytest.mark.multiprocess,)),
+    "sharded_trainer.py": Example(90, (pytest.mark.multiprocess,)),
     "rollout_worker.py": Example(90, (pytest.mark.multiprocess,)),
     "payload_transport.py": Example(90, (pytest.mark.multiprocess,)),
     "payload_hold.py": Example(90, (pytest.mark.multiprocess,)),

@@ -259,7 +259,7 @@ def test_backends_holds_engines_only() -> None:
     )
     engines = [e for e in entries if not _is_stand_in(PACKAGE / "backends" / f"{e}.py")]
     stand_ins = [e for e in entries if e not in engines]
-    assert engines == ["__init__", "torch_lm", "vllm/"]
+    assert engines == ["__init__", "torch_lm/", "vllm/"]
     assert stand_ins == [f"vllm_{part}" for part in sorted(VLLM_PARTS_MOVED)]
 
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from rollout_sync import RolloutWorker
-from rollout_sync.backends.tensor_parallel import TensorParallel
 from rollout_sync.backends.torch_lm import (
     TinyLMConfig,
     TorchLMBackend,
@@ -20,6 +19,7 @@ from rollout_sync.backends.torch_lm import (
     tiny_lm_tp_layout,
     tiny_lm_weights,
 )
+from rollout_sync.backends.torch_lm.tensor_parallel import TensorParallel
 from rollout_sync.distributed import new_group
 from rollout_sync.errors import TornWeightsError, WeightTransferError
 from rollout_sync.sharded_groups import build_sharded_sync_groups

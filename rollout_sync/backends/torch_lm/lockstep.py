@@ -39,9 +39,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .._deadline import wait_collective
-from ..errors import PauseTimeout
-from ..gate import Gate
+from ..._deadline import wait_collective
+from ...errors import PauseTimeout
+from ...gate import Gate
 from .tensor_parallel import TensorParallel
 
 __all__ = ["Lockstep", "StepKind", "StepPlan"]

@@ -41,11 +41,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..backend import KVCachePolicy, RolloutBase
-from ..errors import ShutdownTimeout
-from ..flat import FlatWeights
-from ..gate import Gate
-from ..scheduler import (
+from ...backend import KVCachePolicy, RolloutBase
+from ...errors import ShutdownTimeout
+from ...flat import FlatWeights
+from ...gate import Gate
+from ...scheduler import (
     GenerationRequest,
     GenerationResult,
     ParkReport,
@@ -53,9 +53,9 @@ from ..scheduler import (
     SamplingParams,
     SequenceState,
 )
-from ..trace import SpanKind, Timeline
-from ..transfer import Layout
-from ..weights import check_weights_match, specs_of
+from ...trace import SpanKind, Timeline
+from ...transfer import Layout
+from ...weights import check_weights_match, specs_of
 from .lockstep import Lockstep, StepPlan
 from .tensor_parallel import TensorParallel, tiny_lm_layout
 
@@ -112,7 +112,7 @@ class TinyLMConfig:
 
 class _Block(nn.Module):
     """Pre-norm self-attention (reading a KV cache) and MLP; with ``tp``, this rank's heads
-    and MLP rows (module docstring of :mod:`~rollout_sync.backends.tensor_parallel`)."""
+    and MLP rows (module docstring of :mod:`~rollout_sync.backends.torch_lm.tensor_parallel`)."""
 
     def __init__(self, config: TinyLMConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
@@ -263,7 +263,7 @@ def tiny_lm_weights(config: TinyLMConfig, seed: int) -> dict[str, torch.Tensor]:
 
 def tiny_lm_tp_layout(config: TinyLMConfig, tp: int) -> Layout:
     """How the tiny LM of ``config`` lies on a replica of ``tp`` tensor-parallel ranks (see
-    :func:`~rollout_sync.backends.tensor_parallel.tiny_lm_layout`): the target layout of a
+    :func:`~rollout_sync.backends.torch_lm.tensor_parallel.tiny_lm_layout`): the target layout of a
     :class:`~rollout_sync.transfer.TransferPlan` from a trainer's.
 
     Raises:
@@ -334,7 +334,7 @@ class TorchLMBackend(RolloutBase):
             :meth:`flat_weight_storage`, so transfers receive into it and send from it without
             staging copies. ``False``: each parameter has its own storage.
         tp: serve this rank's slice of a tensor-parallel replica
-            (:class:`~rollout_sync.backends.tensor_parallel.TensorParallel`): the served
+            (:class:`~rollout_sync.backends.torch_lm.tensor_parallel.TensorParallel`): the served
             tensors are the slice (:func:`tiny_lm_tp_layout` says which), and every forward
             all-reduces over the replica's group. Every rank of the replica runs the same
             :meth:`generate` calls, with the same requests, in lockstep (SPMD, as vLLM's
@@ -792,10 +792,10 @@ class TorchLMStreamBackend(TorchLMBackend):
     **Tensor parallel** (``tp``): the replica's first rank (the leader) runs the scheduler and
     takes the requests; it announces each step to the other ranks, which run the same forward
     on their slices from a thread of their own; a pause parks every rank and ends with the
-    ranks agreeing on the version they serve (:mod:`~rollout_sync.backends.lockstep`). Make the
-    replica's group with a long timeout (a follower waits on it for the next step for as long
-    as generation idles); every other wait on it is bounded by ``tp.timeout_s``. Requests and
-    results are the leader's; :meth:`put` on a follower raises ``RuntimeError``.
+    ranks agreeing on the version they serve (:mod:`~rollout_sync.backends.torch_lm.lockstep`).
+    Make the replica's group with a long timeout (a follower waits on it for the next step for
+    as long as generation idles); every other wait on it is bounded by ``tp.timeout_s``.
+    Requests and results are the leader's; :meth:`put` on a follower raises ``RuntimeError``.
 
     Args:
         max_concurrent: sequences decoded together.

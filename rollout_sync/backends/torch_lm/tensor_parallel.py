@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .._deadline import wait_collective
-from ..distributed import group_ranks
-from ..transfer import Layout
-from ..weights import WeightSpec
+from ..._deadline import wait_collective
+from ...distributed import group_ranks
+from ...transfer import Layout
+from ...weights import WeightSpec
 
 __all__ = ["COLUMN_PARALLEL", "ROW_PARALLEL", "TensorParallel", "tiny_lm_layout"]
 
