@@ -8,10 +8,13 @@ slice. :func:`build_sharded_sync_groups` makes the groups a sync of such a job r
   :class:`~rollout_sync.transfer.ShardedTransfer` moves each region once, from the trainer
   rank that owns it straight to the replica rank that serves it, along a
   :class:`~rollout_sync.transfer.TransferPlan` between the two layouts.
-* **R2R**: for each position ``k`` within a replica, the ``k``-th rank of every replica, one
-  group; the first replica's ``k``-th rank broadcasts its slice (a
-  :class:`~rollout_sync.WeightTransfer`) to the others' ``k``-th ranks. Replicas share one
-  layout, so a slice goes rank ``k`` to rank ``k``, whole.
+* **R2R**: replicas share one layout, so a slice goes rank ``k`` to rank ``k``, whole, as a
+  :class:`~rollout_sync.WeightTransfer`. By default the first replica's ``k``-th rank
+  broadcasts it to the ``k``-th rank of every other replica (one group per position). With
+  ``fanout=f`` the replicas form a tree instead (replica ``j``'s parent is ``(j - 1) // f``,
+  as in a heap): each replica with children passes each bucket on to them as it arrives (the
+  pipelined relay, :meth:`~rollout_sync.WeightTransfer.relay`), so no rank sends more than
+  ``f`` copies' worth and the hops overlap; ``fanout=1`` is a chain.
 
 A :class:`~rollout_sync.RolloutWorker` on every replica rank drives them as it drives the
 one-source groups: ``p2r=groups.p2r_transfer(plan)``, ``r2r=groups.r2r_transfer()``; a
@@ -20,16 +23,19 @@ one-source groups: ``p2r=groups.p2r_transfer(plan)``, ``r2r=groups.r2r_transfer(
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from .distributed import DEFAULT_GROUP_TIMEOUT_S, new_group
-from .transfer import ShardedTransfer, TransferPlan, WeightTransfer
+from .errors import RolloutSyncError
+from .trace import SpanKind
+from .transfer import ShardedTransfer, TransferPlan, TransferStats, WeightTransfer
 
-__all__ = ["ShardedSyncGroups", "build_sharded_sync_groups"]
+__all__ = ["ShardedSyncGroups", "TreeRelay", "build_sharded_sync_groups"]
 
 
 @dataclass(frozen=True)
@@ -46,7 +52,13 @@ class ShardedSyncGroups:
     p2r: dist.ProcessGroup | None
     """The trainer ranks and the first replica's; a placeholder on other ranks."""
     r2r: tuple[dist.ProcessGroup | None, ...]
-    """Per position ``k``: the ``k``-th rank of every replica (``None``s with one replica)."""
+    """Per position ``k``: the ``k``-th rank of every replica (``None``s with one replica, or
+    with a ``fanout``: see :attr:`tree`)."""
+    fanout: int | None = None
+    """Children per replica of the R2R tree; ``None``: one broadcast from the first replica."""
+    tree: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
+    """With a ``fanout``: ``(replica j, position k)`` -> the group of replica ``j``'s rank
+    ``k`` and its children's rank ``k`` (replicas with children only)."""
 
     @property
     def replica_size(self) -> int:
@@ -68,14 +80,94 @@ class ShardedSyncGroups:
             self.p2r, plan, source_ranks=self.trainers, target_ranks=self.replicas[0], **kwargs
         )
 
-    def r2r_transfer(self, **kwargs: Any) -> WeightTransfer | None:
-        """The R2R :class:`~rollout_sync.WeightTransfer` of this rank's position, or ``None``
-        on a trainer rank or with a single replica."""
+    def children(self, replica: int) -> list[int]:
+        """The replicas that ``replica`` passes its slices on to in R2R."""
+        if self.fanout is None:
+            return list(range(1, len(self.replicas))) if replica == 0 else []
+        first = replica * self.fanout + 1
+        return list(range(first, min(first + self.fanout, len(self.replicas))))
+
+    def parent(self, replica: int) -> int | None:
+        """The replica ``replica`` receives R2R from (``None`` for the first)."""
+        if replica == 0:
+            return None
+        return 0 if self.fanout is None else (replica - 1) // self.fanout
+
+    def r2r_transfer(self, **kwargs: Any) -> WeightTransfer | TreeRelay | None:
+        """This rank's R2R, or ``None`` on a trainer rank or with a single replica.
+
+        The first replica's ranks get the transfer they are the source of (their
+        ``P2R(relay=True)`` passes the version on through it); a replica with a parent and
+        children gets a :class:`TreeRelay` (its ``receive`` relays); a leaf, the transfer it
+        receives from its parent.
+        """
         where = self.position(dist.get_rank())
         if where is None or len(self.replicas) == 1:
             return None
-        k = where[1]
-        return WeightTransfer(self.r2r[k], self.replicas[0][k], **kwargs)
+        j, k = where
+        parent = self.parent(j)
+        incoming = None if parent is None else self._r2r_group(parent, k, **kwargs)
+        outgoing = self._r2r_group(j, k, **kwargs) if self.children(j) else None
+        if incoming is None:
+            return outgoing
+        if outgoing is None:
+            return incoming
+        return TreeRelay(incoming, outgoing)
+
+    def _r2r_group(self, replica: int, k: int, **kwargs: Any) -> WeightTransfer:
+        """The transfer from ``replica``'s rank ``k`` to its children's rank ``k``."""
+        group = self.r2r[k] if self.fanout is None else self.tree[(replica, k)]
+        return WeightTransfer(group, self.replicas[replica][k], **kwargs)
+
+
+class TreeRelay:
+    """An inner replica rank's R2R in a relay tree: its ``receive`` takes the version from its
+    parent's rank and passes each bucket on to its children's as it arrives (the pipelined
+    relay), so a :class:`~rollout_sync.RolloutWorker` drives it with a plain ``R2R`` command.
+
+    Not a source: ``send`` and ``relay`` are refused (the tree's root relays its P2R).
+    """
+
+    def __init__(self, incoming: WeightTransfer, outgoing: WeightTransfer) -> None:
+        if not outgoing.is_source:
+            raise ValueError("a tree relay must be the source of its outgoing transfer")
+        self.incoming = incoming
+        self.outgoing = outgoing
+
+    @property
+    def is_source(self) -> bool:
+        return False
+
+    def receive(
+        self,
+        into: Mapping[str, torch.Tensor],
+        *,
+        allow_subset: bool = True,
+        write_kind: str = SpanKind.WEIGHT_WRITE,
+        storage: torch.Tensor | None = None,
+    ) -> TransferStats:
+        """Receive from the parent into ``into`` and pass it on as it arrives; see
+        :meth:`~rollout_sync.WeightTransfer.relay` (its errors, its ``role="relay"``)."""
+        return self.incoming.relay(
+            into,
+            self.outgoing,
+            allow_subset=allow_subset,
+            write_kind=write_kind,
+            storage=storage,
+        )
+
+    def relay(self, *args: Any, **kwargs: Any) -> TransferStats:
+        raise RolloutSyncError("a tree relay relays on receive; use R2R, not P2R(relay=True)")
+
+    def send(self, *args: Any, **kwargs: Any) -> TransferStats:
+        raise RolloutSyncError("a tree relay is not an R2R source; its tree's root is")
+
+    def abort(self, reason: str, *, version: int | None = None) -> None:
+        """Tell this relay's children that no version is coming."""
+        self.outgoing.abort(reason, version=version)
+
+    def __repr__(self) -> str:
+        return f"<TreeRelay from {self.incoming!r} to {self.outgoing!r}>"
 
 
 def build_sharded_sync_groups(
@@ -84,14 +176,18 @@ def build_sharded_sync_groups(
     *,
     timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
     backend: str | None = None,
+    fanout: int | None = None,
 ) -> ShardedSyncGroups:
     """Create the P2R and R2R groups of a sharded job; every rank of the default group must
-    call this, with the same arguments. ``timeout_s`` is every collective's default limit.
+    call this, with the same arguments. ``timeout_s`` is every collective's default limit;
+    ``fanout``: children per replica of the R2R relay tree (``None``: one broadcast).
 
     Raises:
-        ValueError: no trainer or replica rank, replicas of different sizes, or a rank used
-            twice.
+        ValueError: no trainer or replica rank, replicas of different sizes, a rank used
+            twice, or a ``fanout`` below 1.
     """
+    if fanout is not None and fanout < 1:
+        raise ValueError(f"an R2R relay tree needs fanout >= 1, got {fanout}")
     trainer_ranks = tuple(trainers)
     replica_ranks = tuple(tuple(r) for r in replicas)
     if not trainer_ranks or not replica_ranks or not all(replica_ranks):
@@ -108,10 +204,17 @@ def build_sharded_sync_groups(
         )
     p2r = new_group(trainer_ranks + replica_ranks[0], timeout_s=timeout_s, backend=backend)
     r2r: list[dist.ProcessGroup | None] = []
+    tree: dict[tuple[int, int], dist.ProcessGroup] = {}
+    shape = ShardedSyncGroups(trainer_ranks, replica_ranks, p2r, (), fanout)
     for k in range(len(replica_ranks[0])):
-        if len(replica_ranks) == 1:
+        if len(replica_ranks) == 1 or fanout is not None:
             r2r.append(None)
         else:
             ranks = [replica[k] for replica in replica_ranks]
             r2r.append(new_group(ranks, timeout_s=timeout_s, backend=backend))
-    return ShardedSyncGroups(trainer_ranks, replica_ranks, p2r, tuple(r2r))
+        if fanout is not None:
+            for j in range(len(replica_ranks)):
+                if children := shape.children(j):
+                    ranks = [replica_ranks[c][k] for c in [j, *children]]
+                    tree[(j, k)] = new_group(ranks, timeout_s=timeout_s, backend=backend)
+    return ShardedSyncGroups(trainer_ranks, replica_ranks, p2r, tuple(r2r), fanout, tree)

@@ -21,7 +21,7 @@ from rollout_sync.errors import (
     WeightMismatchError,
     WeightTransferError,
 )
-from rollout_sync.sharded_groups import build_sharded_sync_groups
+from rollout_sync.sharded_groups import ShardedSyncGroups, build_sharded_sync_groups
 from rollout_sync.testing import (
     FaultSchedule,
     IdleFlatRollout,
@@ -253,3 +253,55 @@ def test_a_trainer_rank_killed_mid_plan_leaves_no_replica_rank_serving_torn_weig
         else:  # torn, and refusing to serve
             assert "refuses to generate" in results[rank]["servable"]
     assert isinstance(results[0]["error"], WeightTransferError)
+
+
+def _chain_child(rank: int) -> dict[str, Any]:
+    """Trainers 0, 1; replicas [2, 3] -> [4, 5] -> [6, 7]: a relay chain (fanout 1)."""
+    trainer_layout, replica_layout = _layouts()
+    plan = TransferPlan.between(trainer_layout, replica_layout)
+    replicas = [(2, 3), (4, 5), (6, 7)]
+    groups = build_sharded_sync_groups(TRAINERS, replicas, timeout_s=20, fanout=1)
+    config = TransferConfig(bucket_bytes=1024, checksums=True, timeout_s=20)
+    if rank in TRAINERS:
+        transfer = groups.p2r_transfer(plan, config=config)
+        assert transfer is not None
+        transfer.send(trainer_layout.shard(_model(1), rank), version=1)
+        return {}
+    j, k = groups.position(rank)  # type: ignore[misc]
+    backend = IdleFlatRollout(replica_layout.shard(_model(0), k))
+    roles: list[str] = []
+    worker = RolloutWorker(
+        backend,
+        p2r=groups.p2r_transfer(plan, config=config),
+        r2r=groups.r2r_transfer(config=config),
+        weight_sync_timeout=20,
+        on_transfer=lambda stats, tensors: roles.append(stats.role),
+    )
+    try:
+        command = P2R(step=1, relay=True) if j == 0 else R2R(step=1)
+        result = worker.handle(command)
+        assert result.ok, result.error
+    finally:
+        worker.close(10)
+    whole = _equal(_served(backend), replica_layout.shard(_model(1), k))
+    return {"roles": roles, "whole": whole, "version": backend.weight_version}
+
+
+@pytest.mark.timeout(90)
+def test_replicas_relay_rank_to_rank_along_a_chain() -> None:
+    results = run_group(_chain_child, 8, timeout_s=90, group_timeout_s=20)
+    for rank in range(2, 8):
+        assert results[rank]["whole"] and results[rank]["version"] == 1, rank
+    # The first and the middle replica pass their slices on; the last only receives.
+    assert [results[r]["roles"] for r in range(2, 8)] == [["relay"]] * 4 + [["receive"]] * 2
+
+
+def test_a_relay_tree_of_fanout_two_is_a_heap_and_fanout_none_one_broadcast() -> None:
+    replicas = tuple((r,) for r in range(1, 8))
+    tree = ShardedSyncGroups((0,), replicas, None, (), fanout=2)
+    assert [tree.children(j) for j in range(7)] == [[1, 2], [3, 4], [5, 6], [], [], [], []]
+    assert [tree.parent(j) for j in range(7)] == [None, 0, 0, 1, 1, 2, 2]
+    flat = ShardedSyncGroups((0,), replicas, None, ())
+    assert flat.children(0) == [1, 2, 3, 4, 5, 6] and flat.parent(6) == 0
+    with pytest.raises(ValueError, match="fanout >= 1"):
+        build_sharded_sync_groups((0,), replicas, fanout=0)
