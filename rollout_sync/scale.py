@@ -24,10 +24,14 @@ The rules, in order of importance:
 3. **Topologies** (:class:`Topology`). *One source*: P2R (the trainer to the first replica),
    and after it, R2R (the first replica broadcasts to the others): two hops in series. *The
    pipelined relay*: the first replica passes each bucket on as it arrives, so the two hops
-   overlap: one pipeline of [pack, P2R link, hand-off, R2R link, unpack]. *Sharded* (modelled,
-   not implemented; issue 27): every trainer rank sends its own bytes once and each replica
-   GPU receives only its shard, relayed replica to replica: the pipelined relay, per GPU, with
-   the first link's load ``max(bytes / trainer ranks, bytes / replica GPUs)``.
+   overlap: one pipeline of [pack, P2R link, hand-off, R2R link, unpack]. *Sharded, two hops*
+   (:class:`~rollout_sync.transfer.ShardedTransfer`): every trainer rank sends its own regions
+   point to point, each replica GPU receives only its shard (a plan vote, the buckets, a
+   commit vote), the first link's load ``max(bytes / trainer ranks, bytes / replica GPUs)``
+   (the busiest trainer rank's egress or replica GPU's ingress); then, once that is complete,
+   R2R GPU ``k`` to GPU ``k``: each of the first replica's GPUs broadcasts its shard to the
+   same GPU of the others. *Sharded, pipelined* (modelled, not implemented): the same first
+   hop, the second overlapped with it: the pipelined relay, per GPU.
    A broadcast is a bandwidth-optimal (chain) broadcast: the source's link carries the bytes
    once, whatever the group's size, as NCCL's is.
 4. **Staged or in place.** In place, generation parks first and the transfer writes the served
@@ -37,7 +41,9 @@ The rules, in order of importance:
 
 What is not modelled: one-time costs (communicator setup, memory registration, the first
 manifest's encoding, which both sides cache), receiver-side format conversion, ingress
-contention beyond the sharded design's first link, and failures.
+contention beyond the sharded designs' first link (the busiest side's total at one link's rate,
+not the order in which sources burst into a GPU), the elements a replica's GPUs all hold (a
+replicated norm weight: sent once per GPU), and failures.
 
 ``benchmarks/scale.py`` checks the model against real transfers on one machine with an emulated
 NIC (:mod:`rollout_sync.testing.emulated_nic`) and extrapolates it to :data:`FLEET_1T`;
@@ -137,23 +143,33 @@ class Topology(enum.Enum):
     default: ``P2R`` then ``R2R`` commands)."""
     PIPELINED_RELAY = "pipelined_relay"
     """The first replica passes each bucket on as it arrives (``P2R(relay=True)``)."""
-    SHARDED = "sharded"
-    """Every trainer rank sends its own bytes once, each replica GPU receives its shard,
-    replicas relay along a pipelined chain. Modelled, not implemented (issue 27)."""
+    SHARDED_TWO_HOP = "sharded_two_hop"
+    """P2R sharded: every trainer rank sends its own regions, point to point, to the replica
+    GPUs that serve them, each GPU receiving only its shard
+    (:class:`~rollout_sync.transfer.ShardedTransfer`); then R2R GPU ``k`` to GPU ``k`` (a
+    broadcast of the first replica's ``k``-th GPU's shard to the others' ``k``-th), after P2R
+    is complete: two hops in series (``P2R(relay=True)`` / ``R2R`` over
+    :func:`~rollout_sync.sharded_groups.build_sharded_sync_groups`; the sharded relay is not
+    pipelined)."""
+    SHARDED_PIPELINED = "sharded_pipelined"
+    """The first hop of :attr:`SHARDED_TWO_HOP`, with each of the first replica's GPUs passing
+    every bucket on as it arrives (the pipelined relay, per GPU). Modelled, not implemented."""
+    SHARDED = "sharded_pipelined"
+    """The name of :attr:`SHARDED_PIPELINED` from before sharding landed (an alias)."""
 
     @property
     def implemented(self) -> bool:
         """Whether the package runs this topology today (else the model alone speaks)."""
-        return self is not Topology.SHARDED
+        return self is not Topology.SHARDED_PIPELINED
 
 
 @dataclass(frozen=True)
 class Scenario:
     """One sync to estimate: the model, the fleet's shape, its links, and the options.
 
-    Implemented topologies send the whole model through one source's link and each replica
-    GPU receives all of it (a broadcast into the replica's group, as the vLLM engine's workers
-    do); the sharded topology sends each GPU only its shard.
+    The one-source topologies (one source, the pipelined relay) send the whole model through
+    one source's link and each replica GPU receives all of it (a broadcast into the replica's
+    group, as the vLLM engine's workers do); the sharded ones send each GPU only its shard.
     """
 
     model_bytes: int
@@ -175,8 +191,12 @@ class Scenario:
     """A replica stages each bucket through a copy: unpacks what it receives, packs what it
     sends (its targets are not flat storage)."""
     gather: Link | None = None
-    """Implemented topologies with several trainer ranks: how the one source collects each
+    """One-source topologies with several trainer ranks: how the one source collects each
     bucket from the ranks' shards (``None``: the source holds the weights)."""
+    tensors_per_gpu: int | None = None
+    """Sharded topologies: the tensors each replica GPU holds, whose manifest and checks it
+    pays for (``tensors`` with tensor parallelism: a slice of each). ``None``: ``tensors /
+    gpus_per_replica`` (each GPU its own tensors, as expert parallelism places experts)."""
 
     def __post_init__(self) -> None:
         for name in ("model_bytes", "bucket_bytes", "replicas", "tensors"):
@@ -187,6 +207,25 @@ class Scenario:
                 raise ValueError(f"Scenario.{name} must be >= 1, got {getattr(self, name)!r}")
         if self.manifest_bytes < 0:
             raise ValueError(f"Scenario.manifest_bytes must be >= 0, got {self.manifest_bytes}")
+        if self.tensors_per_gpu is not None and self.tensors_per_gpu < 1:
+            raise ValueError(f"Scenario.tensors_per_gpu must be >= 1, got {self.tensors_per_gpu}")
+
+    @property
+    def gpu_tensors(self) -> int:
+        """The tensors one replica GPU holds (:attr:`tensors_per_gpu`, or its default)."""
+        if self.tensors_per_gpu is not None:
+            return self.tensors_per_gpu
+        return math.ceil(self.tensors / self.gpus_per_replica)
+
+    def per_gpu(self) -> Scenario:
+        """This scenario as one replica GPU's shard sees it: ``model_bytes`` its share, its
+        tensors and its part of the manifest (in proportion to its tensors)."""
+        return replace(
+            self,
+            model_bytes=math.ceil(self.model_bytes / self.gpus_per_replica),
+            tensors=self.gpu_tensors,
+            manifest_bytes=math.ceil(self.manifest_bytes * self.gpu_tensors / self.tensors),
+        )
 
     def buckets(self, nbytes: int | None = None) -> list[int]:
         """``nbytes`` (default: the model) cut into buckets of ``bucket_bytes``, the last
@@ -331,18 +370,17 @@ def estimate(
     """
     costs = costs if costs is not None else SyncCosts()
     s = scenario
-    if topology is Topology.SHARDED:
+    if topology in (Topology.SHARDED_TWO_HOP, Topology.SHARDED_PIPELINED):
         per_gpu = math.ceil(s.model_bytes / s.gpus_per_replica)
         first_link_bytes = max(math.ceil(s.model_bytes / s.trainer_ranks), per_gpu)
-        slow = per_gpu / first_link_bytes
-        first = Link(s.nic.rate_bytes_per_s * slow, s.nic.latency_s)
-        # Each GPU's manifest names its own shard's tensors.
-        shard = replace(
-            s,
-            tensors=math.ceil(s.tensors / s.gpus_per_replica),
-            manifest_bytes=math.ceil(s.manifest_bytes / s.gpus_per_replica),
-        )
-        phases = _relayed(shard, costs, per_gpu, first, gather=None)
+        # Each GPU's manifest and checks name its own shard's tensors.
+        shard = s.per_gpu()
+        if topology is Topology.SHARDED_TWO_HOP:
+            phases = _sharded_two_hop(shard, costs, first_link_bytes)
+        else:
+            slow = per_gpu / first_link_bytes
+            first = Link(s.nic.rate_bytes_per_s * slow, s.nic.latency_s)
+            phases = _relayed(shard, costs, per_gpu, first, gather=None)
         busiest = first_link_bytes
     else:
         if topology is Topology.PIPELINED_RELAY:
@@ -485,6 +523,35 @@ def _relayed(
     )
 
 
+def _sharded_two_hop(shard: Scenario, costs: SyncCosts, first_link_bytes: int) -> tuple[Phase, ...]:
+    """The implemented sharded sync, from one GPU's ``shard`` (:meth:`Scenario.per_gpu`).
+
+    P2R (:class:`~rollout_sync.transfer.ShardedTransfer`): every rank checks its own tensors
+    against its layout, then the plan vote (an all-gather), the buckets, the commit vote. A
+    trainer rank packs regions of its tensors and a replica GPU unpacks into its own, whatever
+    their storage, so both copies are always paid; the busiest first link carries
+    ``first_link_bytes`` at the NIC's rate. Then, after it, R2R: each first-replica GPU's
+    shard broadcast to the same GPU of the others, a hop as one source's."""
+    p2r_side = replace(shard, model_bytes=first_link_bytes, trainer_packs=True, replica_copies=True)
+    stages = [
+        *_source_stages(p2r_side, costs, "P2R link", packs=True, gather=None),
+        Stage.link("P2R link", shard.nic),
+        *_receiver_stages(p2r_side, costs),
+    ]
+    run = pipeline(stages, p2r_side.buckets())
+    wire = run.busy_at("P2R link")
+    control = costs.manifest_s_per_tensor * shard.tensors + 2 * _control(shard.nic, costs)
+    p2r = (
+        Phase("control", control),
+        Phase("wire: P2R link", wire),
+        Phase("pipeline", run.finish_s - wire),
+    )
+    if shard.replicas == 1:
+        return _merge(p2r)
+    r2r = _hop(shard, costs, "R2R link", packs=shard.replica_copies, gather=None)
+    return _merge((*p2r, *r2r))
+
+
 def _merge(phases: Sequence[Phase]) -> tuple[Phase, ...]:
     """Phases of one name summed, in first-seen order."""
     totals: dict[str, float] = {}
@@ -526,9 +593,10 @@ class Fleet:
         return self.model_bytes / (self.gpus_per_replica * self.nic.rate_bytes_per_s)
 
     def scenario(self, *, staged: bool) -> Scenario:
-        """The fleet as a :class:`Scenario`. For the implemented (one-source) topologies the
-        trainer's one sending rank gathers each bucket from all trainer GPUs: the node's
-        others over NVLink, the rest through its NIC, overlapped by bucket."""
+        """The fleet as a :class:`Scenario`. For the one-source topologies (one source, the
+        pipelined relay) the trainer's one sending rank gathers each bucket from all trainer
+        GPUs: the node's others over NVLink, the rest through its NIC, overlapped by bucket;
+        the sharded ones need no gather."""
         remote = (self.trainer_gpus - self.gpus_per_node) / self.trainer_gpus
         gather_rate = min(
             self.nic.rate_bytes_per_s / remote,

@@ -2,18 +2,21 @@
 
 ``rollout_sync.scale`` composes a sync's time from its parts; the cases here are small enough to
 work out on paper: one link and one bucket, a pipeline of two hops against the same two hops in
-series, two alternating buffers that hold a pipeline back. The emulated NIC
-(``rollout_sync.testing.emulated_nic``) paces a real transfer at its set rate, and a small real
-relay lands near what the model predicts (loosely: ``benchmarks/scale.py`` is where the figure
-lives). The real transfers run on threads of this process, each in its own standalone gloo group,
-so no process is spawned.
+series, two alternating buffers that hold a pipeline back, the sharded two-hop design against its
+pipelined variant. The emulated NIC (``rollout_sync.testing.emulated_nic``) paces a real transfer
+at its set rate, and a small real relay and a small real sharded sync land near what the model
+predicts (loosely: ``benchmarks/scale.py`` is where the figure lives). The real transfers run on
+threads of this process, each in its own standalone gloo group, so no process is spawned.
 """
 
 from __future__ import annotations
 
+import ast
+import re
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,8 +36,9 @@ from rollout_sync.scale import (
     pipeline,
 )
 from rollout_sync.testing import EmulatedNic, PacedWeightTransfer
+from rollout_sync.testing.emulated_nic import STAMP_TAG, PacedCollectives, PacedShardedTransfer
 from rollout_sync.trace import SpanKind, Timeline
-from rollout_sync.transfer import TransferConfig
+from rollout_sync.transfer import Layout, TransferConfig, TransferPlan
 
 LATENCY = 0.01
 
@@ -104,6 +108,83 @@ def test_a_pipeline_of_two_hops_against_the_same_hops_in_series() -> None:
     assert relay.busiest_link_bytes == one_source.busiest_link_bytes == 1_000_000
 
 
+def _sharded(**changes: Any) -> Scenario:
+    # 2 MB over 2 trainer ranks into replicas of 2 GPUs: 1 MB per trainer rank and per GPU, in
+    # buckets of 0.5 s on a 1 MB/s link.
+    base: dict[str, Any] = {
+        "model_bytes": 2_000_000,
+        "bucket_bytes": 500_000,
+        "replicas": 2,
+        "trainer_ranks": 2,
+        "gpus_per_replica": 2,
+    }
+    return _scenario(**{**base, **changes})
+
+
+def test_the_sharded_two_hop_design_is_p2r_by_shards_then_r2r_per_gpu_in_series() -> None:
+    two_hop = estimate(Topology.SHARDED_TWO_HOP, _sharded())
+    # P2R: the plan vote, two buckets of 0.5 s through the busiest first link (1 MB of each
+    # trainer rank's and into each GPU) and its latency, the commit vote.
+    p2r = LATENCY + 1.0 + LATENCY + LATENCY
+    # R2R, after it: each GPU's 1 MB broadcast to the same GPU of the other replica, a hop as
+    # one source's (header, manifest, vote; the buckets and the latency; the commit vote).
+    r2r = 3 * LATENCY + 1.0 + LATENCY + LATENCY
+    assert two_hop.refit_s == pytest.approx(p2r + r2r)  # 2.08 s
+    assert dict((p.name, p.seconds) for p in two_hop.phases) == pytest.approx(
+        {
+            "park": 0.0,
+            "control": 6 * LATENCY,
+            "wire: P2R link": 1.0,
+            "pipeline": 2 * LATENCY,
+            "wire: R2R link": 1.0,
+        }
+    )
+    assert two_hop.busiest_link_bytes == 1_000_000
+    assert two_hop.implemented and "not implemented" not in str(two_hop)
+    # The pipelined variant overlaps the hops: 7c + (n + 1) b/R + 2a = 0.07 + 1.5 + 0.02.
+    pipelined = estimate(Topology.SHARDED_PIPELINED, _sharded())
+    assert pipelined.refit_s == pytest.approx(1.59)
+    assert not pipelined.implemented and "not implemented" in str(pipelined)
+    assert Topology.SHARDED is Topology.SHARDED_PIPELINED  # its name from before
+    # With one replica, P2R alone.
+    assert estimate(Topology.SHARDED_TWO_HOP, _sharded(replicas=1)).refit_s == pytest.approx(p2r)
+
+
+def test_the_sharded_first_link_is_the_busier_of_trainer_egress_and_gpu_ingress() -> None:
+    # One trainer rank sends all 2 MB: its link, not the GPUs', bounds P2R (2 s); R2R is still
+    # each GPU's 1 MB.
+    one_trainer = estimate(Topology.SHARDED_TWO_HOP, _sharded(trainer_ranks=1))
+    assert one_trainer.refit_s == pytest.approx(3 * LATENCY + 2.0 + 5 * LATENCY + 1.0)
+    assert one_trainer.busiest_link_bytes == 2_000_000
+    # Four trainer ranks into GPUs of 1 MB each: the GPUs' ingress bounds it, as with two.
+    four = estimate(Topology.SHARDED_TWO_HOP, _sharded(trainer_ranks=4))
+    assert four.refit_s == pytest.approx(estimate(Topology.SHARDED_TWO_HOP, _sharded()).refit_s)
+
+
+def test_the_sharded_p2r_always_packs_and_unpacks_and_checks_each_gpus_tensors() -> None:
+    costs = SyncCosts(copy_bytes_per_s=1e7, manifest_s_per_tensor=0.001)
+    # Regions of shards are always copied, flat storage or not: the first bucket's pack (0.05 s
+    # at 10 MB/s) before the link, the last one's unpack after it. R2R from flat storage: none.
+    plain = _sharded(tensors=10, trainer_packs=False, replica_copies=False)
+    e = estimate(Topology.SHARDED_TWO_HOP, plain, costs)
+    p2r = 0.05 + 1.0 + LATENCY + 0.05
+    r2r = 1.0 + LATENCY
+    # Each GPU holds 5 of the 10 tensors: P2R checks them before its vote, R2R validates them.
+    control = 6 * LATENCY + 2 * 5 * 0.001
+    assert e.refit_s == pytest.approx(control + p2r + r2r)
+    # Tensor parallel, each GPU holds a slice of all 10: twice the checks.
+    tp = estimate(Topology.SHARDED_TWO_HOP, _sharded(tensors=10, tensors_per_gpu=10), costs)
+    assert tp.refit_s - e.refit_s == pytest.approx(2 * 5 * 0.001)
+    # Staged: the park and the install of the GPU's 1 MB (0.1 s at 10 MB/s) after it.
+    staged = estimate(
+        Topology.SHARDED_TWO_HOP,
+        _sharded(staged=True),
+        SyncCosts(install_bytes_per_s=1e7, park_s=0.02),
+    )
+    assert staged.stall_s == pytest.approx(0.02 + 0.1)
+    assert staged.refit_s == pytest.approx(2.08 + 0.02 + 0.1)
+
+
 def test_two_alternating_buffers_hold_a_slow_pack_back() -> None:
     # Pack 0.3 s per bucket into two buffers, each freed when the link (0.2 s, 0.5 s latency)
     # delivered its bucket: bucket 2 waits for bucket 0 to arrive at 1.0 s.
@@ -122,11 +203,21 @@ def test_the_fleet_is_bound_by_one_nic_until_it_is_sharded() -> None:
     relay = estimates[(Topology.PIPELINED_RELAY, True)]
     assert relay.implemented and relay.refit_s > one_nic
     assert estimates[(Topology.ONE_SOURCE, False)].refit_s > 2 * one_nic
-    sharded = estimates[(Topology.SHARDED, False)]
-    assert not sharded.implemented and "not implemented" in str(sharded)
-    assert FLEET_1T.speed_of_light_s == pytest.approx(1.25)
-    assert FLEET_1T.speed_of_light_s < sharded.refit_s < 1.6 * FLEET_1T.speed_of_light_s
-    assert sharded.busiest_link_bytes == FLEET_1T.model_bytes // FLEET_1T.gpus_per_replica
+    light = FLEET_1T.speed_of_light_s
+    assert light == pytest.approx(1.25)
+    # Sharded, two hops (implemented): each hop one GPU's 62.5 GB through its NIC, in series.
+    two_hop = estimates[(Topology.SHARDED_TWO_HOP, False)]
+    assert two_hop.implemented
+    assert two_hop.phase_s("wire: P2R link") == pytest.approx(light)
+    assert two_hop.phase_s("wire: R2R link") == pytest.approx(light)
+    assert 2 * light < two_hop.refit_s < 5.0  # the first bar
+    assert two_hop.busiest_link_bytes == FLEET_1T.model_bytes // FLEET_1T.gpus_per_replica
+    staged = estimates[(Topology.SHARDED_TWO_HOP, True)]
+    assert staged.refit_s < 5.0 and staged.stall_s == pytest.approx(relay.stall_s)
+    # Pipelining the sharded relay (modelled) would bring it near the speed of light.
+    pipelined = estimates[(Topology.SHARDED_PIPELINED, False)]
+    assert not pipelined.implemented and "not implemented" in str(pipelined)
+    assert light < pipelined.refit_s < 1.6 * light
     # Staged, the stall is the park and the install; in place, the whole transfer.
     assert relay.stall_s == pytest.approx(relay.phase_s("park") + relay.phase_s("install"))
     assert estimates[(Topology.PIPELINED_RELAY, False)].stall_s > one_nic
@@ -139,6 +230,8 @@ def test_inputs_are_checked_when_built() -> None:
         _scenario(replicas=0)
     with pytest.raises(ValueError, match="copy_bytes_per_s"):
         SyncCosts(copy_bytes_per_s=0.0)
+    with pytest.raises(ValueError, match="tensors_per_gpu"):
+        _scenario(tensors_per_gpu=0)
     assert Phase("wire", 1.0).seconds == 1.0
 
 
@@ -250,3 +343,123 @@ def test_a_small_relay_lands_near_the_models_prediction() -> None:
     )
     predicted = estimate(Topology.PIPELINED_RELAY, scenario).refit_s  # links alone
     assert abs(predicted - measured) / measured < 0.25, (predicted, measured)
+
+
+def _layouts(weights: dict[str, torch.Tensor]) -> tuple[Layout, Layout]:
+    """Two trainer ranks holding half the rows of every tensor; replicas of two ranks holding
+    alternately half the rows and half the columns: every trainer rank sends to both."""
+    trainer = Layout.build(weights, 2, shard={name: 0 for name in weights})
+    replica = Layout.build(weights, 2, shard={name: i % 2 for i, name in enumerate(weights)})
+    return trainer, replica
+
+
+@pytest.mark.timeout(60)
+def test_a_small_sharded_sync_lands_near_the_models_prediction() -> None:
+    # 2 trainer ranks -> 2 replicas of 2 ranks: P2R by shards (PacedShardedTransfer), then each
+    # first-replica rank relays its shard to the same rank of the second (PacedWeightTransfer).
+    rate, latency, bucket = 5e6, 1e-3, 256 << 10
+    p2r_port, r2r_ports = find_free_port(), [find_free_port(), find_free_port()]
+    config = TransferConfig(bucket_bytes=bucket, timeout_s=20)
+
+    def model(version: int) -> dict[str, torch.Tensor]:
+        return {f"w{i}": torch.full((32, 1024), float(10 * version + i)) for i in range(16)}
+
+    trainer_layout, replica_layout = _layouts(model(0))
+    plan = TransferPlan.between(trainer_layout, replica_layout)
+    start = threading.Barrier(6)
+    ends: list[float] = []
+    starts: list[float] = []
+    served: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+    nics: dict[int, EmulatedNic] = {}
+
+    def timed(sync: Callable[[int], object]) -> None:
+        for version in (1, 2):  # the second, with the manifest caches warm
+            if start.wait(timeout=20) == 0:
+                starts.append(time.monotonic())
+            sync(version)
+            if version == 2:
+                ends.append(time.monotonic())
+
+    def transfer(rank: int, nic: EmulatedNic) -> PacedShardedTransfer:
+        group = standalone_group("127.0.0.1", p2r_port, rank, 4, timeout_s=20)
+        return PacedShardedTransfer(
+            group, plan, source_ranks=(0, 1), target_ranks=(2, 3), nic=nic, config=config
+        )
+
+    def trainer(rank: int) -> None:
+        nics[rank] = nic = EmulatedNic(Link(rate, latency))
+        p2r = transfer(rank, nic)
+        timed(lambda v: p2r.send(trainer_layout.shard(model(v), rank), version=v))
+
+    def replica(j: int, k: int) -> None:
+        nic = EmulatedNic(Link(rate, latency))
+        r2r_group = standalone_group("127.0.0.1", r2r_ports[k], j, 2, timeout_s=20)
+        r2r = PacedWeightTransfer(r2r_group, 0, nic=nic, config=config)
+        flat = FlatWeights.zeros_like(replica_layout.shard(model(0), k))
+        served[(j, k)] = flat.tensors
+        if j == 0:
+            p2r = transfer(2 + k, nic)
+            timed(lambda v: p2r.relay(flat.tensors, r2r, storage=flat.storage))
+        else:
+            timed(lambda v: r2r.receive(flat.tensors, storage=flat.storage))
+
+    _on_threads(
+        [
+            lambda: trainer(0),
+            lambda: trainer(1),
+            *(lambda j=j, k=k: replica(j, k) for j in (0, 1) for k in (0, 1)),
+        ]
+    )
+    for (_, k), tensors in served.items():  # every rank serves its slice of version 2
+        want = replica_layout.shard(model(2), k)
+        assert all(torch.equal(tensors[name], want[name]) for name in want)
+    for rank in (0, 1):  # each trainer rank's link carried its own regions, twice
+        stats = nics[rank].statistics()
+        assert stats.bytes_sent == 2 * plan.bytes_sent(rank) and stats.broadcasts == 0
+        assert stats.sends > 0
+    measured = max(ends) - starts[1]
+    model_bytes = sum(t.numel() * 4 for t in model(0).values())
+    scenario = Scenario(
+        model_bytes=model_bytes,
+        bucket_bytes=bucket,
+        replicas=2,
+        nic=Link(rate, latency),
+        tensors=16,
+        trainer_ranks=2,
+        gpus_per_replica=2,
+        tensors_per_gpu=16,
+    )
+    predicted = estimate(Topology.SHARDED_TWO_HOP, scenario).refit_s  # links alone
+    assert model_bytes / rate <= measured  # two hops of half the model each: paced
+    assert abs(predicted - measured) / measured < 0.25, (predicted, measured)
+
+
+def test_a_paced_send_refuses_a_tag_its_arrival_stamp_would_collide_with() -> None:
+    group = standalone_group("127.0.0.1", find_free_port(), 0, 1, timeout_s=10)
+    ops = PacedCollectives(group, EmulatedNic(Link(1e6)))
+    with pytest.raises(ValueError, match="tag"):
+        ops.send(torch.zeros(1), 0, STAMP_TAG)
+    with pytest.raises(ValueError, match="tag"):
+        ops.recv(torch.zeros(1), 0, -1)
+    assert ops.nic.statistics().sends == 0
+
+
+# -- the benchmark's JSON, documented -----------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_key_the_benchmark_prints_is_listed_in_the_docs() -> None:
+    # The keys of the summary dict benchmarks/scale.py prints as its last line.
+    tree = ast.parse((ROOT / "benchmarks" / "scale.py").read_text())
+    (summary,) = [
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "summary" for t in node.targets)
+        and isinstance(node.value, ast.Dict)
+    ]
+    keys = {k.value for k in summary.keys if isinstance(k, ast.Constant)}
+    assert len(keys) == len(summary.keys) and "max_prediction_error" in keys
+    documented = set(re.findall(r"`([a-z0-9_]+)`", (ROOT / "docs" / "scale.md").read_text()))
+    assert sorted(keys - documented) == []

@@ -22,7 +22,8 @@ race lives here as a subclass.
   ended).
 * Links (:mod:`.emulated_nic`): :class:`EmulatedNic`, :class:`PacedCollectives`,
   :class:`PacedWeightTransfer` (a transfer whose collectives are paced at a set rate and latency,
-  so that benchmarks on one machine compete for modelled links), :class:`NicStatistics`.
+  so that benchmarks on one machine compete for modelled links), :class:`PacedShardedTransfer`
+  (the same for a sharded transfer's point-to-point buckets), :class:`NicStatistics`.
 * Models (:mod:`.tiny_llama`): :func:`build_tiny_llama`, :func:`random_llama_weights`,
   :class:`greedy_reference`, :func:`find_sync_split` (``transformers`` imported lazily).
 """
@@ -32,6 +33,7 @@ from ..errors import GroupProcessError as GroupProcessError
 from .emulated_nic import EmulatedNic as EmulatedNic
 from .emulated_nic import NicStatistics as NicStatistics
 from .emulated_nic import PacedCollectives as PacedCollectives
+from .emulated_nic import PacedShardedTransfer as PacedShardedTransfer
 from .emulated_nic import PacedWeightTransfer as PacedWeightTransfer
 from .fakes import AsyncTornReadBackend as AsyncTornReadBackend
 from .fakes import EventLog as EventLog
@@ -98,6 +100,7 @@ __all__ = [
     "Kill",
     "NicStatistics",
     "PacedCollectives",
+    "PacedShardedTransfer",
     "PacedWeightTransfer",
     "Parking",
     "PauseSharing",
