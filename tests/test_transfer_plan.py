@@ -3,6 +3,8 @@ from a source rank that holds it, and the regions land where the target layout s
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -10,6 +12,7 @@ from hypothesis import strategies as st
 
 from rollout_sync.transfer import Layout, TransferPlan
 from rollout_sync.transfer.layout import chunk_bounds, region_of
+from rollout_sync.transfer.sharded import _buckets, _check_coverage
 from rollout_sync.weights import WeightSpec
 
 
@@ -182,3 +185,19 @@ def test_chunk_bounds_match_torch_chunk() -> None:
             lengths = [b - a for a, b in chunk_bounds(size, parts)]
             assert lengths[: len(chunks)] == [len(c) for c in chunks]
             assert sum(lengths) == size
+
+
+def test_a_target_refuses_a_plan_that_does_not_cover_its_tensors_exactly_once() -> None:
+    specs = [WeightSpec("w", (8, 4), torch.float32)]
+    plan = TransferPlan.between(Layout.build(specs, 2, shard={"w": 0}), Layout.build(specs, 1))
+    dtypes = {"w": torch.float32}
+    whole = {s: _buckets(plan.pair(s, 0), dtypes, 64, True) for s in (0, 1)}
+    _check_coverage(whole, plan.target.local_specs(0), 0)
+    twice = [*plan.pair(0, 0), *plan.pair(0, 0)]
+    for queues in (
+        {0: whole[0]},  # rank 1's half missing
+        {0: _buckets(twice, dtypes, 64, True), 1: whole[1]},  # rank 0's half twice
+        {0: [dataclasses.replace(whole[0][0], slots=())], 1: whole[1]},
+    ):
+        with pytest.raises(ValueError, match="exactly once"):
+            _check_coverage(queues, plan.target.local_specs(0), 0)

@@ -153,6 +153,24 @@ def _buckets(
     return out
 
 
+def _check_coverage(
+    queues: Mapping[int, Sequence[_Bucket]], specs: Mapping[str, WeightSpec], target: int
+) -> None:
+    """Refuse a plan whose moves into this target rank do not add up to each of its tensors
+    exactly (a region missing or sent twice): it would leave a tensor partly old."""
+    covered: dict[str, int] = dict.fromkeys(specs, 0)
+    for queue in queues.values():
+        for bucket in queue:
+            for slot in bucket.slots:
+                covered[slot.move.target_local] += slot.move.nbytes
+    wrong = {n: (b, specs[n].nbytes) for n, b in covered.items() if b != specs[n].nbytes}
+    if wrong:
+        raise ValueError(
+            f"the plan does not cover target rank {target}'s tensors exactly once "
+            f"(bytes planned, bytes held): {wrong}"
+        )
+
+
 def _interleave(queues: Mapping[int, Sequence[_Bucket]]) -> list[tuple[int, _Bucket]]:
     """Buckets round-robin over peers (in peer order): each peer's first, then each one's second."""
     order = []
@@ -258,6 +276,7 @@ class ShardedTransfer:
                 for s in range(plan.source.world)
             }
             self._specs = plan.target.local_specs(self.index)
+            _check_coverage(self._queues, self._specs, self.index)
         self._queues = {peer: q for peer, q in self._queues.items() if q}
         self._largest = {peer: max(b.wire_bytes for b in q) for peer, q in self._queues.items()}
         """The largest bucket to or from each peer: what each staging buffer holds."""
