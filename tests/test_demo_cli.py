@@ -95,3 +95,55 @@ def test_launcher_options_that_cannot_go_together_are_refused(
 ) -> None:
     with pytest.raises(SystemExit, match=message):
         main(["demo", *argv])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--tp", "3"], "--tp 3 does not divide the model's 4 attention heads"),
+        (["--tp", "0"], "--trainer-ranks and --tp must be at least 1"),
+        (["--trainer-ranks", "0"], "--trainer-ranks and --tp must be at least 1"),
+        (["--trainer-ranks", "2", "--backend", "torn_read"], "torch_lm engine only"),
+        (["--tp", "2", "--mode", "async_per_forward"], "sync mode only: drop --mode"),
+        (["--trainer-ranks", "2", "--in-process"], "drop --in-process"),
+        (["--tp", "2", "--trainer", "fast-llm"], "drop --trainer fast-llm"),
+        (["--launcher", "torchrun", "--tp", "3"], "does not divide"),
+    ],
+)
+def test_sharded_options_the_job_cannot_run_are_refused_before_anything_starts(
+    argv: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit, match=message):
+        main(["demo", *argv])
+
+
+def test_the_sharded_options_reach_the_job_and_its_report_names_the_layout(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen: list[object] = []
+    report = {
+        "guarded": True,
+        "replicas": 3,
+        "trainer_ranks": 2,
+        "tp": 2,
+        "processes": 8,
+        "torn_reads": 0,
+        "egress_overlaps": 0,
+        "bit_identical": True,
+        "payloads_lost": 0,
+    }
+
+    def run(config: object, timeline: object, **launch: object) -> dict[str, object]:
+        seen.append(config)
+        return report
+
+    monkeypatch.setattr(cli, "run_distributed_demo", run)
+    assert main(["demo", "--trainer-ranks", "2", "--tp", "2", "--json"]) == 0
+    (config,) = seen
+    assert isinstance(config, cli.DistributedDemoConfig)
+    assert (config.trainer_ranks, config.tp, config.replicas) == (2, 2, 3)
+    out = capsys.readouterr().out
+    assert (
+        "2 trainer ranks (FSDP shards) -> 3 replicas x 2 tensor-parallel ranks (8 processes)" in out
+    )
+    assert json.loads(out.strip().splitlines()[-1])["tp"] == 2

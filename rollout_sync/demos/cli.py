@@ -24,6 +24,7 @@ from .distributed import (
     LAUNCHERS,
     DistributedDemoConfig,
     check_demo_config,
+    demo_layout,
     demo_limit_s,
     run_demo_under_torchrun,
     run_distributed_demo,
@@ -48,7 +49,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "torn reads, payload/sync overlaps, payloads lost, timings (rollout-side phases and "
         "the trainer's weight_sync_time_ms), transfer MB/s and whether every replica ends "
         "bit-identical to the trainer. Guarded by default; --in-process runs the threads-only "
-        "demo.",
+        "demo. With --trainer-ranks N and --tp T the job is sharded: N trainer ranks holding "
+        "FSDP shards push each region straight to the replica rank that serves it, every "
+        "replica is T tensor-parallel ranks, and every rank is checked.",
     )
     demo.add_argument(
         "--replicas",
@@ -59,6 +62,25 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--steps", type=int, default=30, help="training steps, each a P2R plus an R2R (default 30)"
+    )
+    demo.add_argument(
+        "--trainer-ranks",
+        type=int,
+        default=1,
+        metavar="N",
+        help="trainer processes (default 1); above 1 each holds only its FSDP-style shard of the "
+        "model (every tensor cut along dim 0) and sends only its own regions to the first "
+        "replica's ranks (a sharded P2R). Sharded runs: --backend torch_lm, --mode sync",
+    )
+    demo.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="T",
+        help="processes per replica (default 1): each replica serves the tiny LM tensor-parallel "
+        "over T ranks (T must divide the model's 4 heads); the first rank schedules and ships "
+        "payloads, the others mirror its steps; every rank takes every sync. The job runs "
+        "--trainer-ranks + --replicas x T processes",
     )
     demo.add_argument(
         "--backend",
@@ -129,7 +151,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "default), ray (Ray actors, one placement-group bundle each; a local Ray cluster for "
         "the run unless --ray-address), torchrun (the same job under torchrun: env:// "
         "rendezvous, role by rank; without torchrun around it, this starts torchrun "
-        "--standalone --nproc-per-node REPLICAS+1)",
+        "--standalone --nproc-per-node REPLICAS+1, or TRAINER_RANKS+REPLICAS*TP)",
     )
     demo.add_argument(
         "--ray-address",
@@ -232,6 +254,8 @@ def _distributed_config(args: argparse.Namespace, mode: SyncMode) -> Distributed
     config = DistributedDemoConfig(
         replicas=args.replicas,
         steps=args.steps,
+        trainer_ranks=args.trainer_ranks,
+        tp=args.tp,
         backend=args.backend,
         mode=mode,
         guarded=not args.unguarded,
@@ -250,13 +274,46 @@ def _distributed_config(args: argparse.Namespace, mode: SyncMode) -> Distributed
             f"unknown --backend {args.backend!r}; known: {sorted(DEMO_BACKENDS)}"
         ) from None
     except ValueError as exc:
+        if config.sharded:
+            raise SystemExit(f"{exc} (--trainer-ranks, --tp)") from None
         raise SystemExit(f"{exc} (--replicas, --steps, --backend, --mode)") from None
     return config
+
+
+def _refuse_sharded_combinations(args: argparse.Namespace, mode: SyncMode) -> None:
+    """Exit, before anything starts, on options the sharded job does not run with."""
+    if args.trainer_ranks < 1 or args.tp < 1:
+        raise SystemExit(
+            f"--trainer-ranks and --tp must be at least 1, got --trainer-ranks "
+            f"{args.trainer_ranks} --tp {args.tp}"
+        )
+    if args.trainer_ranks == 1 and args.tp == 1:
+        return
+    sharded = f"--trainer-ranks {args.trainer_ranks} --tp {args.tp}"
+    if args.in_process:
+        raise SystemExit(f"{sharded} runs the multi-process demo: drop --in-process")
+    if args.trainer != "default":
+        raise SystemExit(f"{sharded} runs this package's trainer: drop --trainer {args.trainer}")
+    if mode is not SyncMode.SYNC:
+        raise SystemExit(f"{sharded} runs the sync mode only: drop --mode {mode.value}")
+    if args.backend not in (None, "torch_lm"):
+        raise SystemExit(
+            f"{sharded} runs the torch_lm engine only: drop --backend {args.backend} (or pass "
+            "--backend torch_lm)"
+        )
+    heads = DistributedDemoConfig().model.n_heads
+    if heads % args.tp:
+        raise SystemExit(
+            f"--tp {args.tp} does not divide the model's {heads} attention heads: pass a --tp "
+            f"that divides {heads}"
+        )
 
 
 def _format_report(report: dict[str, Any]) -> str:
     width = max(len(k) for k in report)
     lines = ["rollout-sync demo report", "-" * (width + 16)]
+    if "trainer_ranks" in report and "tp" in report:
+        lines.append(f"{'layout':<{width}}  {_layout_line(report)}")
     for key, value in report.items():
         if isinstance(value, float):
             shown = "n/a" if math.isnan(value) else f"{value:.3f}"
@@ -264,6 +321,17 @@ def _format_report(report: dict[str, Any]) -> str:
             shown = str(value)
         lines.append(f"{key:<{width}}  {shown}")
     return "\n".join(lines)
+
+
+def _layout_line(report: dict[str, Any]) -> str:
+    """``"2 trainer ranks (FSDP shards) -> 3 replicas x 2 tensor-parallel ranks"``."""
+    ranks, tp, replicas = report["trainer_ranks"], report["tp"], report["replicas"]
+    trainer = "1 trainer rank" if ranks == 1 else f"{ranks} trainer ranks (FSDP shards)"
+    served = f"{replicas} replica{'s' if replicas != 1 else ''}"
+    if tp > 1:
+        served += f" x {tp} tensor-parallel ranks"
+    processes = report.get("processes")
+    return f"{trainer} -> {served}" + (f" ({processes} processes)" if processes else "")
 
 
 def _hazards(report: dict[str, Any]) -> int:
@@ -353,7 +421,10 @@ def _under_torchrun() -> bool:
 def _start_torchrun(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Run this very command under ``torchrun --standalone``, one process per rank; every rank
     re-enters :func:`main` and finds torchrun's environment. Bounded like a local run."""
-    nproc = args.replicas + 1
+    layout = demo_layout(
+        DistributedDemoConfig(replicas=args.replicas, trainer_ranks=args.trainer_ranks, tp=args.tp)
+    )
+    nproc = layout.world_size
     command = [
         sys.executable,
         "-m",
@@ -364,7 +435,17 @@ def _start_torchrun(args: argparse.Namespace, argv: Sequence[str]) -> int:
         "rollout_sync.demos.cli",
         *argv,
     ]
-    limit = demo_limit_s(DistributedDemoConfig(steps=args.steps)) + 60.0
+    limit = (
+        demo_limit_s(
+            DistributedDemoConfig(
+                replicas=args.replicas,
+                steps=args.steps,
+                trainer_ranks=args.trainer_ranks,
+                tp=args.tp,
+            )
+        )
+        + 60.0
+    )
     env = {**os.environ, LAUNCHED_AT_ENV: repr(time.time())}
     child = subprocess.Popen(command, start_new_session=True, env=env)
     try:
@@ -396,6 +477,7 @@ def _run_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
             "run with --in-process or --backend vllm (whose replicas start engine processes "
             "of their own: local only)"
         )
+    _refuse_sharded_combinations(args, mode)
     if args.replicas is None:
         args.replicas = 2 if args.backend == "vllm" else 3
     if args.trainer == "fast-llm":

@@ -32,6 +32,18 @@ or sync (on the replicas and on the trainer), that no payload was lost, and that
 ends (and, with ``check_every_step``, is after every version it received) bit-identical to the
 trainer.
 
+**Sharded** (``trainer_ranks`` or ``tp`` above 1; :mod:`rollout_sync.demos.sharded`): ranks
+``0 .. trainer_ranks - 1`` are the trainer, each holding only its FSDP-style shard of the TinyLM
+(every tensor cut along dim 0) and sending only its own regions; then each replica is ``tp``
+consecutive ranks serving the model tensor-parallel, each rank under a worker of its own. The
+replica's first rank (its leader) schedules, generates and ships payloads to the trainer's first
+rank; the others mirror its steps. The trainer's first rank takes the payloads and announces
+each sync on every replica rank's queue; every trainer rank pushes at once (a
+:class:`~rollout_sync.transfer.ShardedTransfer` to the first replica's ranks, after a barrier
+with them), then the first replica's ``k``-th rank sends its slice to every other replica's
+``k``-th rank. The checks are the same, per rank: every replica rank's slice, and every trainer
+rank's shards, against the trainer's whole model replayed from its seed.
+
 The engine is chosen by name from :data:`~rollout_sync.demos.job.DEMO_BACKENDS` (see
 :func:`~rollout_sync.demos.job.register_demo_backend`; both re-exported here):
 ``torch_lm`` (the default) and ``torn_read``, a fake model whose every tensor carries its
@@ -46,13 +58,15 @@ import random
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..backends.torch_lm import TinyCausalLM, TorchLMStreamBackend
+from ..backends.torch_lm.tensor_parallel import TensorParallel
+from ..distributed import new_group
 from ..errors import PayloadTimeout, ShutdownTimeout
 from ..guard import SyncMode
 from ..launch import (
@@ -77,6 +91,7 @@ from ..scheduler import (
     SamplingParams,
     SchedulerTimeout,
 )
+from ..sharded_groups import ShardedSyncGroups, build_sharded_sync_groups
 from ..testing import (
     AsyncTornReadBackend,
     TornReadBackend,
@@ -91,7 +106,7 @@ from ..trainer import (
     TransferWeightPusher,
     WeightBroadcastCallback,
 )
-from ..transfer import TransferConfig, TransferStats
+from ..transfer import Layout, TransferConfig, TransferPlan, TransferStats
 from ..worker import (
     CommandResult,
     RolloutWorker,
@@ -106,7 +121,17 @@ from .job import (
     DemoEngine,
     DistributedDemoConfig,
     drift_each_step,
+    drift_shards_each_step,
     register_demo_backend,
+)
+from .sharded import (
+    ShardedCommandChannel,
+    ShardedP2RBarrier,
+    check_sharded_config,
+    demo_layout,
+    expected_digests,
+    replica_layout,
+    trainer_layout,
 )
 
 __all__ = [
@@ -119,6 +144,7 @@ __all__ = [
     "add_process_spans",
     "check_demo_config",
     "decode_step_ms_p50",
+    "demo_layout",
     "demo_limit_s",
     "demo_process",
     "drift_each_step",
@@ -139,17 +165,28 @@ class _StreamingLM(TorchLMStreamBackend):
     config's timeout, while the sender's registry is full). The scheduler never waits for the
     feeder, so a pause never waits for the payload transport. :meth:`stop` stops the feeder,
     then the scheduler, then ships what is left.
+
+    With ``tp``, one rank of a tensor-parallel replica: the leader feeds and ships as above; a
+    follower (no ``sender``) only mirrors the leader's steps on its slice.
     """
 
     def __init__(
-        self, config: DistributedDemoConfig, timeline: Timeline, sender: PayloadSender, seed: int
+        self,
+        config: DistributedDemoConfig,
+        timeline: Timeline,
+        sender: PayloadSender | None,
+        seed: int,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__(
             config.model,
             max_concurrent=config.max_concurrent,
             pause_timeout=config.timeout_s,
             timeline=timeline,
+            tp=tp,
         )
+        if (sender is None) != self.follower:
+            raise ValueError("a replica's leader ships payloads through a sender; a follower not")
         self.demo = config
         self.sender = sender
         self.results: dict[str, int] = dict.fromkeys(
@@ -162,6 +199,8 @@ class _StreamingLM(TorchLMStreamBackend):
 
     def start(self) -> None:
         super().start()
+        if self.follower:
+            return
         self._feeder = threading.Thread(target=self._feed, name="demo-feeder", daemon=True)
         self._feeder.start()
 
@@ -184,7 +223,8 @@ class _StreamingLM(TorchLMStreamBackend):
                     )
         finally:
             super().stop(max(0.0, deadline - time.monotonic()), finish_active=finish_active)
-        self._ship(self.get_all(), max(0.0, deadline - time.monotonic()))
+        if not self.follower:
+            self._ship(self.get_all(), max(0.0, deadline - time.monotonic()))
         if self._feeder_error is not None:
             raise RuntimeError("the demo's feeder thread failed") from self._feeder_error
 
@@ -213,6 +253,7 @@ class _StreamingLM(TorchLMStreamBackend):
         )
 
     def _ship(self, results: Sequence[GenerationResult], timeout: float) -> None:
+        assert self.sender is not None  # the leader's (or a plain replica's)
         for result in results:
             if result.finish_reason is FinishReason.CANCELLED:
                 self.results["results_cancelled"] += 1
@@ -241,30 +282,60 @@ class _StreamingLM(TorchLMStreamBackend):
 
 
 def _torch_lm_engine(
-    config: DistributedDemoConfig, timeline: Timeline, sender: PayloadSender
+    config: DistributedDemoConfig,
+    timeline: Timeline,
+    sender: PayloadSender | None,
+    tp: TensorParallel | None = None,
 ) -> DemoEngine:
-    engine = _StreamingLM(config, timeline, sender, seed=config.seed * 1009 + dist.get_rank())
+    engine = _StreamingLM(
+        config, timeline, sender, seed=config.seed * 1009 + dist.get_rank(), tp=tp
+    )
 
     def counters() -> dict[str, int]:
         stats = engine.statistics()
-        return {
+        out = {
             "forwards": stats.forwards,
             "torn_forwards": stats.torn_forwards,
             "generation_pauses": engine.scheduler.statistics().pauses,
             "installs": 0,
             **engine.results,
         }
+        if engine.lockstep is not None and engine.follower:
+            out["tp_steps_mirrored"] = engine.lockstep.steps_mirrored
+        return out
 
     return DemoEngine(engine, counters)
+
+
+_TRAINER_SEED = 1
+"""The trainer's TinyLM is seeded ``config.seed + 1`` (apart from the replicas' version 0)..."""
+_DRIFT_SEED = 2
+"""... and moved each step with noise seeded ``config.seed + 2``."""
 
 
 def _torch_lm_trainer(
     config: DistributedDemoConfig,
 ) -> tuple[dict[str, torch.Tensor], Callable[[int], None]]:
     """The trainer's TinyLM: seeded apart from the replicas' version 0, moved every step."""
-    model = TinyCausalLM.build(config.model, seed=config.seed + 1)
+    model = TinyCausalLM.build(config.model, seed=config.seed + _TRAINER_SEED)
     weights = {name: param.detach() for name, param in model.named_parameters()}
-    return weights, drift_each_step(weights, seed=config.seed + 2)
+    return weights, drift_each_step(weights, seed=config.seed + _DRIFT_SEED)
+
+
+def _torch_lm_trainer_shards(
+    config: DistributedDemoConfig, rank: int
+) -> tuple[Layout, dict[str, torch.Tensor], Callable[[int], None]]:
+    """Trainer rank ``rank``'s part of :func:`_torch_lm_trainer`: the trainer's layout (FSDP,
+    dim 0 over ``config.trainer_ranks`` ranks), this rank's shards of the same model, and an
+    ``advance`` that moves them exactly as the whole model moves (:func:`drift_shards_each_step`),
+    so the whole model at every version is the one a replay of the trainer model gives. The
+    whole model exists only while the shards are cut from it."""
+    whole, _ = _torch_lm_trainer(config)
+    layout = trainer_layout(whole, config.trainer_ranks)
+    shards = layout.shard(whole, rank)
+    del whole
+    advance = drift_shards_each_step(shards, layout, rank, seed=config.seed + _DRIFT_SEED)
+    return layout, shards, advance
 
 
 class _SenderPacker:
@@ -337,8 +408,29 @@ def demo_process(context: JobContext, config: DistributedDemoConfig) -> dict[str
 
     The launchers (local processes, torchrun, Ray) differ only in the :class:`JobContext`
     they give: every process joins the rendezvous in it, builds the same groups, and takes or
-    puts its commands on the job's store.
+    puts its commands on the job's store. The context's layout must be the config's
+    (:func:`~rollout_sync.demos.sharded.demo_layout`): with ``trainer_ranks`` or ``tp`` above
+    1, the sharded job's.
+
+    Raises:
+        ValueError: the context's layout is not the config's.
     """
+    expected = demo_layout(config)
+    if config.sharded and context.layout != expected:
+        raise ValueError(
+            f"the sharded demo (trainer_ranks={config.trainer_ranks}, {config.replicas} "
+            f"replicas, tp={config.tp}) runs on {expected.describe()}: {expected}; this "
+            f"process was placed in {context.layout}"
+        )
+    if not config.sharded and (
+        context.layout.is_sharded or context.layout.world_size != expected.world_size
+    ):
+        raise ValueError(
+            f"the demo of {config.replicas} replicas runs on {expected.world_size} processes "
+            f"(a trainer and one per replica); this process was placed in {context.layout}"
+        )
+    if config.sharded:
+        return _sharded_process(context, config)
     context.join(timeout_s=config.timeout_s)
     layout = context.layout
     groups = build_sync_groups(layout.trainer, layout.replicas, timeout_s=config.timeout_s)
@@ -357,7 +449,7 @@ def demo_process(context: JobContext, config: DistributedDemoConfig) -> dict[str
 
 
 def _local_process(rank: int, config: DistributedDemoConfig, rendezvous: str) -> dict[str, Any]:
-    layout = JobLayout(config.replicas + 1)
+    layout = demo_layout(config)
     return demo_process(JobContext(rank, layout, rendezvous, launcher="local"), config)
 
 
@@ -536,12 +628,12 @@ def _replica_report(
     rank: int,
     worker: RolloutWorker,
     engine: DemoEngine,
-    sender: PayloadSender,
+    sender: PayloadSender | None,
     results: Sequence[CommandResult],
     digests: Mapping[int, str],
     timeline: Timeline,
 ) -> dict[str, Any]:
-    sent = sender.statistics()
+    sent = sender.statistics() if sender is not None else None
     return {
         "role": "replica",
         "rank": rank,
@@ -553,8 +645,8 @@ def _replica_report(
         "superseded": (
             worker.weight_buffer.statistics().superseded if worker.weight_buffer is not None else 0
         ),
-        "payloads_registered": sent.registered,
-        "payloads_sent": sent.sent,
+        "payloads_registered": sent.registered if sent is not None else 0,
+        "payloads_sent": sent.sent if sent is not None else 0,
         "failed": [r.error for r in results if not r.ok],
         "syncs": worker.statistics().syncs,  # results holds only the last `history`
         "transfers": [
@@ -578,6 +670,217 @@ def _received_weights(worker: RolloutWorker) -> Mapping[str, torch.Tensor]:
     return worker.rollout.served_weights()
 
 
+# -- the sharded job's processes ---------------------------------------------------------------
+
+
+TP_GROUP_TIMEOUT_S = 3600.0
+"""The tensor-parallel groups' own timeout: a follower waits on its replica's group for the
+leader's next step for as long as generation idles. Every other wait on it is bounded by the
+config's ``timeout_s`` (``TensorParallel.timeout_s``)."""
+
+
+def _sharded_process(context: JobContext, config: DistributedDemoConfig) -> dict[str, Any]:
+    """One process of the sharded job (:mod:`~rollout_sync.demos.sharded`): a trainer rank or
+    a rank of a replica."""
+    context.join(timeout_s=config.timeout_s)
+    layout = context.layout
+    # Every rank makes every group, in the same order: P2R and the R2R per position, each
+    # replica's tensor-parallel group, then the payload groups (the trainer's first rank and
+    # the replicas' leaders, the only ranks that ship payloads).
+    groups = build_sharded_sync_groups(
+        layout.trainers, layout.replica_groups, timeout_s=config.timeout_s
+    )
+    tp_groups = [
+        new_group(ranks, timeout_s=TP_GROUP_TIMEOUT_S) if config.tp > 1 else None
+        for ranks in layout.replica_groups
+    ]
+    payloads = new_payload_groups([layout.trainer, *layout.leaders], timeout=config.timeout_s * 4)
+    target = replica_layout(config)
+    plan = TransferPlan.between(trainer_layout(target.specs, config.trainer_ranks), target)
+    in_p2r = context.rank in layout.trainers + layout.replica_groups[0]
+    barrier = ShardedP2RBarrier(groups.p2r) if in_p2r else None
+    timeline = Timeline()
+    if context.is_trainer:
+        queues = context.command_queues() if context.rank == layout.trainer else {}
+        return _sharded_trainer(
+            context.rank, config, layout, groups, plan, barrier, payloads, queues, timeline
+        )
+    where = groups.position(context.rank)
+    assert where is not None  # a replica rank
+    commands = context.command_queues()[context.rank]
+    try:
+        tp_group = tp_groups[where[0]]
+        tp = None if tp_group is None else TensorParallel.of(tp_group, timeout_s=config.timeout_s)
+        return _sharded_replica(
+            context.rank, config, layout, groups, plan, barrier, payloads, tp, commands, timeline
+        )
+    finally:
+        commands.close()
+
+
+def _sharded_trainer(
+    rank: int,
+    config: DistributedDemoConfig,
+    layout: JobLayout,
+    groups: ShardedSyncGroups,
+    plan: TransferPlan,
+    barrier: ShardedP2RBarrier | None,
+    payloads: PayloadGroups,
+    queues: Mapping[int, StoreCommandQueue],
+    timeline: Timeline,
+) -> dict[str, Any]:
+    """A trainer rank: its shards, moved every step, pushed (its own regions) every step. The
+    first rank also takes the payloads and announces the syncs."""
+    index = layout.trainers.index(rank)
+    own_layout, shards, advance = _torch_lm_trainer_shards(config, index)
+    if own_layout.describe() != plan.source.describe():
+        raise RuntimeError("the trainer's shards are not laid out as the transfer plan says")
+    transfer = groups.p2r_transfer(plan, config=_transfer_config(config), timeline=timeline)
+    assert transfer is not None  # every trainer rank is a P2R source
+    lead = rank == layout.trainer
+    receiver = (
+        PayloadReceiver(
+            payloads,
+            layout.leaders,
+            window=config.payload_window,
+            timeline=timeline,
+            default_timeout=config.timeout_s,
+        )
+        if lead
+        else None
+    )
+    # Unguarded, the first rank keeps receiving payloads through its weight sends.
+    pusher = TransferWeightPusher(
+        transfer, barrier=barrier, receiver=receiver if config.guarded else None
+    )
+    channel = (
+        ShardedCommandChannel(queues, layout.replica_groups, pipelined_relay=config.pipelined_relay)
+        if lead
+        else None
+    )
+    broadcast = WeightBroadcastCallback(
+        lambda: shards,  # this rank's own shards: no gather
+        pusher=pusher,
+        channel=channel,
+        timeout=config.timeout_s,
+        sync_on_run_begin=False,
+        report_every_step=True,
+    )
+    callbacks = TrainerCallbacks([broadcast])
+    rollouts = _Rollouts()
+    digests: dict[int, str] = {}
+    step_metrics: list[dict[str, Any]] = []
+    transfers: list[dict[str, Any]] = []
+    callbacks.run_begin(1)
+    for step in range(1, config.steps + 1):
+        if receiver is not None:
+            train_metrics = rollouts.take_for(receiver, config.step_interval_s, step - 1)
+        else:
+            time.sleep(config.step_interval_s)  # this rank's stand-in for training
+            train_metrics = {}
+        advance(step)
+        if config.check_every_step:
+            digests[step] = weights_digest(shards)
+        metrics = callbacks.step_end(step, None, True, train_metrics)
+        assert metrics is not None  # report_every_step
+        step_metrics.append(metrics)
+        assert pusher.last_stats is not None
+        transfers.append(asdict(pusher.last_stats))
+    callbacks.train_end(config.steps)  # on the first rank, STOP: the leaders close their senders
+    received = lost = 0
+    if receiver is not None:
+        for payload in receiver.iter_payloads(config.timeout_s):
+            rollouts.add(payload, config.steps)
+        receiver.close(config.timeout_s)
+        stats = receiver.statistics()
+        received, lost = stats.received, stats.lost
+    return {
+        "role": "trainer",
+        "rank": rank,
+        "pid": os.getpid(),
+        "digests": digests,
+        "final_digest": weights_digest(shards),
+        "nbytes": sum(t.numel() * t.element_size() for t in shards.values()),
+        "transfers": transfers,
+        "step_metrics": step_metrics,
+        "payloads_received": received,
+        "payloads_lost": lost,
+        "payloads_invalid": rollouts.invalid,
+        "payload_bytes": rollouts.nbytes,
+        "rollout_tokens": rollouts.tokens,
+        "staleness": rollouts.stale,
+        "spans": timeline.to_records(),
+    }
+
+
+def _sharded_replica(
+    rank: int,
+    config: DistributedDemoConfig,
+    layout: JobLayout,
+    groups: ShardedSyncGroups,
+    plan: TransferPlan,
+    barrier: ShardedP2RBarrier | None,
+    payloads: PayloadGroups,
+    tp: TensorParallel | None,
+    commands: StoreCommandQueue,
+    timeline: Timeline,
+) -> dict[str, Any]:
+    """A rank of a replica: its slice of the stream LM under a worker of its own, which takes
+    every sync of the replica. The leader (the replica's first rank) schedules, generates and
+    ships payloads; a follower mirrors its steps."""
+    where = groups.position(rank)
+    assert where is not None
+    replica, position = where
+    sender = (
+        PayloadSender(
+            payloads,
+            receiver_rank=layout.trainer,
+            capacity=config.payload_capacity,
+            timeline=timeline,
+            default_timeout=config.timeout_s,
+        )
+        if position == 0
+        else None
+    )
+    digests: dict[int, str] = {}
+
+    def on_transfer(stats: TransferStats, tensors: Mapping[str, torch.Tensor]) -> None:
+        # This rank's slice, exactly as the version just received left it.
+        if config.check_every_step and stats.role in ("receive", "relay"):
+            digests[stats.version] = weights_digest(tensors)
+
+    engine: DemoEngine | None = None
+    try:
+        try:
+            engine = _torch_lm_engine(config, timeline, sender, tp)
+            transfer_config = _transfer_config(config)
+            worker = RolloutWorker(
+                engine.rollout,
+                mode=config.mode,
+                commands=commands,
+                timeline=timeline,
+                p2r=groups.p2r_transfer(plan, config=transfer_config, timeline=timeline),
+                p2r_barrier=barrier,
+                r2r=groups.r2r_transfer(config=transfer_config, timeline=timeline),
+                data_packer=sender,
+                weight_sync_timeout=config.timeout_s,
+                guarded=config.guarded,
+                on_transfer=on_transfer,
+            )
+            try:
+                results = worker.run(idle_timeout_s=config.timeout_s * 4)
+            finally:
+                worker.close(config.timeout_s)
+        finally:
+            if sender is not None:  # every payload registered is sent before the goodbye
+                sender.close(config.timeout_s)
+        report = _replica_report(rank, worker, engine, sender, results, digests, timeline)
+        return {**report, "replica": replica, "position": position}
+    finally:
+        if engine is not None:
+            engine.close()
+
+
 # -- the controller ----------------------------------------------------------------------------
 
 
@@ -596,12 +899,16 @@ def check_demo_config(config: DistributedDemoConfig) -> None:
 
     Raises:
         KeyError: ``config.backend`` is not a registered demo backend.
-        ValueError: no replica or step, or a sync mode the backend does not support.
+        ValueError: no replica or step, or a sync mode the backend does not support; sharded
+            (:func:`~rollout_sync.demos.sharded.check_sharded_config`): ``trainer_ranks`` or
+            ``tp`` below 1, an engine other than torch_lm or a mode other than sync, a ``tp``
+            that does not divide the model.
     """
     if config.replicas < 1 or config.steps < 1:
         raise ValueError("the demo needs at least one replica and one step")
     if config.backend not in DEMO_BACKENDS:
         raise KeyError(f"unknown demo backend {config.backend!r}; known: {sorted(DEMO_BACKENDS)}")
+    check_sharded_config(config)
     modes = DEMO_BACKENDS[config.backend].modes
     if config.mode not in modes:
         raise ValueError(
@@ -617,10 +924,13 @@ def park_steps(park_ms: float, decode_step_ms: float) -> float:
 
 def demo_limit_s(config: DistributedDemoConfig) -> float:
     """The limit of a whole run: spawning (a few seconds each on a busy machine), starting the
-    engines (the backend's ``start_s``) and steps."""
+    engines (the backend's ``start_s``) and steps; a sharded job's processes beyond the plain
+    job's (``replicas + 1``) add to both."""
     backend = DEMO_BACKENDS.get(config.backend)
     start_s = backend.start_s if backend is not None else 0.0
-    return 60.0 + start_s + config.steps * (config.step_interval_s + 2.0)
+    extra = max(0, demo_layout(config).world_size - (config.replicas + 1))
+    step_s = config.step_interval_s + 2.0 + 0.5 * extra
+    return 60.0 + 5.0 * extra + start_s + config.steps * step_s
 
 
 def run_distributed_demo(
@@ -630,7 +940,8 @@ def run_distributed_demo(
     launcher: str = "local",
     ray_address: str | None = None,
 ) -> dict[str, Any]:
-    """Run the demo on ``replicas + 1`` processes and return its report.
+    """Run the demo on ``replicas + 1`` processes (sharded: ``trainer_ranks + replicas * tp``,
+    :func:`~rollout_sync.demos.sharded.demo_layout`) and return its report.
 
     Args:
         launcher: ``"local"`` spawns the processes here; ``"ray"`` runs them as Ray actors
@@ -650,12 +961,12 @@ def run_distributed_demo(
             "every rank calls run_demo_under_torchrun)"
         )
     timeline = timeline if timeline is not None else Timeline()
-    world = config.replicas + 1
+    layout = demo_layout(config)
     started = time.perf_counter()
     if launcher == "local":
         values = run_processes(
             _local_process,
-            world,
+            layout.world_size,
             (config, f"tcp://127.0.0.1:{find_free_port()}"),
             timeout_s=demo_limit_s(config),
             what="rollout-sync demo",
@@ -665,7 +976,7 @@ def run_distributed_demo(
     else:
         from ..launch.ray import RayJob
 
-        with RayJob(world, address=ray_address, timeout_s=demo_limit_s(config)) as job:
+        with RayJob(layout, address=ray_address, timeout_s=demo_limit_s(config)) as job:
             values = job.run(demo_process, config)
     return _report_of(config, values, timeline, time.perf_counter() - started, launcher)
 
@@ -674,19 +985,19 @@ def run_demo_under_torchrun(
     config: DistributedDemoConfig, timeline: Timeline | None = None
 ) -> dict[str, Any] | None:
     """This rank's part of the demo under torchrun: the report on the trainer, ``None`` on
-    the replicas (each rank's results are gathered on the trainer over the default group)."""
+    the replicas (each rank's results are gathered on the trainer over the default group;
+    sharded, on the trainer's first rank, and ``None`` on its others).
+
+    Raises:
+        ValueError: torchrun started another number of processes than the config's layout
+            has (:func:`~rollout_sync.demos.sharded.demo_layout`).
+    """
     check_demo_config(config)
     started = time.perf_counter()
     launched_at = os.environ.get(LAUNCHED_AT_ENV)
     if launched_at is not None:  # rollout-sync started torchrun: count torchrun's start too
         started -= time.time() - float(launched_at)
-    context = torchrun_context()
-    if context.layout.world_size != config.replicas + 1:
-        raise ValueError(
-            f"torchrun started {context.layout.world_size} processes for a demo of "
-            f"{config.replicas} replicas: pass --nproc-per-node {config.replicas + 1} (in all, "
-            "across nodes)"
-        )
+    context = torchrun_context(layout=demo_layout(config))  # ValueError: another world size
     value = demo_process(context, config)
     try:
         values = results_on_trainer(context, value)
@@ -705,15 +1016,126 @@ def _report_of(
     wall_s: float,
     launcher: str,
 ) -> dict[str, Any]:
-    layout = JobLayout(config.replicas + 1)
+    layout = demo_layout(config)
+    if config.sharded:
+        return {"launcher": launcher, **_sharded_report(config, layout, values, timeline, wall_s)}
     for rank, value in values.items():
         add_process_spans(
             timeline, value["spans"], "trainer" if rank == layout.trainer else f"replica {rank}"
         )
-    report = _report(
-        config, values[layout.trainer], [values[r] for r in layout.replicas], timeline, wall_s
-    )
+    trainer = values[layout.trainer]
+    replicas = [values[r] for r in layout.replicas]
+    report = _report(config, trainer, replicas, timeline, wall_s, _plain_checks(trainer, replicas))
     return {"launcher": launcher, **report}
+
+
+def _sharded_report(
+    config: DistributedDemoConfig,
+    layout: JobLayout,
+    values: Mapping[int, dict[str, Any]],
+    timeline: Timeline,
+    wall_s: float,
+) -> dict[str, Any]:
+    for rank, value in values.items():
+        if rank in layout.trainers:
+            name = f"trainer rank {layout.trainers.index(rank)}"
+        else:
+            name = f"replica {value['replica']} rank {value['position']}"
+        add_process_spans(timeline, value["spans"], name)
+    trainers = [values[r] for r in layout.trainers]
+    replicas = [values[r] for r in layout.replicas]
+    checks = _sharded_checks(config, trainers, replicas)
+    return _report(config, trainers[0], replicas, timeline, wall_s, checks)
+
+
+@dataclass(frozen=True)
+class _Checks:
+    """What the report says about the weights: the plain job's or the sharded job's."""
+
+    versions_checked: int
+    step_mismatches: int
+    final_identical: bool
+    final_versions: list[int]
+    syncs: int
+    """Per replica (a replica of several ranks counts once)."""
+    model_nbytes: int
+    p2r_rates: list[float]
+    r2r_rates: list[float]
+    trainer_shard_mismatches: int | None = None
+    """Sharded: trainer rank versions (and final shards) that differ from the replay."""
+
+
+def _rate(transfers: Sequence[Mapping[str, Any]]) -> float:
+    """MB/s of transfers that ran at once: all their bytes over the slowest one's time."""
+    nbytes: float = sum(t["nbytes"] for t in transfers)
+    seconds: float = max(t["total_s"] for t in transfers)
+    return nbytes / 1e6 / seconds
+
+
+def _plain_checks(trainer: dict[str, Any], replicas: list[dict[str, Any]]) -> _Checks:
+    """Every version a replica received compared with the trainer's weights of that version.
+    In sync mode every replica receives every version; async modes may skip superseded ones."""
+    step_mismatches = versions_checked = 0
+    for rep in replicas:
+        for version, digest in rep["digests"].items():
+            versions_checked += 1
+            if trainer["digests"].get(version) != digest:
+                step_mismatches += 1
+    r2r = [t for t in replicas[0]["transfers"] if t["role"] in ("send", "relay")]
+    return _Checks(
+        versions_checked=versions_checked,
+        step_mismatches=step_mismatches,
+        final_identical=all(rep["final_digest"] == trainer["final_digest"] for rep in replicas),
+        final_versions=[rep["final_version"] for rep in replicas],
+        syncs=sum(rep["syncs"] for rep in replicas),
+        model_nbytes=trainer["nbytes"],
+        p2r_rates=[_rate([t]) for t in trainer["transfers"]],
+        r2r_rates=[_rate([t]) for t in r2r] if len(replicas) > 1 else [],
+    )
+
+
+def _sharded_checks(
+    config: DistributedDemoConfig, trainers: list[dict[str, Any]], replicas: list[dict[str, Any]]
+) -> _Checks:
+    """Every replica rank's slice, at every version it received and at the end, compared with
+    that slice of the trainer's whole model, replayed from its seed; and every trainer rank's
+    shards at every version and at the end with the replay's (so the replay is what the
+    trainer held). A sync's rate: the bytes of all its senders over the slowest one's time."""
+    expected = expected_digests(config)
+    step_mismatches = versions_checked = 0
+    for rep in replicas:
+        for version, digest in rep["digests"].items():
+            versions_checked += 1
+            want = expected.replica.get(version)
+            if want is None or want[rep["position"]] != digest:
+                step_mismatches += 1
+    shard_mismatches = 0
+    for index, trainer in enumerate(trainers):
+        for version, digest in trainer["digests"].items():
+            shard_mismatches += expected.trainer[version][index] != digest
+        shard_mismatches += expected.trainer[config.steps][index] != trainer["final_digest"]
+    final = expected.replica[config.steps]
+    leaders = [rep for rep in replicas if rep["position"] == 0]
+
+    def rates(transfers: list[dict[str, Any]]) -> list[float]:
+        by_version: dict[int, list[dict[str, Any]]] = {}
+        for t in transfers:
+            by_version.setdefault(t["version"], []).append(t)
+        return [_rate(ts) for _, ts in sorted(by_version.items())]
+
+    first = [rep for rep in replicas if rep["replica"] == 0]
+    r2r = [t for rep in first for t in rep["transfers"] if t["role"] in ("send", "relay")]
+    return _Checks(
+        versions_checked=versions_checked,
+        step_mismatches=step_mismatches,
+        final_identical=all(rep["final_digest"] == final[rep["position"]] for rep in replicas),
+        final_versions=[rep["final_version"] for rep in leaders],
+        syncs=sum(rep["syncs"] for rep in leaders),
+        model_nbytes=expected.model_nbytes,
+        p2r_rates=rates([t for trainer in trainers for t in trainer["transfers"]]),
+        r2r_rates=rates(r2r) if config.replicas > 1 else [],
+        trainer_shard_mismatches=shard_mismatches,
+    )
 
 
 def decode_step_ms_p50(timeline: Timeline) -> float:
@@ -743,10 +1165,14 @@ def _report(
     replicas: list[dict[str, Any]],
     timeline: Timeline,
     wall_s: float,
+    checks: _Checks,
 ) -> dict[str, Any]:
+    """The report: ``trainer`` is the (first) trainer rank's values, ``replicas`` every replica
+    rank's."""
     forward_writes, egress = split_overlaps(timeline.overlaps())
     # A forward is torn if the engine's own detector saw it (the LM's seqlock, the stamps of
-    # the fake model) or if it overlapped a weight write: counted once either way.
+    # the fake model) or if it overlapped a weight write: counted once either way. Every rank
+    # of a tensor-parallel replica runs (and is checked for) every forward.
     torn = torn_forwards(timeline.spans(SpanKind.FORWARD), forward_writes)
     # The R2R source only reads its weights and is not paused; phases are the receivers'.
     receives = [r for rep in replicas for r in rep["reports"] if "send" not in r["handler"]]
@@ -754,42 +1180,31 @@ def _report(
     def phase(key: str, q: float) -> float:
         return percentile([r[key] for r in receives], q)
 
-    p2r_rates = [t["nbytes"] / 1e6 / t["total_s"] for t in trainer["transfers"]]
-    r2r_rates = (
-        [
-            t["nbytes"] / 1e6 / t["total_s"]
-            for t in replicas[0]["transfers"]
-            if t["role"] in ("send", "relay")
-        ]
-        if config.replicas > 1
-        else []
-    )
     sync_ms = [
         m["weight_sync_time_ms"] for m in trainer["step_metrics"] if "weight_sync_time_ms" in m
     ]
     decode_step_ms = decode_step_ms_p50(timeline)
-    # Every version a replica received is compared with the trainer's weights of that version.
-    # In sync mode every replica receives every version; async modes may skip superseded ones.
-    step_mismatches = versions_checked = 0
-    for rep in replicas:
-        for version, digest in rep["digests"].items():
-            versions_checked += 1
-            if trainer["digests"].get(version) != digest:
-                step_mismatches += 1
-    final_identical = all(rep["final_digest"] == trainer["final_digest"] for rep in replicas)
     counters: dict[str, int] = {}
     for rep in replicas:
         for key, value in rep["counters"].items():
             counters[key] = counters.get(key, 0) + value
     core = ("forwards", "torn_forwards", "generation_pauses", "installs")
+    shards = (
+        {}
+        if checks.trainer_shard_mismatches is None
+        else {"trainer_shard_mismatches": checks.trainer_shard_mismatches}
+    )
     return {
         "mode": "multi_process",
         "sync_mode": config.mode.value,
         "backend": config.backend,
         "guarded": config.guarded,
         "replicas": config.replicas,
+        "trainer_ranks": config.trainer_ranks,
+        "tp": config.tp,
+        "processes": demo_layout(config).world_size,
         "steps": config.steps,
-        "syncs": sum(rep["syncs"] for rep in replicas),
+        "syncs": checks.syncs,
         "failed_commands": sum(len(rep["failed"]) for rep in replicas),
         "forwards": counters.get("forwards", 0),
         "torn_reads": len(torn),
@@ -823,14 +1238,19 @@ def _report(
         "sync_ms_p99": phase("sync_total_ms", 99),
         "weight_sync_time_ms_p50": percentile(sync_ms, 50),
         "weight_sync_time_ms_p99": percentile(sync_ms, 99),
-        "model_mb": trainer["nbytes"] / 1e6,
-        "transfer_mb_per_s": percentile(p2r_rates + r2r_rates, 50),
-        "p2r_mb_per_s": percentile(p2r_rates, 50),
-        "r2r_mb_per_s": percentile(r2r_rates, 50),
-        "final_versions": [rep["final_version"] for rep in replicas],
-        "versions_checked": versions_checked,
-        "step_mismatches": step_mismatches,
-        "bit_identical": final_identical and step_mismatches == 0,
+        "model_mb": checks.model_nbytes / 1e6,
+        "transfer_mb_per_s": percentile(checks.p2r_rates + checks.r2r_rates, 50),
+        "p2r_mb_per_s": percentile(checks.p2r_rates, 50),
+        "r2r_mb_per_s": percentile(checks.r2r_rates, 50),
+        "final_versions": checks.final_versions,
+        "versions_checked": checks.versions_checked,
+        "step_mismatches": checks.step_mismatches,
+        **shards,
+        "bit_identical": (
+            checks.final_identical
+            and checks.step_mismatches == 0
+            and not checks.trainer_shard_mismatches
+        ),
         "wall_s": wall_s,
         "errors": [e.splitlines()[0] for rep in replicas for e in rep["failed"]][:5],
     }

@@ -19,6 +19,7 @@ from ..backends.torch_lm import TinyLMConfig
 from ..guard import SyncMode
 from ..payload import PayloadSender
 from ..trace import Timeline
+from ..transfer.layout import Layout, region_of
 
 __all__ = [
     "DEMO_BACKENDS",
@@ -28,6 +29,7 @@ __all__ = [
     "EngineFactory",
     "TrainerModel",
     "drift_each_step",
+    "drift_shards_each_step",
     "register_demo_backend",
 ]
 
@@ -38,6 +40,13 @@ class DistributedDemoConfig:
 
     replicas: int = 3
     steps: int = 30
+    trainer_ranks: int = 1
+    """Processes of the trainer. Above 1, each holds only its FSDP-style shard of the model
+    (every tensor cut along dim 0) and sends only its own regions (a sharded P2R)."""
+    tp: int = 1
+    """Processes of each replica (tensor parallel: each serves its slice of the model). With
+    ``trainer_ranks`` or ``tp`` above 1 the job is sharded (torch_lm, sync mode only); with both
+    at 1 it is the plain job."""
     backend: str = "torch_lm"
     """A key of :data:`DEMO_BACKENDS`."""
     mode: SyncMode = SyncMode.SYNC
@@ -68,6 +77,11 @@ class DistributedDemoConfig:
     check_every_step: bool = True
     """Compare every version every replica received with the trainer's (a digest each)."""
     seed: int = 0
+
+    @property
+    def sharded(self) -> bool:
+        """Several trainer ranks or tensor-parallel replicas: the sharded job."""
+        return self.trainer_ranks > 1 or self.tp > 1
 
 
 @dataclass
@@ -135,14 +149,47 @@ def register_demo_backend(
 
 def drift_each_step(weights: Mapping[str, torch.Tensor], *, seed: int) -> Callable[[int], None]:
     """A trainer model's ``advance``: every step adds seeded noise (std 0.01) to every tensor in
-    place, so every version differs."""
+    place, so every version differs.
+
+    The noise is scaled, then added: two roundings each of which any kernel does alike, so a
+    region of a tensor moves bit for bit as the whole tensor's region does
+    (:func:`drift_shards_each_step`; an ``add_(..., alpha=)`` may fuse the multiply-add in its
+    vectorized loop and not in its tail)."""
     noise = torch.Generator().manual_seed(seed)
 
     def advance(step: int) -> None:
         with torch.no_grad():
             for tensor in weights.values():
                 tensor.add_(
-                    torch.randn(tensor.shape, generator=noise, dtype=tensor.dtype), alpha=1e-2
+                    torch.randn(tensor.shape, generator=noise, dtype=tensor.dtype).mul_(1e-2)
                 )
+
+    return advance
+
+
+def drift_shards_each_step(
+    shards: Mapping[str, torch.Tensor], layout: Layout, rank: int, *, seed: int
+) -> Callable[[int], None]:
+    """:func:`drift_each_step` on one rank's shards: rank ``rank`` of ``layout`` holds
+    ``shards`` (its local tensors), and each step moves them exactly as
+    ``drift_each_step(whole, seed=seed)`` moves the whole tensors they were cut from (the same
+    noise, drawn whole, one tensor at a time in ``layout.specs`` order, of which each shard adds
+    its own region: an element-wise add, so bit for bit). The rank holds its shards and one
+    tensor's noise at a time, never the whole model."""
+    noise = torch.Generator().manual_seed(seed)
+    placed: dict[str, list[tuple[torch.Tensor, tuple[tuple[int, int], ...]]]] = {}
+    for local in layout.ranks[rank]:
+        for piece, offset in local.placed():
+            if any(start == stop for start, stop in piece.box):
+                continue  # an empty shard (more ranks than rows)
+            view = region_of(shards[local.name], local.local_box(piece, offset, piece.box))
+            placed.setdefault(piece.tensor, []).append((view, piece.box))
+
+    def advance(step: int) -> None:
+        with torch.no_grad():
+            for spec in layout.specs:
+                whole = torch.randn(spec.shape, generator=noise, dtype=spec.dtype).mul_(1e-2)
+                for view, box in placed.get(spec.name, ()):
+                    view.add_(region_of(whole, box))
 
     return advance

@@ -1,12 +1,15 @@
 """Launcher-neutral pieces of a job: who is who by rank, the rendezvous, commands across hosts.
 
-A job is one trainer and N rollout replicas, one process each, placed by whatever launches
-them: ``multiprocessing`` on one host, ``torchrun`` across nodes, Ray actors. Whatever the
-launcher, every process runs the same entry point with a :class:`JobContext`:
+A job is one trainer and N rollout replicas, one process each (or, sharded, a trainer of
+several ranks and replicas of several ranks each), placed by whatever launches them:
+``multiprocessing`` on one host, ``torchrun`` across nodes, Ray actors. Whatever the launcher,
+every process runs the same entry point with a :class:`JobContext`:
 
 * :class:`JobLayout` - the ranks: the trainer (rank 0 by default) and the replicas (the
   others, in rank order; the first receives P2R and is the R2R source, as in
-  :func:`~rollout_sync.build_sync_groups`).
+  :func:`~rollout_sync.build_sync_groups`); sharded, the trainer's ranks first, then each
+  replica's (:meth:`JobLayout.sharded`, as in
+  :func:`~rollout_sync.sharded_groups.build_sharded_sync_groups`).
 * :class:`JobContext` - this process's rank, the layout and the *rendezvous*: ``env://`` under
   torchrun (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``), or a
   ``tcp://host:port`` address the launcher gives (Ray: the trainer actor publishes it).
@@ -59,15 +62,29 @@ class Role(enum.Enum):
 
 @dataclass(frozen=True)
 class JobLayout:
-    """The ranks of a job of one trainer and ``world_size - 1`` rollout replicas.
+    """The ranks of a job: a trainer and rollout replicas.
+
+    The plain job (the defaults) is one trainer process and ``world_size - 1`` replicas of one
+    process each. A *sharded* job has a trainer of ``trainer_ranks`` processes (an FSDP-style
+    trainer, each rank holding its shards) and replicas of ``replica_size`` processes each (a
+    tensor-parallel engine): ranks ``trainer .. trainer + trainer_ranks - 1`` are the trainer's,
+    and the others, in rank order, are cut into consecutive replicas of ``replica_size`` ranks
+    (with ``trainer = 0``: replica ``j`` is ranks ``trainer_ranks + j * replica_size ..
+    trainer_ranks + (j + 1) * replica_size - 1``). :meth:`sharded` builds one from its counts.
 
     Args:
         world_size: processes in the job (at least 2).
-        trainer: the trainer's global rank; every other rank is a replica.
+        trainer: the trainer's (first) global rank; with several trainer ranks, the one that
+            hosts the rendezvous, announces the syncs and gathers results.
+        trainer_ranks: processes of the trainer (at least 1).
+        replica_size: processes of each replica (at least 1); ``world_size - trainer_ranks``
+            must be a positive multiple of it.
     """
 
     world_size: int
     trainer: int = 0
+    trainer_ranks: int = 1
+    replica_size: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size < 2:
@@ -76,16 +93,82 @@ class JobLayout:
             )
         if not 0 <= self.trainer < self.world_size:
             raise ValueError(f"trainer rank {self.trainer} is not in 0..{self.world_size - 1}")
+        if self.trainer_ranks < 1 or self.replica_size < 1:
+            raise ValueError(
+                f"a job needs at least one trainer rank and one rank per replica, got "
+                f"trainer_ranks={self.trainer_ranks}, replica_size={self.replica_size}"
+            )
+        if self.trainer + self.trainer_ranks > self.world_size:
+            raise ValueError(
+                f"trainer ranks {self.trainer}..{self.trainer + self.trainer_ranks - 1} do not "
+                f"fit in a job of {self.world_size} processes"
+            )
+        rest = self.world_size - self.trainer_ranks
+        if rest < self.replica_size or rest % self.replica_size:
+            raise ValueError(
+                f"{rest} replica process(es) (world_size {self.world_size} - "
+                f"{self.trainer_ranks} trainer rank(s)) do not make whole replicas of "
+                f"{self.replica_size} rank(s) each"
+            )
+
+    @classmethod
+    def sharded(cls, trainer_ranks: int, replicas: int, replica_size: int) -> JobLayout:
+        """Trainer ranks ``0 .. trainer_ranks - 1``, then ``replicas`` replicas of
+        ``replica_size`` consecutive ranks each."""
+        return cls(
+            trainer_ranks + replicas * replica_size,
+            trainer_ranks=trainer_ranks,
+            replica_size=replica_size,
+        )
+
+    @property
+    def is_sharded(self) -> bool:
+        """Several trainer ranks, or replicas of several ranks."""
+        return self.trainer_ranks > 1 or self.replica_size > 1
+
+    @property
+    def trainers(self) -> tuple[int, ...]:
+        """The trainer's ranks, in its layout's order (``(trainer,)`` for a plain job)."""
+        return tuple(range(self.trainer, self.trainer + self.trainer_ranks))
 
     @property
     def replicas(self) -> tuple[int, ...]:
-        """The replica ranks in rank order; the first is the P2R target and the R2R source."""
-        return tuple(r for r in range(self.world_size) if r != self.trainer)
+        """Every replica rank in rank order. In a plain job each is a replica; the first is the
+        P2R target and the R2R source. In a sharded job see :attr:`replica_groups`."""
+        trainers = self.trainers
+        return tuple(r for r in range(self.world_size) if r not in trainers)
+
+    @property
+    def replica_groups(self) -> tuple[tuple[int, ...], ...]:
+        """Each replica's ranks, in replica order (the first receives P2R); within one, in its
+        tensor-parallel order (the first is the replica's leader)."""
+        ranks, size = self.replicas, self.replica_size
+        return tuple(ranks[i : i + size] for i in range(0, len(ranks), size))
+
+    @property
+    def leaders(self) -> tuple[int, ...]:
+        """The first rank of each replica (the one that schedules and ships payloads)."""
+        return tuple(group[0] for group in self.replica_groups)
+
+    @property
+    def num_replicas(self) -> int:
+        return (self.world_size - self.trainer_ranks) // self.replica_size
 
     def role_of(self, rank: int) -> Role:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is not in 0..{self.world_size - 1}")
-        return Role.TRAINER if rank == self.trainer else Role.REPLICA
+        return Role.TRAINER if rank in self.trainers else Role.REPLICA
+
+    def describe(self) -> str:
+        """In words: ``"2 trainer ranks, 3 replicas x 2 ranks (8 processes)"``."""
+        trainer = (
+            "1 trainer rank" if self.trainer_ranks == 1 else f"{self.trainer_ranks} trainer ranks"
+        )
+        n = self.num_replicas
+        replicas = f"{n} replica{'s' if n != 1 else ''}"
+        if self.replica_size > 1:
+            replicas += f" x {self.replica_size} ranks"
+        return f"{trainer}, {replicas} ({self.world_size} processes)"
 
 
 @dataclass(frozen=True)
@@ -128,10 +211,12 @@ class JobContext:
     def command_queues(self) -> dict[int, StoreCommandQueue]:
         """The replicas' command queues on the job's store, by replica rank (after :meth:`join`).
 
-        On the trainer: every replica's, to put commands on (a
-        :class:`~rollout_sync.WorkerCommandChannel` takes them). On a replica: its own, to take
-        commands from (``RolloutWorker(commands=...)``); :meth:`StoreCommandQueue.close` it when
-        done. Call once per process: each call makes new queue objects on the same store keys.
+        On the trainer: every replica rank's (in a sharded job each rank of a replica runs a
+        worker of its own), to put commands on (a :class:`~rollout_sync.WorkerCommandChannel`
+        takes them; with several trainer ranks, the one that announces). On a replica: its own,
+        to take commands from (``RolloutWorker(commands=...)``); :meth:`StoreCommandQueue.close`
+        it when done. Call once per process: each call makes new queue objects on the same store
+        keys.
         """
         return command_queues(self.layout.replicas if self.is_trainer else (self.rank,))
 
@@ -311,9 +396,12 @@ def results_on_trainer(context: JobContext, value: Any) -> dict[int, Any] | None
     """Gather every rank's ``value`` on the trainer (a collective on the default group).
 
     For launchers with no parent process to collect results (torchrun): every rank calls it
-    with its result; the trainer gets ``{rank: value}``, the others ``None``.
+    with its result; the trainer (its rank ``layout.trainer``, with several trainer ranks) gets
+    ``{rank: value}``, the others ``None``.
     """
-    gathered: list[Any] | None = [None] * context.layout.world_size if context.is_trainer else None
+    # Only the gathering rank passes a list (a sharded trainer's other ranks are trainers too).
+    gathering = context.rank == context.layout.trainer
+    gathered: list[Any] | None = [None] * context.layout.world_size if gathering else None
     dist.gather_object(value, gathered, dst=context.layout.trainer)
     if gathered is None:
         return None

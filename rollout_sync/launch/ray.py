@@ -94,7 +94,10 @@ class RayJob:
     """Run one entry point per rank as Ray actors; see the module docstring.
 
     Args:
-        world_size: processes of the job (the trainer and the replicas).
+        world_size: processes of the job (the trainer and the replicas), or the job's
+            :class:`~rollout_sync.launch.job.JobLayout` (a sharded job's:
+            :meth:`~rollout_sync.launch.job.JobLayout.sharded`), which every rank's context
+            then carries; one actor (and bundle) per process either way.
         address: an existing Ray cluster (``ray.init(address=...)``, e.g. ``"auto"`` or
             ``"ray://head:10001"``); ``None`` starts a local cluster for the job.
         bundle: the resources of each rank's placement-group bundle (``{"CPU": 1, "GPU": 1}``
@@ -102,7 +105,7 @@ class RayJob:
         strategy: the placement group's strategy (``"PACK"``, ``"SPREAD"``, ...).
         rendezvous_host: the address the trainer's rendezvous listens on; default the trainer
             actor's node IP (``127.0.0.1`` on a local cluster).
-        trainer: the trainer's rank.
+        trainer: the trainer's rank (with a layout: its own ``trainer``; leave this 0).
         timeout_s: the limit of placement, of the rendezvous address, and of the whole run.
         grace_s: after the first rank fails, how long the others get before they are killed.
         intra_op_threads: ``torch.set_num_threads`` on every rank (``None``: leave it).
@@ -111,7 +114,7 @@ class RayJob:
 
     def __init__(
         self,
-        world_size: int,
+        world_size: int | JobLayout,
         *,
         address: str | None = None,
         bundle: Mapping[str, float] | None = None,
@@ -123,7 +126,12 @@ class RayJob:
         intra_op_threads: int | None = 1,
         env: Mapping[str, str] | None = None,
     ) -> None:
-        self.layout = JobLayout(world_size, trainer)
+        if isinstance(world_size, JobLayout):
+            if trainer != 0:
+                raise ValueError("RayJob(layout, trainer=...): the layout says who the trainer is")
+            self.layout = world_size
+        else:
+            self.layout = JobLayout(world_size, trainer)
         self.address = address
         self.bundle = dict(bundle) if bundle is not None else {"CPU": 1.0}
         self.strategy = strategy

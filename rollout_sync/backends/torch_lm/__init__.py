@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -273,8 +273,10 @@ def tiny_lm_tp_layout(config: TinyLMConfig, tp: int) -> Layout:
         raise ValueError(
             f"tensor parallelism over {tp} ranks needs even splits: {config.n_heads} heads"
         )
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        specs = specs_of(dict(TinyCausalLM(config).named_parameters()))
+    # Built on the CPU, not the meta device: the meta device's first use imports torch._dynamo
+    # (seconds per process); the tiny model's parameters cost nothing.
+    with torch.random.fork_rng(devices=[]):
+        specs = specs_of(dict(TinyCausalLM(replace(config, device="cpu")).named_parameters()))
     return tiny_lm_layout(specs, config.n_layers, tp)
 
 
