@@ -945,4 +945,11 @@ class TorchLMStreamBackend(TorchLMBackend):
             start = time.perf_counter()
             limit = self.pause_timeout if timeout is None else timeout
             with lockstep.follower_hold(limit):
-                yield ParkReport(drained=drain, park_s=time.perf_counter() - start, in_flight=0)
+                report = ParkReport(drained=drain, park_s=time.perf_counter() - start, in_flight=0)
+                if self.timeline is None:
+                    yield report
+                else:  # a pause span, as the leader's scheduler records one
+                    with self.timeline.span(
+                        SpanKind.PAUSE, f"{self.name} paused", park_ms=report.park_s * 1e3
+                    ):
+                        yield report
