@@ -29,6 +29,8 @@ from rollout_sync.worker import P2R
 
 LM = TinyLMConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=32)
 PROMPTS = [[1, 2, 3], [5, 8, 13, 21, 34], [7]]
+STEP_LIMIT_S = 5.0
+"""The streaming replica's per-collective limit (TensorParallel.timeout_s)."""
 TOLERANCE = 1e-4
 """Logprobs of the sharded model may differ from the unsharded one's in the last bits (the
 row-parallel sums are added in another order); tokens must be equal."""
@@ -65,6 +67,14 @@ def _child(rank: int) -> dict[str, Any]:
         worker.close(10)
     out["after"] = _greedy(backend)
     out["slice"] = {n: t.clone() for n, t in backend.served_weights().items()}
+    # One rank's weights become torn (a write that failed there alone): the next generate call
+    # starts with the ranks' agreement, so both refuse, neither runs a forward on its own.
+    if rank == 3:
+        backend.mark_weights_torn("a write failed on this rank alone")
+    reason = "disagree after a sync" if rank == 2 else "failed on this rank alone"
+    with pytest.raises(TornWeightsError, match=reason) as refused:
+        backend.generate(PROMPTS, max_new_tokens=2, timeout=30)
+    out["refused"] = str(refused.value)
     return out
 
 
@@ -109,10 +119,13 @@ def _stream_child(rank: int) -> dict[str, Any]:
     if rank < 2:
         for version, seed in ((1, 7), (2, 11)):
             transfer.send(trainer_layout.shard(tiny_lm_weights(LM, seed), rank), version=version)
-        with pytest.raises(WeightTransferError):  # version 3: the leader gets a bad bucket
+        # Version 3 comes late (a slow upstream: longer than one TP collective's limit, well
+        # inside the transfer's), and the leader gets a bad bucket of it.
+        time.sleep(STEP_LIMIT_S + 1)
+        with pytest.raises(WeightTransferError):
             transfer.send(trainer_layout.shard(tiny_lm_weights(LM, 13), rank), version=3)
         return {}
-    backend = TorchLMStreamBackend(LM, tp=TensorParallel.of(tp_group, timeout_s=20))
+    backend = TorchLMStreamBackend(LM, tp=TensorParallel.of(tp_group, timeout_s=STEP_LIMIT_S))
     worker = RolloutWorker(backend, p2r=transfer, weight_sync_timeout=20)
     out: dict[str, Any] = {}
     try:
@@ -142,7 +155,8 @@ def _stream_child(rank: int) -> dict[str, Any]:
             out["results"] = [(r.prompt, r.tokens, r.token_weight_versions) for r in results]
         # Version 3: the leader's first bucket arrives corrupted, so it writes nothing and
         # alone would still serve version 2, whole; the follower wrote its part: torn. The
-        # replica agrees after the pause: both refuse to generate.
+        # replica agrees after the pause, once both syncs are over (not after one collective's
+        # limit, which the slow version 3 outlasts): both refuse to generate.
         if not backend.follower:
             transfer.hooks = TransferHooks(
                 after_receive=lambda k, b: b[:8].fill_(3) if k == 0 else None

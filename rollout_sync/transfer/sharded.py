@@ -156,8 +156,10 @@ def _buckets(
 def _check_coverage(
     queues: Mapping[int, Sequence[_Bucket]], specs: Mapping[str, WeightSpec], target: int
 ) -> None:
-    """Refuse a plan whose moves into this target rank do not add up to each of its tensors
-    exactly (a region missing or sent twice): it would leave a tensor partly old."""
+    """Refuse a plan whose moves into this target rank do not add up to each of its tensors'
+    bytes (a region missing, or sent twice): it would leave a tensor partly old. A plan that
+    :meth:`TransferPlan.between` builds covers every element exactly once by construction; this
+    checks a plan made by other means by its byte counts."""
     covered: dict[str, int] = dict.fromkeys(specs, 0)
     for queue in queues.values():
         for bucket in queue:
@@ -280,9 +282,10 @@ class ShardedTransfer:
         self._queues = {peer: q for peer, q in self._queues.items() if q}
         self._largest = {peer: max(b.wire_bytes for b in q) for peer, q in self._queues.items()}
         """The largest bucket to or from each peer: what each staging buffer holds."""
-        wire = repr((plan.digest, limit, checksums)).encode()
+        wire = repr((plan.digest, limit, checksums, self.source_ranks, self.target_ranks)).encode()
         self.digest = int.from_bytes(hashlib.sha256(wire).digest()[:8], "little") >> 1
-        """The plan's digest with the wire settings: what the ranks vote on."""
+        """The plan's digest with the wire settings and which global rank holds which side's
+        layout rank: what the ranks vote on."""
         self._buffers: list[torch.Tensor] = []
         """A source's two staging buffers; a target's two per source (made on first use)."""
         self._receive_buffers: dict[int, list[torch.Tensor]] = {}

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...backend import KVCachePolicy, RolloutBase
-from ...errors import ShutdownTimeout
+from ...errors import CollectiveError, ShutdownTimeout
 from ...flat import FlatWeights
 from ...gate import Gate
 from ...scheduler import (
@@ -315,6 +315,9 @@ class TorchLMStatistics:
     weight_version: int
     weights_torn: bool
     parked: bool
+    tp_error: str | None = None
+    """A streaming tensor-parallel follower: what stopped it following its leader (it is then
+    torn, and its replica must be restarted); ``None`` otherwise."""
 
 
 class TorchLMBackend(RolloutBase):
@@ -341,6 +344,12 @@ class TorchLMBackend(RolloutBase):
             all-reduces over the replica's group. Every rank of the replica runs the same
             :meth:`generate` calls, with the same requests, in lockstep (SPMD, as vLLM's
             workers do); greedy output equals the unsharded model's (docs/distributed.md).
+            Each call starts with the ranks agreeing on their weights (servable, version):
+            if they differ, every rank marks itself torn and the call raises
+            :class:`~rollout_sync.errors.TornWeightsError`. Sync such a replica *between*
+            :meth:`generate` calls: its ``paused()`` parks this rank only, and a rank parked
+            while another is mid-step leaves that step's all-reduce waiting (the streaming
+            backend parks every rank together).
 
     Attributes:
         layer_hook: ``None`` or a callable run inside every forward, before each block
@@ -387,6 +396,8 @@ class TorchLMBackend(RolloutBase):
         """A tensor-parallel leader's announcement of each step (the stream backend's)."""
         self._mirrored: dict[int, _KVState] = {}
         """A tensor-parallel follower's caches, by request id."""
+        self.lockstep: Lockstep | None = None
+        """A streaming tensor-parallel replica's lockstep (:class:`TorchLMStreamBackend`)."""
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -560,7 +571,11 @@ class TorchLMBackend(RolloutBase):
         if self._announce is not None:  # a tensor-parallel leader: the followers run it too
             ids = tuple(s.request_id for s in live)
             lengths = tuple(kv.length for kv in caches)
-            self._announce(StepPlan(ids, lengths, tokens, positions, new_mask))
+            try:
+                self._announce(StepPlan(ids, lengths, tokens, positions, new_mask, version))
+            except CollectiveError as exc:
+                self._lockstep_broken(exc)
+                raise
         logits, new_k, new_v = self._forward(caches, tokens, positions, new_mask, epoch)
 
         last = torch.tensor([len(p) - 1 for p in pending], device=device)
@@ -606,16 +621,20 @@ class TorchLMBackend(RolloutBase):
                 hook(index)
 
         start = time.monotonic_ns()
-        with torch.no_grad():
-            logits, new_k, new_v = model(
-                tokens.to(device),
-                positions.to(device),
-                past_k,
-                past_v,
-                past_mask.to(device),
-                new_mask.to(device),
-                on_layer,
-            )
+        try:
+            with torch.no_grad():
+                logits, new_k, new_v = model(
+                    tokens.to(device),
+                    positions.to(device),
+                    past_k,
+                    past_v,
+                    past_mask.to(device),
+                    new_mask.to(device),
+                    on_layer,
+                )
+        except CollectiveError as exc:  # a tensor-parallel peer died or left the lockstep
+            self._lockstep_broken(exc)
+            raise
         seen.append(self._write_seq)
         torn = any(s % 2 for s in seen) or len(set(seen)) > 1
         n_tokens = int(new_mask.sum())
@@ -640,10 +659,39 @@ class TorchLMBackend(RolloutBase):
         kv.v[:, :, kv.length : kv.length + n] = new_v[:, b, :, :n]
         kv.length += n
 
+    def _reconcile(self, states: list[tuple[bool, int]]) -> None:
+        """After a pause: if any rank of the replica is torn, or the ranks hold different
+        versions, this rank's weights are torn too (the replica must not mix them)."""
+        versions = {version for _, version in states}
+        if self.weights_torn or (all(ok for ok, _ in states) and len(versions) == 1):
+            return
+        self.mark_weights_torn(
+            "the ranks of this tensor-parallel replica disagree after a sync: (servable, "
+            f"version) by rank {states}; a forward would mix them"
+        )
+
+    def _lockstep_broken(self, exc: BaseException) -> None:
+        """A tensor-parallel step failed on the replica's group: the ranks may no longer serve
+        the same weights in step, so this rank refuses to generate until a complete sync."""
+        self.mark_weights_torn(
+            f"a tensor-parallel step failed ({type(exc).__name__}: {exc}); the replica's ranks "
+            "are out of step"
+        )
+
     def _mirror(self, plan: StepPlan) -> None:
         """A tensor-parallel follower's step: the leader's announced forward, on this rank's
-        slice and caches (sequences the leader no longer runs are dropped)."""
+        slice and caches (sequences the leader no longer runs are dropped).
+
+        Raises:
+            RuntimeError: the leader runs another weight version than this rank serves (the
+                step is refused: a forward must never mix two versions).
+        """
         self.check_servable()
+        if plan.version != self.weight_version:
+            raise RuntimeError(
+                f"lockstep refused: the leader steps on weight version {plan.version}, this "
+                f"tensor-parallel rank serves version {self.weight_version}"
+            )
         epoch = self._weights_epoch
         heads = self.config.n_heads // self.tp_size
         caches: dict[int, _KVState] = {}
@@ -726,6 +774,11 @@ class TorchLMBackend(RolloutBase):
             PauseTimeout: a pause held the gate for more than ``timeout`` seconds at a step.
         """
         self.ensure_initialized()
+        if self.tp is not None and self.tp.size > 1 and self.lockstep is None:
+            # SPMD: every rank of the replica starts this call together. They agree first on
+            # the weights they serve, so that a replica whose ranks' syncs ended differently
+            # refuses as a whole instead of running forwards that mix two versions.
+            self._reconcile(self.tp.agree(not self.weights_torn, self.weight_version))
         self.check_servable()
         requests = [
             p
@@ -773,6 +826,11 @@ class TorchLMBackend(RolloutBase):
             weight_version=self.weight_version,
             weights_torn=self.weights_torn,
             parked=self.generation_gate.held,
+            tp_error=(
+                None
+                if self.lockstep is None or self.lockstep.error is None
+                else f"{type(self.lockstep.error).__name__}: {self.lockstep.error}"
+            ),
         )
 
     def __repr__(self) -> str:
@@ -827,7 +885,6 @@ class TorchLMStreamBackend(TorchLMBackend):
             tp=tp,
         )
         self.drain_on_pause = drain_on_pause
-        self.lockstep: Lockstep | None = None
         if tp is not None and tp.size > 1:
             self.lockstep = Lockstep(
                 tp,
@@ -835,6 +892,7 @@ class TorchLMStreamBackend(TorchLMBackend):
                 mirror=self._mirror,
                 state=lambda: (not self.weights_torn, self.weight_version),
                 reconcile=self._reconcile,
+                fail=self.mark_weights_torn,
             )
             if self.lockstep.leader:
                 self._announce = self.lockstep.announce_step
@@ -878,23 +936,18 @@ class TorchLMStreamBackend(TorchLMBackend):
                         f"tensor-parallel rank {self.lockstep.tp.rank}: its leader did not stop "
                         f"generation within {timeout:.1f} s"
                     )
+                if self.lockstep.error is not None:
+                    raise RuntimeError(
+                        f"tensor-parallel rank {self.lockstep.tp.rank} stopped following its "
+                        f"leader before the end: {type(self.lockstep.error).__name__}: "
+                        f"{self.lockstep.error}"
+                    ) from self.lockstep.error
             else:
                 self.scheduler.stop(timeout, finish_active=finish_active)
                 if self.lockstep is not None and self._started:
                     self.lockstep.announce_stop()
         finally:
             self.shutdown()
-
-    def _reconcile(self, states: list[tuple[bool, int]]) -> None:
-        """After a pause: if any rank of the replica is torn, or the ranks hold different
-        versions, this rank's weights are torn too (the replica must not mix them)."""
-        versions = {version for _, version in states}
-        if self.weights_torn or (all(ok for ok, _ in states) and len(versions) == 1):
-            return
-        self.mark_weights_torn(
-            "the ranks of this tensor-parallel replica disagree after a sync: (servable, "
-            f"version) by rank {states}; a forward would mix them"
-        )
 
     def put(
         self,

@@ -68,6 +68,8 @@ class StepPlan:
     tokens: torch.Tensor
     positions: torch.Tensor
     new_mask: torch.Tensor
+    version: int = 0
+    """The weight version the leader runs the step on: a follower on another refuses it."""
 
     def encode(self) -> torch.Tensor:
         return torch.cat(
@@ -81,7 +83,7 @@ class StepPlan:
         )
 
     @classmethod
-    def decode(cls, data: torch.Tensor, batch: int, width: int) -> StepPlan:
+    def decode(cls, data: torch.Tensor, batch: int, width: int, version: int = 0) -> StepPlan:
         ids, lengths, tokens, positions, mask = data.split(
             [batch, batch, batch * width, batch * width, batch * width]
         )
@@ -91,6 +93,7 @@ class StepPlan:
             tokens.view(batch, width),
             positions.view(batch, width),
             mask.view(batch, width).bool(),
+            version,
         )
 
 
@@ -118,21 +121,33 @@ class Lockstep:
         mirror: Callable[[StepPlan], None],
         state: Callable[[], ReplicaState],
         reconcile: Callable[[list[ReplicaState]], None],
+        fail: Callable[[str], None],
     ) -> None:
+        backend = str(dist.get_backend(tp.group))
+        if "gloo" not in backend:
+            raise ValueError(
+                f"a tensor-parallel replica's lockstep sends its announcements as CPU tensors, so "
+                f"its group needs gloo (a gloo group, or 'cpu:gloo,cuda:nccl'); got {backend!r}"
+            )
         self.tp = tp
         self.gate = gate
         self.mirror = mirror
         self.state = state
         self.reconcile = reconcile
+        self.fail = fail
         self.leader = tp.rank == 0
         self._src = tp.ranks[0]
         self._lock = threading.Lock()
+        """Guards the hold count; on the leader it is held across announcing PARK and across
+        agreeing, so two pauses' collectives never interleave on the group."""
         self._depth = 0
         self._announced = False
         self._parked = threading.Event()
         """Follower: the leader announced PARK and the agreement has not happened yet."""
+        self._began = threading.Event()
+        """Follower: its own outermost pause began (after the leader's PARK)."""
         self._released = threading.Event()
-        """Follower: its outermost pause ended (or none came); the loop may agree."""
+        """Follower: its outermost pause ended; the loop may agree."""
         self._agreed = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -145,31 +160,29 @@ class Lockstep:
         """Leader, inside a decode step, before its forward."""
         batch, width = plan.tokens.shape
         data = plan.encode()
-        self._announce([StepKind.STEP, batch, width, data.numel()], data)
+        self._announce([StepKind.STEP, batch, width, data.numel(), plan.version], data)
 
     def announce_stop(self) -> None:
         """Leader, once its scheduler stopped: the followers' loops end."""
-        self._announce([StepKind.STOP, 0, 0, 0], None)
+        self._announce([StepKind.STOP, 0, 0, 0, 0], None)
 
     @contextmanager
     def leader_hold(self) -> Iterator[None]:
         """Leader, inside its parked scheduler: announce PARK (outermost hold), and agree when
         the outermost hold ends."""
         with self._lock:
-            first = self._depth == 0
+            if self._depth == 0:
+                self._announce([StepKind.PARK, 0, 0, 0, 0], None)
+                self._announced = True
             self._depth += 1
         try:
-            if first:
-                self._announce([StepKind.PARK, 0, 0, 0], None)
-                self._announced = True
             yield
         finally:
             with self._lock:
                 self._depth -= 1
-                last = self._depth == 0
-            if last and self._announced:
-                self._announced = False
-                self._agree()
+                if self._depth == 0 and self._announced:
+                    self._announced = False
+                    self._agree()
 
     # -- a follower ----------------------------------------------------------------------------
 
@@ -195,25 +208,29 @@ class Lockstep:
             first = self._depth == 0
             self._depth += 1
         try:
-            if first and not self._parked.wait(timeout):
-                raise PauseTimeout(
-                    f"tensor-parallel rank {self.tp.rank}: the replica's leader did not park "
-                    f"within {timeout:.1f} s (a follower parks only with its leader: every rank "
-                    "of a replica takes every sync)",
-                    operation="wait for the replica's leader to park",
-                    timeout=timeout,
-                    sections_running=0,
-                )
+            if first:
+                if not self._parked.wait(timeout):
+                    raise PauseTimeout(
+                        f"tensor-parallel rank {self.tp.rank}: the replica's leader did not "
+                        f"park within {timeout:.1f} s (a follower parks only with its leader: "
+                        "every rank of a replica takes every sync)",
+                        operation="wait for the replica's leader to park",
+                        timeout=timeout,
+                        sections_running=0,
+                    )
+                self._agreed.clear()
+                self._began.set()
             with self.gate.exclusive(timeout):
                 yield
         finally:
             with self._lock:
                 self._depth -= 1
                 last = self._depth == 0
-            if last and self._parked.is_set():
-                self._agreed.clear()
+            if last and self._began.is_set():
+                self._began.clear()
                 self._released.set()
-                self._agreed.wait(self.tp.timeout_s)
+                # The loop agrees now (bounded by the agreement's own limit).
+                self._agreed.wait(self.tp.agree_timeout_s + self.tp.timeout_s)
 
     def _follow(self) -> None:
         try:
@@ -224,9 +241,13 @@ class Lockstep:
                 if kind is StepKind.PARK:
                     self._released.clear()
                     self._parked.set()
-                    # The follower's own pause is on its way (its worker takes the same sync);
-                    # bounded, so a leader-only pause costs a timeout, not a hang.
-                    self._released.wait(self.tp.timeout_s)
+                    # The follower's own pause is on its way (its worker takes the same sync):
+                    # its start is awaited for one collective's limit (a pause of the leader
+                    # alone costs that, not a hang); once it began, its end is awaited whole
+                    # (the sync inside it has limits of its own), and only then is this rank's
+                    # state read.
+                    if self._began.wait(self.tp.timeout_s):
+                        self._released.wait()
                     try:
                         self._agree()
                     finally:
@@ -242,6 +263,10 @@ class Lockstep:
                 self.steps_mirrored += 1
         except BaseException as exc:  # reported by the backend's statistics and stop()
             self.error = exc
+            self.fail(
+                f"tensor-parallel rank {self.tp.rank} stopped following its leader: "
+                f"{type(exc).__name__}: {exc}; restart the replica"
+            )
             self._agreed.set()
 
     # -- the wire ------------------------------------------------------------------------------
@@ -253,23 +278,29 @@ class Lockstep:
         self._wait(works, f"announce {StepKind(header[0]).name}")
 
     def _receive(self) -> tuple[StepKind, StepPlan | None]:
-        header = torch.zeros(4, dtype=torch.int64)
+        header = torch.zeros(5, dtype=torch.int64)
         # The one unbounded wait: generation may idle between steps for as long as it likes.
         self._wait([self._broadcast(header)], "wait for the leader's next step", bounded=False)
-        kind, batch, width, size = (int(v) for v in header.tolist())
+        kind, batch, width, size, version = (int(v) for v in header.tolist())
         if StepKind(kind) is not StepKind.STEP:
             return StepKind(kind), None
         data = torch.zeros(size, dtype=torch.int64)
         self._wait([self._broadcast(data)], "receive the leader's step")
-        return StepKind.STEP, StepPlan.decode(data, batch, width)
+        return StepKind.STEP, StepPlan.decode(data, batch, width, version)
 
     def _agree(self) -> None:
+        """Agree with the other ranks on the weights; a failed agreement fails closed: this
+        rank's weights are marked torn, then the error is raised."""
         servable, version = self.state()
-        mine = torch.tensor([int(servable), version], dtype=torch.int64)
-        rows = [torch.zeros(2, dtype=torch.int64) for _ in self.tp.ranks]
-        work = dist.all_gather(rows, mine, group=self.tp.group, async_op=True)
-        self._wait([work], "agree on the replica's weights after a pause")
-        self.reconcile([(bool(r[0]), int(r[1])) for r in torch.stack(rows).tolist()])
+        try:
+            states = self.tp.agree(servable, version)
+        except BaseException as exc:
+            self.fail(
+                f"the ranks of this tensor-parallel replica could not agree on their weights "
+                f"after a sync ({type(exc).__name__}: {exc})"
+            )
+            raise
+        self.reconcile(states)
 
     def _broadcast(self, tensor: torch.Tensor) -> dist.Work | None:
         work: dist.Work | None = dist.broadcast(

@@ -50,12 +50,37 @@ class TensorParallel:
     timeout_s: float = 60.0
     ranks: tuple[int, ...] = ()
     """The group's global ranks (for messages)."""
+    agree_timeout_s: float = 600.0
+    """How long the ranks may wait for each other to agree on their weights after a sync (see
+    :meth:`agree`): the slowest rank's sync, not one collective, so longer than ``timeout_s``."""
 
     @classmethod
-    def of(cls, group: dist.ProcessGroup | None, *, timeout_s: float = 60.0) -> TensorParallel:
+    def of(
+        cls,
+        group: dist.ProcessGroup | None,
+        *,
+        timeout_s: float = 60.0,
+        agree_timeout_s: float = 600.0,
+    ) -> TensorParallel:
         """This process's place in ``group`` (registered with the default group)."""
         ranks = group_ranks(group)
-        return cls(group, ranks.index(dist.get_rank()), len(ranks), timeout_s, ranks)
+        return cls(
+            group, ranks.index(dist.get_rank()), len(ranks), timeout_s, ranks, agree_timeout_s
+        )
+
+    def agree(self, servable: bool, version: int) -> list[tuple[bool, int]]:
+        """Every rank's ``(servable, version)``, in rank order (an all-gather on the group's
+        CPU side, waited for at most :attr:`agree_timeout_s`)."""
+        mine = torch.tensor([int(servable), version], dtype=torch.int64)
+        rows = [torch.zeros(2, dtype=torch.int64) for _ in range(self.size)]
+        work = dist.all_gather(rows, mine, group=self.group, async_op=True)
+        wait_collective(
+            [work],
+            operation="tensor-parallel agreement on the replica's weights",
+            timeout_s=self.agree_timeout_s,
+            ranks=self.ranks,
+        )
+        return [(bool(r[0]), int(r[1])) for r in torch.stack(rows).tolist()]
 
     def all_reduce(self, tensor: torch.Tensor, what: str) -> torch.Tensor:
         """Sum ``tensor`` over the group, in place; returns it."""
