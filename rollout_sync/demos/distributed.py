@@ -102,6 +102,7 @@ from ..testing import (
 )
 from ..trace import SpanKind, Timeline, split_overlaps, step_intervals_ms, torn_forwards
 from ..trainer import (
+    CommandChannel,
     TrainerCallbacks,
     TransferWeightPusher,
     WeightBroadcastCallback,
@@ -519,12 +520,29 @@ def _trainer(
     pusher = TransferWeightPusher(
         transfer, barrier=groups.p2r_barrier, receiver=receiver if config.guarded else None
     )
+    channel = WorkerCommandChannel.for_groups(
+        groups, queues, pipelined_relay=config.pipelined_relay
+    )
+    return _train(config, weights, advance, pusher, channel, receiver, timeline)
+
+
+def _train(
+    config: DistributedDemoConfig,
+    weights: Mapping[str, torch.Tensor],
+    advance: Callable[[int], None],
+    pusher: TransferWeightPusher,
+    channel: CommandChannel | None,
+    receiver: PayloadReceiver | None,
+    timeline: Timeline,
+) -> dict[str, Any]:
+    """The training loop of a trainer rank, and its report: each step it takes the payloads
+    that arrive (``receiver``; a rank without one just spends the step), moves ``weights`` in
+    place (``advance``) and pushes them through its callback (announced on ``channel``, if
+    this rank announces)."""
     broadcast = WeightBroadcastCallback(
         lambda: weights,
         pusher=pusher,
-        channel=WorkerCommandChannel.for_groups(
-            groups, queues, pipelined_relay=config.pipelined_relay
-        ),
+        channel=channel,
         timeout=config.timeout_s,
         sync_on_run_begin=False,
         report_every_step=True,
@@ -536,7 +554,11 @@ def _trainer(
     transfers: list[dict[str, Any]] = []
     callbacks.run_begin(1)
     for step in range(1, config.steps + 1):
-        train_metrics = rollouts.take_for(receiver, config.step_interval_s, step - 1)
+        if receiver is not None:
+            train_metrics = rollouts.take_for(receiver, config.step_interval_s, step - 1)
+        else:
+            time.sleep(config.step_interval_s)  # this rank's stand-in for training
+            train_metrics = {}
         advance(step)
         if config.check_every_step:
             digests[step] = weights_digest(weights)
@@ -545,11 +567,14 @@ def _trainer(
         step_metrics.append(metrics)
         assert pusher.last_stats is not None
         transfers.append(asdict(pusher.last_stats))
-    callbacks.train_end(config.steps)  # STOP: the replicas close their senders
-    for payload in receiver.iter_payloads(config.timeout_s):
-        rollouts.add(payload, config.steps)
-    receiver.close(config.timeout_s)
-    stats = receiver.statistics()
+    callbacks.train_end(config.steps)  # STOP (from the rank that announces): senders close
+    received = lost = 0
+    if receiver is not None:
+        for payload in receiver.iter_payloads(config.timeout_s):
+            rollouts.add(payload, config.steps)
+        receiver.close(config.timeout_s)
+        stats = receiver.statistics()
+        received, lost = stats.received, stats.lost
     return {
         "role": "trainer",
         "pid": os.getpid(),
@@ -558,8 +583,8 @@ def _trainer(
         "nbytes": sum(t.numel() * t.element_size() for t in weights.values()),
         "transfers": transfers,
         "step_metrics": step_metrics,
-        "payloads_received": stats.received,
-        "payloads_lost": stats.lost,
+        "payloads_received": received,
+        "payloads_lost": lost,
         "payloads_invalid": rollouts.invalid,
         "payload_bytes": rollouts.nbytes,
         "rollout_tokens": rollouts.tokens,
@@ -758,59 +783,8 @@ def _sharded_trainer(
         if lead
         else None
     )
-    broadcast = WeightBroadcastCallback(
-        lambda: shards,  # this rank's own shards: no gather
-        pusher=pusher,
-        channel=channel,
-        timeout=config.timeout_s,
-        sync_on_run_begin=False,
-        report_every_step=True,
-    )
-    callbacks = TrainerCallbacks([broadcast])
-    rollouts = _Rollouts()
-    digests: dict[int, str] = {}
-    step_metrics: list[dict[str, Any]] = []
-    transfers: list[dict[str, Any]] = []
-    callbacks.run_begin(1)
-    for step in range(1, config.steps + 1):
-        if receiver is not None:
-            train_metrics = rollouts.take_for(receiver, config.step_interval_s, step - 1)
-        else:
-            time.sleep(config.step_interval_s)  # this rank's stand-in for training
-            train_metrics = {}
-        advance(step)
-        if config.check_every_step:
-            digests[step] = weights_digest(shards)
-        metrics = callbacks.step_end(step, None, True, train_metrics)
-        assert metrics is not None  # report_every_step
-        step_metrics.append(metrics)
-        assert pusher.last_stats is not None
-        transfers.append(asdict(pusher.last_stats))
-    callbacks.train_end(config.steps)  # on the first rank, STOP: the leaders close their senders
-    received = lost = 0
-    if receiver is not None:
-        for payload in receiver.iter_payloads(config.timeout_s):
-            rollouts.add(payload, config.steps)
-        receiver.close(config.timeout_s)
-        stats = receiver.statistics()
-        received, lost = stats.received, stats.lost
-    return {
-        "role": "trainer",
-        "rank": rank,
-        "pid": os.getpid(),
-        "digests": digests,
-        "final_digest": weights_digest(shards),
-        "nbytes": sum(t.numel() * t.element_size() for t in shards.values()),
-        "transfers": transfers,
-        "step_metrics": step_metrics,
-        "payloads_received": received,
-        "payloads_lost": lost,
-        "payloads_invalid": rollouts.invalid,
-        "payload_bytes": rollouts.nbytes,
-        "rollout_tokens": rollouts.tokens,
-        "staleness": rollouts.stale,
-        "spans": timeline.to_records(),
-    }
+    report = _train(config, shards, advance, pusher, channel, receiver, timeline)
+    return {**report, "rank": rank}
 
 
 def _sharded_replica(

@@ -46,17 +46,14 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from ..distributed import GroupCollectives, wait_work
+from ..distributed import GroupCollectives
 from ..errors import (
     ChecksumMismatchError,
-    CollectiveError,
-    CollectiveTimeout,
     ManifestRejected,
     RelayForwardError,
     TransferPlanMismatch,
     WeightMismatchError,
     WeightTransferError,
-    WeightTransferTimeout,
 )
 from ..trace import SpanKind, Timeline
 from ..weights import WeightSpec, check_weights_match
@@ -64,6 +61,7 @@ from .config import TransferConfig, TransferHooks, TransferStats
 from .layout import Box, region_of
 from .manifest import bucket_checksum
 from .plan import Move, TransferPlan
+from .weight_transfer import wait_transfer_work
 
 __all__ = ["ShardedTransfer"]
 
@@ -677,28 +675,8 @@ class ShardedTransfer:
     # -- plumbing --------------------------------------------------------------------------
 
     def _wait(self, work: dist.Work | None, op: str, version: int | None, written: int) -> None:
-        try:
-            wait_work(
-                work,
-                operation=op,
-                timeout_s=self.config.timeout_s,
-                group=self.group,
-                ranks=self.ranks,
-            )
-        except CollectiveTimeout as exc:
-            raise WeightTransferTimeout(
-                f"{exc} [{written} target tensor(s) written before it failed]",
-                operation=op,
-                version=version,
-                tensors_written=written,
-            ) from exc
-        except CollectiveError as exc:
-            raise WeightTransferError(
-                f"{exc} [{written} target tensor(s) written before it failed]",
-                operation=op,
-                version=version,
-                tensors_written=written,
-            ) from exc
+        timeout = self.config.timeout_s
+        wait_transfer_work(work, op, timeout, self.group, self.ranks, version, written)
 
     def _stats(
         self, role: str, version: int, progress: _Progress, start: float, voted: float, end: float

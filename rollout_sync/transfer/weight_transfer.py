@@ -93,7 +93,42 @@ from ._pipeline import _Forward, _InFlight
 from .config import TransferConfig, TransferHooks, TransferStats
 from .manifest import OriginChecksums, WeightManifest, bucket_checksum
 
-__all__ = ["WeightTransfer"]
+__all__ = ["WeightTransfer", "wait_transfer_work"]
+
+
+def wait_transfer_work(
+    work: dist.Work | None,
+    op: str,
+    timeout_s: float,
+    group: dist.ProcessGroup | None,
+    ranks: tuple[int, ...],
+    version: int | None,
+    written: int,
+) -> None:
+    """Wait for one of a transfer's operations (:func:`~rollout_sync.distributed.wait_work`),
+    its failure raised as the transfer's own error, saying how many target tensors this rank
+    had written (``written``) by then.
+
+    Raises:
+        WeightTransferTimeout: it did not complete within ``timeout_s``.
+        WeightTransferError: a peer failed (typically died) before that.
+    """
+    try:
+        wait_work(work, operation=op, timeout_s=timeout_s, group=group, ranks=ranks)
+    except CollectiveTimeout as exc:
+        raise WeightTransferTimeout(
+            f"{exc} [{written} target tensor(s) written before it failed]",
+            operation=op,
+            version=version,
+            tensors_written=written,
+        ) from exc
+    except CollectiveError as exc:
+        raise WeightTransferError(
+            f"{exc} [{written} target tensor(s) written before it failed]",
+            operation=op,
+            version=version,
+            tensors_written=written,
+        ) from exc
 
 
 @dataclass
@@ -1060,28 +1095,9 @@ class WeightTransfer:
             self._wait(work, op, version, written)
 
     def _wait(self, work: dist.Work, op: str, version: int | None, written: int) -> None:
-        try:
-            wait_work(
-                work,
-                operation=op,
-                timeout_s=self.config.timeout_s,
-                group=self.group,
-                ranks=self.ranks,
-            )
-        except CollectiveTimeout as exc:
-            raise WeightTransferTimeout(
-                f"{exc} [{written} target tensor(s) written before it failed]",
-                operation=op,
-                version=version,
-                tensors_written=written,
-            ) from exc
-        except CollectiveError as exc:
-            raise WeightTransferError(
-                f"{exc} [{written} target tensor(s) written before it failed]",
-                operation=op,
-                version=version,
-                tensors_written=written,
-            ) from exc
+        wait_transfer_work(
+            work, op, self.config.timeout_s, self.group, self.ranks, version, written
+        )
 
     @contextmanager
     def _span(self, name: str) -> Iterator[None]:
