@@ -20,6 +20,11 @@ object: ``native_over_raw``, ``rpc_over_raw``, ``bracket_overhead`` (all for the
 ``model_mb``, and every row.
 
 Run: ``python benchmarks/vllm_native.py`` (``--iterations``, ``--skip-large``).
+
+``--tp N`` measures tensor parallelism instead: the backend's native write
+(``VLLMBlockingBackend.load_weights``) into an engine with ``tensor_parallel_size=1`` and one
+with ``N``, the same model: the push time (median), and per worker the bytes its
+``"rollout_sync"`` engine received against the bytes of its shard (what vLLM's loader keeps).
 """
 
 from __future__ import annotations
@@ -157,13 +162,104 @@ def _bench_model(model_dir: Path, iterations: int, bucket_bytes: int) -> dict[st
     }
 
 
+def _worker_bytes(worker: Any) -> tuple[int, int]:
+    """In a worker (``collective_rpc``): the bytes its engine received in the last update, and
+    the bytes of its shards of them (its read-back plan's boxes)."""
+    engine = worker.weight_transfer_engine
+    shard = 0
+    for name, probes in engine._plan.probes.items():
+        spec = engine._expected[name]
+        part = probes[0].local_part(torch.empty(spec.shape, dtype=spec.dtype, device="meta"))
+        shard += part.numel() * part.element_size()
+    return round(engine.state()["last_mb"] * 1e6), shard
+
+
+def _bench_tp(model_dir: Path, tp: int, iterations: int) -> dict[str, Any]:
+    """The native write's time and each worker's bytes, at ``tensor_parallel_size=tp``."""
+    from rollout_sync.backends.vllm import VLLMBlockingBackend
+
+    backend = VLLMBlockingBackend(
+        VLLMEngineConfig(
+            model_dir, dtype="float32", kv_cache_memory_bytes=64 << 20, tensor_parallel_size=tp
+        ),
+        rpc_timeout=600.0,
+    )
+    try:
+        start = time.perf_counter()
+        backend.ensure_initialized()
+        startup_s = time.perf_counter() - start
+        shapes = {s.name: s.shape for s in backend.weight_specs()}
+        weights = [random_llama_weights(shapes, seed=s) for s in (1, 2)]
+        times = []
+        for i in range(iterations + 1):
+            start = time.perf_counter()
+            backend.load_weights(weights[i % 2])
+            backend.commit_weight_version(backend.weight_version + 1)
+            if i:  # the first write also opens the transfer group
+                times.append(time.perf_counter() - start)
+        state = backend.native_transfer_state() or {}
+        workers = backend.llm.collective_rpc(_worker_bytes, timeout=60)
+    finally:
+        backend.shutdown()
+    nbytes = sum(t.numel() * t.element_size() for t in weights[0].values())
+    return {
+        "tp": tp,
+        "model_bytes": nbytes,
+        "startup_s": startup_s,
+        "push_median_s": statistics.median(times),
+        "received_bytes": [received for received, _ in workers],
+        "shard_bytes": [shard for _, shard in workers],
+        "engine_s": {
+            "transfer": state.get("last_transfer_s"),
+            "of which vllm load": state.get("last_load_s"),
+            "finalize": state.get("last_finalize_s"),
+            "read-back": state.get("last_verify_s"),
+        },
+    }
+
+
+def main_tp(tp: int, iterations: int, skip_large: bool) -> int:
+    results: dict[str, list[dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory(prefix="rollout_sync_bench_") as tmp:
+        models = {"tiny": {}} if skip_large else {"tiny": {}, "large": LARGE}
+        for label, overrides in models.items():
+            model_dir = Path(tmp) / label
+            build_tiny_llama(model_dir, seed=0, **overrides)
+            try:
+                results[label] = [_bench_tp(model_dir, n, iterations) for n in (1, tp)]
+            except VLLMUnavailableError as exc:
+                print(exc, file=sys.stderr)
+                return 2
+    print(f"{'model':<8}{'tp':>4}{'MB':>8}{'push ms':>10}  per worker: received / shard MB")
+    for label, rows in results.items():
+        for r in rows:
+            per_worker = "  ".join(
+                f"{got / 1e6:.2f} / {shard / 1e6:.2f}"
+                for got, shard in zip(r["received_bytes"], r["shard_bytes"], strict=True)
+            )
+            print(
+                f"{label:<8}{r['tp']:>4}{r['model_bytes'] / 1e6:>8.2f}"
+                f"{r['push_median_s'] * 1e3:>10.1f}  {per_worker}"
+            )
+    print(json.dumps({"tp": tp, "models": results}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--skip-large", action="store_true", help="the tiny model only")
     parser.add_argument("--bucket-mb", type=float, default=8.0, help="the transfer's bucket size")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=0,
+        help="measure tensor_parallel_size=1 against this size instead (native write path)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.tp > 1:
+        return main_tp(args.tp, args.iterations, args.skip_large)
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="rollout_sync_bench_") as tmp:
         models = {"tiny": {}} if args.skip_large else {"tiny": {}, "large": LARGE}

@@ -43,6 +43,7 @@ __all__ = [
     "CosmosRLVersionError",
     "EgressHoldTimeout",
     "EngineCallTimeout",
+    "EngineOutOfStepError",
     "FastLLMEventTimeout",
     "FastLLMProtocolError",
     "FenceTimeout",
@@ -683,6 +684,13 @@ class RayUnavailableError(RolloutSyncError, ImportError):
 class RedisUnavailableError(RolloutSyncError, ImportError):
     """No ``redis-server`` executable, or no ``redis`` Python client (the Fast-LLM receiver's
     tests and demo start the system's redis-server)."""
+
+
+class EngineOutOfStepError(RolloutSyncError, RuntimeError):
+    """A vLLM engine with several workers answered a call with a stale answer: after one
+    worker failed an all-worker call, vLLM's multiprocess executor reads the others' answers one
+    call late (vLLM issue #49972). It can no longer be updated or checked: restart the engine.
+    Also a :class:`RuntimeError`."""
 
 
 class VLLMUnavailableError(RolloutSyncError, ImportError):

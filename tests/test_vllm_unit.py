@@ -275,6 +275,9 @@ class _FakeEngine:
 
     # -- access.EngineAccess
 
+    def rpc_all(self, method: str, *args: object, timeout: float) -> list[object]:
+        return [self.rpc(method, *args, timeout=timeout)]
+
     def rpc(self, method: str, *args: object, timeout: float) -> object:
         self._call(method)
         if method == "rollout_sync_describe":
@@ -293,7 +296,8 @@ class _FakeEngine:
                 "verify_ms": 2.5,
             }
         if method == "rollout_sync_native_state":
-            return {"torn": None, "updates": 1, "last_verify_s": 0.004}
+            token = args[0] if args else None
+            return {"torn": None, "updates": 1, "last_verify_s": 0.004, "token": token}
         raise AssertionError(f"unexpected engine call {method}")
 
     def weight_sync_client(self, timeout_s: float) -> _FakeEngine:
@@ -553,7 +557,8 @@ def test_an_engine_that_cannot_report_its_state_is_taken_as_torn_and_the_reason_
 
 
 def test_one_state_for_all_of_an_engines_workers_is_torn_if_any_is() -> None:
-    """``collective_rpc`` answers once per worker; the clients report one state for all."""
+    """``collective_rpc`` answers once per worker; the clients report one state for all, and
+    refuse answers to an earlier call (vLLM issue #49972 leaves them queued)."""
     pytest.importorskip("vllm")  # resolves the worker extension's path
     from rollout_sync.backends.vllm.client import LLMWeightSyncClient
     from rollout_sync.backends.vllm.worker import WORKER_EXTENSION
@@ -563,19 +568,33 @@ def test_one_state_for_all_of_an_engines_workers_is_torn_if_any_is() -> None:
         weight_transfer_config=SimpleNamespace(backend="rollout_sync"),
         parallel_config=SimpleNamespace(worker_extension_cls=WORKER_EXTENSION),
     )
-    llm = SimpleNamespace(
-        llm_engine=SimpleNamespace(vllm_config=vllm_config),
-        collective_rpc=lambda method, timeout: list(answers),
-    )
+
+    def collective_rpc(method: str, timeout: float, kwargs: dict[str, str]) -> list[object]:
+        # Each worker echoes the call's token, as the worker extension does.
+        return [
+            a if a is None else {**a, "token": a.get("token", kwargs["token"])} for a in answers
+        ]
+
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=vllm_config))
+    llm.collective_rpc = collective_rpc
     client = LLMWeightSyncClient(llm, timeout_s=5.0)
     whole = {"torn": None, "updates": 4, "initialized": True}
     torn = {"torn": "mid-load", "updates": 3, "initialized": True}
     answers[:] = [whole, whole]
-    assert client.native_transfer_state() == whole
+    assert client.native_transfer_state() == {**whole, "workers": 2}
     answers[:] = [whole, torn]
-    assert client.native_transfer_state() == {**whole, "torn": "mid-load", "updates": 3}
-    answers[:] = [whole, None]  # a worker without the "rollout_sync" engine
+    assert client.native_transfer_state() == {
+        **whole,
+        "torn": "worker 1: mid-load",
+        "updates": 3,
+        "workers": 2,
+    }
+    answers[:] = [None, None]  # workers without the "rollout_sync" engine
     assert client.native_transfer_state() is None
+    for stale in ({**whole, "token": "an earlier call"}, None):
+        answers[:] = [whole, stale]
+        with pytest.raises(RuntimeError, match=r"worker\(s\) \[1\] of 2.*restart the engine"):
+            client.native_transfer_state()
 
 
 # -- read-back: the CPU build's packed-copy trap, on a fake module -----------------------------

@@ -37,6 +37,11 @@ class EngineAccess(Protocol):
         Bounded by ``timeout`` seconds."""
         ...
 
+    def rpc_all(self, method: str, *args: Any, timeout: float) -> list[Any]:
+        """:meth:`rpc`, returning every worker's answer (one per worker: tensor-parallel ranks
+        in rank order)."""
+        ...
+
     def weight_sync_client(self, timeout_s: float) -> Any:
         """vLLM's weight-sync client protocol over this engine, each call bounded by
         ``timeout_s`` (no pause: the caller's)."""
@@ -87,12 +92,15 @@ class AsyncLLMAccess:
         return self.loop.run(coro, timeout, operation)
 
     def rpc(self, method: str, *args: Any, timeout: float) -> Any:
+        return self.rpc_all(method, *args, timeout=timeout)[0]
+
+    def rpc_all(self, method: str, *args: Any, timeout: float) -> list[Any]:
         engine = self.engine
 
         async def call() -> Any:
             return await engine.collective_rpc(method, timeout=timeout, args=args)
 
-        return self.run(call(), timeout, f"engine call {method}")[0]
+        return list(self.run(call(), timeout, f"engine call {method}"))
 
     def weight_sync_client(self, timeout_s: float) -> Any:
         from .client import AsyncLLMWeightSyncClient
@@ -124,7 +132,10 @@ class LLMAccess:
         Set and cleared by that thread only."""
 
     def rpc(self, method: str, *args: Any, timeout: float) -> Any:
-        return self.llm.collective_rpc(method, timeout=timeout, args=args)[0]
+        return self.rpc_all(method, *args, timeout=timeout)[0]
+
+    def rpc_all(self, method: str, *args: Any, timeout: float) -> list[Any]:
+        return list(self.llm.collective_rpc(method, timeout=timeout, args=args))
 
     def weight_sync_client(self, timeout_s: float) -> Any:
         from .client import LLMWeightSyncClient

@@ -53,6 +53,7 @@ import concurrent.futures
 import functools
 import threading
 import time
+import uuid
 from collections.abc import Callable, Coroutine, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -60,7 +61,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from ..._deadline import limit_of
 from ...backend import KVCachePolicy, RolloutBase
 from ...egress import EgressHoldReport, payload_egress_held
-from ...errors import EngineCallTimeout, PauseTimeout
+from ...errors import EngineCallTimeout, EngineOutOfStepError, PauseTimeout
 from ...guard import DEFAULT_SYNC_TIMEOUT_S, SyncMode, SyncReport, device_fence
 from ...trace import SpanKind, Timeline
 from .calls import park_engine, run_coroutine
@@ -86,6 +87,9 @@ _THREAD_SLACK_S = 5.0
 _STATE_RPC = RolloutSyncWorkerExtension.rollout_sync_native_state.__name__
 """The worker extension's RPC that reports the ``"rollout_sync"`` engine's state."""
 
+_CLOSE_RPC = RolloutSyncWorkerExtension.rollout_sync_close_update.__name__
+"""The worker extension's RPC that closes update sessions a failed update left open."""
+
 
 @runtime_checkable
 class GenerationPauser(Protocol):
@@ -110,15 +114,66 @@ class EngineStateSource(Protocol):
     def native_transfer_state(self) -> dict[str, Any] | None: ...
 
 
-def _merged_native_state(states: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
+OUT_OF_STEP = (
+    "vLLM's multiprocess executor stops reading the other workers' answers when one worker "
+    "fails an all-worker call (vLLM issue #49972, fixed upstream by PR #57846); every later "
+    "all-worker call then reads a stale answer, so this engine can no longer be updated or "
+    "checked: restart the engine"
+)
+"""What an engine with several workers is left in after a failed all-worker call."""
+
+
+def state_token() -> str:
+    """A fresh token for one state call (:func:`_merged_native_state` checks it came back)."""
+    return uuid.uuid4().hex
+
+
+def _merged_native_state(
+    states: Sequence[dict[str, Any] | None], token: str | None = None
+) -> dict[str, Any] | None:
     """One state for an engine's workers (``collective_rpc`` answers one per worker): the
-    first worker's, torn if any worker is (its reason), ``updates`` the fewest any landed;
-    ``None`` if a worker runs no ``"rollout_sync"`` engine (or none answered)."""
+    first worker's, torn if any worker is (its reason), ``updates`` the fewest any landed,
+    ``workers`` how many answered; ``None`` if every worker runs no ``"rollout_sync"`` engine
+    (or none answered).
+
+    With ``token`` (sent with the call), an answer that does not carry it is stale: raises
+    :class:`~rollout_sync.errors.EngineOutOfStepError` (a ``RuntimeError``; its message ends in
+    :data:`OUT_OF_STEP`: restart the engine).
+    """
+    if token is not None:
+        stale = [
+            i
+            for i, state in enumerate(states)
+            if not (state is None or (isinstance(state, dict) and state.get("token") == token))
+        ]
+        mixed = any(state is None for state in states) and any(
+            state is not None for state in states
+        )
+        if stale or mixed:
+            which = stale or [i for i, state in enumerate(states) if state is None]
+            raise EngineOutOfStepError(
+                f"worker(s) {which} of {len(states)} answered the state call with an answer "
+                f"to an earlier call: {OUT_OF_STEP}"
+            )
     if not states or any(state is None for state in states):
         return None
     known = [state for state in states if state is not None]
-    torn = next((state["torn"] for state in known if state["torn"] is not None), None)
-    return {**known[0], "torn": torn, "updates": min(int(state["updates"]) for state in known)}
+    torn = next(
+        (
+            state["torn"] if len(known) == 1 else f"worker {i}: {state['torn']}"
+            for i, state in enumerate(known)
+            if state["torn"] is not None
+        ),
+        None,
+    )
+    merged = {
+        **known[0],
+        "torn": torn,
+        "updates": min(int(state["updates"]) for state in known),
+        "workers": len(known),
+    }
+    merged.pop("token", None)
+    return merged
 
 
 def _reports_native_state(vllm_config: Any) -> bool:
@@ -210,6 +265,11 @@ class AsyncLLMWeightSyncClient:
     def shutdown_weight_transfer_engine(self) -> None:
         self._call(self.engine.shutdown_weight_transfer_engine(), "shutdown_weight_transfer_engine")
 
+    def close_weight_update(self) -> None:
+        """Close the update session in every worker where a failed update left it open (the
+        worker extension's ``rollout_sync_close_update``; see it). Never raises in a worker."""
+        self._call(self.engine.collective_rpc(_CLOSE_RPC, timeout=self.timeout_s), _CLOSE_RPC)
+
     def get_weight_version(self) -> str | None:
         version: str | None = self._call(self.engine.get_weight_version(), "get_weight_version")
         return version
@@ -237,10 +297,12 @@ class AsyncLLMWeightSyncClient:
         """
         if not _reports_native_state(self.engine.vllm_config):
             return None
+        token = state_token()
         states: list[dict[str, Any] | None] = self._call(
-            self.engine.collective_rpc(_STATE_RPC, timeout=self.timeout_s), _STATE_RPC
+            self.engine.collective_rpc(_STATE_RPC, timeout=self.timeout_s, kwargs={"token": token}),
+            _STATE_RPC,
         )
-        return _merged_native_state(states)
+        return _merged_native_state(states, token)
 
 
 class LLMWeightSyncClient:
@@ -272,6 +334,10 @@ class LLMWeightSyncClient:
     def shutdown_weight_transfer_engine(self) -> None:
         self._rpc("shutdown_weight_transfer_engine")
 
+    def close_weight_update(self) -> None:
+        """As :meth:`AsyncLLMWeightSyncClient.close_weight_update`, over ``LLM``."""
+        self.llm.collective_rpc(_CLOSE_RPC, timeout=self.timeout_s)
+
     def update_weight_version(self, weight_version: str) -> None:
         self._bounded(
             lambda: self.llm.llm_engine.set_weight_version(weight_version), "set_weight_version"
@@ -287,10 +353,11 @@ class LLMWeightSyncClient:
         """As :meth:`AsyncLLMWeightSyncClient.native_transfer_state`, over ``LLM``."""
         if not _reports_native_state(self.llm.llm_engine.vllm_config):
             return None
+        token = state_token()
         states: list[dict[str, Any] | None] = self.llm.collective_rpc(
-            _STATE_RPC, timeout=self.timeout_s
+            _STATE_RPC, timeout=self.timeout_s, kwargs={"token": token}
         )
-        return _merged_native_state(states)
+        return _merged_native_state(states, token)
 
     def _bounded(self, call: Callable[[], T], what: str) -> T:
         """``call()`` on a helper thread, waited for at most ``timeout_s`` (the engine's version
@@ -570,6 +637,8 @@ class GuardedWeightSyncClient:
         self._engine_updates: int | None = None
         self._state_error: str | None = None
         """Why the engine's state could not be read (at the last time it was asked)."""
+        self._engine_workers = 1
+        """How many workers answered the last state read that succeeded."""
         self._times: dict[str, float] = {}
         self._body_start_ns = 0
 
@@ -621,6 +690,7 @@ class GuardedWeightSyncClient:
             self.inner.update_weights(update_info)
         except BaseException as exc:
             with self._lock:
+                self._close_open_sessions()
                 self._fail(exc, "update_weights")
             raise
 
@@ -739,6 +809,11 @@ class GuardedWeightSyncClient:
                         f" (taken as torn: the engine's state could not be read, "
                         f"{self._state_error})"
                     )
+                    if self._engine_workers > 1 and OUT_OF_STEP not in reason:
+                        reason += (
+                            f"; the engine has {self._engine_workers} workers, so the failed "
+                            f"call may have left it out of step: {OUT_OF_STEP}"
+                        )
                 self.torn = reason
                 if self.rollout is not None:
                     # Torn: the backend stays parked when its pause ends, refuses new requests,
@@ -755,17 +830,36 @@ class GuardedWeightSyncClient:
 
     def _close_failed_update(self) -> None:
         """vLLM's worker keeps an update whose finish raised open, and refuses the next start;
-        a second finish closes it (the ``"rollout_sync"`` engine does nothing more in it)."""
+        a second finish closes it (the ``"rollout_sync"`` engine does nothing more in it).
+        Where the inner client can close sessions without raising in a worker
+        (``close_weight_update``: several workers), that instead."""
+        if self._close_open_sessions():
+            return
         try:
             self.inner.finish_weight_update(None)
         except Exception:  # the update is failed either way; the first error is the one raised
             pass
+
+    def _close_open_sessions(self) -> bool:
+        """Close the update session where a failed update left it open in some workers (with
+        tensor parallelism, ``update_weights`` that failed in one worker leaves it open in the
+        others); ``False`` when the inner client cannot (vLLM's own clients)."""
+        close = getattr(self.inner, "close_weight_update", None)
+        if not callable(close):
+            return False
+        try:
+            close()
+        except Exception:  # the update is failed either way; the first error is the one raised
+            pass
+        return True
 
     def _engine_update_count(self) -> int | None:
         """How many updates the engine has landed (``None``: it cannot say). Asked at the first
         start and after a failure; counted here after each update that lands (an update by
         another trainer meanwhile only makes a later failure count as torn: the safe side)."""
         state = self._read_engine_state()
+        if state is not None:
+            self._engine_workers = int(state.get("workers", 1))
         return None if state is None else int(state.get("updates", -1))
 
     def _read_engine_state(self) -> dict[str, Any] | None:

@@ -94,8 +94,23 @@ class VLLMEngineConfig:
     ``collective_rpc``. Another
     backend (``{"backend": "nccl"}``) is for a trainer that drives the engine itself."""
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    tensor_parallel_size: int = 1
+    """vLLM's ``tensor_parallel_size``: the workers the model is split over. Each worker's
+    ``"rollout_sync"`` engine receives every tensor whole and vLLM's loader keeps its shard;
+    the read-back checks each worker's own shard (``docs/vllm.md``, tensor parallelism)."""
 
     def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(
+                f"VLLMEngineConfig: tensor_parallel_size must be an int >= 1, got {tp!r}"
+            )
+        given = self.engine_kwargs.get("tensor_parallel_size")
+        if given is not None and tp != 1 and given != tp:
+            raise ValueError(
+                f"VLLMEngineConfig: engine_kwargs['tensor_parallel_size']={given!r} conflicts "
+                f"with tensor_parallel_size={tp}: pass it once"
+            )
         if "weight_transfer_config" in self.engine_kwargs:
             raise ValueError(
                 "VLLMEngineConfig: engine_kwargs['weight_transfer_config'] conflicts with "
@@ -136,5 +151,7 @@ class VLLMEngineConfig:
             kwargs["kv_cache_memory_bytes"] = self.kv_cache_memory_bytes
         if self.weight_transfer_config is not None:
             kwargs["weight_transfer_config"] = dict(self.weight_transfer_config)
+        if self.tensor_parallel_size != 1:
+            kwargs["tensor_parallel_size"] = self.tensor_parallel_size
         kwargs.update(self.engine_kwargs)
         return kwargs

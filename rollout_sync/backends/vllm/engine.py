@@ -30,6 +30,14 @@ one code path), and it does what vLLM's built-in engines do not:
 Memory: the engine keeps, per loaded tensor, a witness for the read-back (a few sampled
 columns, or a checksum), not the tensor.
 
+**Tensor parallelism.** vLLM builds one engine per worker; each joins the transfer group as its
+own rank (``rank_offset`` + its worker rank) and receives every tensor *whole* (a broadcast).
+vLLM's own weight loaders, run by the layerwise reload, keep the worker's shard (``load_weights``
+has no way to be handed a shard). The manifest check, the witnesses and the read-back are this
+worker's: each probe reads back the rows (and, for a row-parallel layer, the input columns)
+that this worker holds, located as vLLM's loaders cut them
+(:func:`~rollout_sync.backends.vllm.worker.build_probe_plan`).
+
 The trainer side is :class:`~rollout_sync.backends.vllm.trainer.RolloutSyncTrainerEngine`.
 Both are registered by :func:`~rollout_sync.backends.vllm.plugin.register_engines`.
 """
@@ -57,6 +65,7 @@ from .worker import (
     build_probe_plan,
     checkpoint_specs,
     partial_load_groups,
+    tensor_parallel_position,
     verify_witnesses,
     witness_of,
 )
@@ -293,7 +302,8 @@ class RolloutSyncWeightTransferEngine(
         self._witnesses = []
         self._record_write(error=bool(problems))
         if problems:
-            self.torn = f"{len(problems)} tensor(s) did not land"
+            shown = "; ".join(problems[:3]) + ("; ..." if len(problems) > 3 else "")
+            self.torn = f"{len(problems)} tensor(s) did not land: {shown}"
             raise WeightsNotLandedError(
                 problems,
                 torn=True,
@@ -337,7 +347,8 @@ class RolloutSyncWeightTransferEngine(
         dtype = self.model_config.dtype
         assert isinstance(dtype, torch.dtype)  # resolved by vLLM before the model loads
         specs = checkpoint_specs(str(self.model_config.model), dtype)
-        self._plan = build_probe_plan(self.model, specs)
+        tp_rank, tp_size = tensor_parallel_position()
+        self._plan = build_probe_plan(self.model, specs, tp_rank=tp_rank, tp_size=tp_size)
         self._expected = {
             name: torch.empty(shape, dtype=dtype, device="meta")
             for name, (shape, dtype) in specs.items()

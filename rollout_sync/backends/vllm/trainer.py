@@ -279,8 +279,16 @@ class RolloutSyncTrainerEngine(TrainerWeightTransferEngine[RolloutSyncTrainerIni
             # A guarded client whose update is still open (this side failed, the engine's may
             # not have) gives it up: torn, parked, egress released.
             abort = getattr(self.client, "abort_weight_update", None)
+            close = getattr(self.client, "close_weight_update", None)
             if callable(abort):
                 abort(f"the trainer's push of version {version} failed: {type(exc).__name__}")
+            elif callable(close):
+                # This package's unguarded clients: close the update where it is still open
+                # (tensor parallelism: the workers where update_weights did not fail).
+                try:
+                    close()
+                except Exception:  # the push's own error is the one to raise
+                    pass
             raise
         finally:
             pool.shutdown(wait=False)

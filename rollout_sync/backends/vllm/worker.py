@@ -21,12 +21,16 @@ which returns columns of the weight the kernel really multiplies with, exactly (
 (embeddings, norms, biases) are compared directly. Every comparison is bit-exact, so even the
 tiny step between two RL policy versions is told apart from a write that did not land.
 
+Under tensor parallelism every worker is handed the whole checkpoint tensors (vLLM's loader
+keeps its shard) and reads back its own shard: :func:`build_probe_plan` locates it per layer.
+
 This module is imported inside the engine, where vLLM is installed; it imports nothing from
 vLLM at module level so that the frontend can name it without importing vLLM.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 import sys
@@ -164,6 +168,24 @@ class Probe:
     kind: str
     row_offset: int
     rows: int
+    src_row: int = 0
+    """The first row of the checkpoint tensor that this rank holds (tensor parallelism: its
+    shard; 0 otherwise)."""
+    col_start: int = 0
+    """The first input column of the checkpoint tensor this rank holds (a row-parallel
+    layer's shard of its input dimension)."""
+    width: int = -1
+    """How many input columns this rank holds from ``col_start`` (``-1``: all of them)."""
+
+    def local_part(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The part of checkpoint tensor ``tensor`` this probe's rank holds (a view; the whole
+        tensor without tensor parallelism)."""
+        if tensor.dim() == 0:
+            return tensor
+        part = tensor[self.src_row : self.src_row + self.rows]
+        if self.width >= 0 and part.dim() >= 2:
+            part = part[:, self.col_start : self.col_start + self.width]
+        return part
 
 
 @dataclass
@@ -186,12 +208,19 @@ def _is_op_module(module: torch.nn.Module) -> bool:
 
 
 def build_probe_plan(
-    model: torch.nn.Module, specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+    model: torch.nn.Module,
+    specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> ProbePlan:
-    """Map every checkpoint tensor to the served module rows it loads into (tensor parallel 1).
+    """Map every checkpoint tensor to the served module rows it loads into, on tensor-parallel
+    rank ``tp_rank`` of ``tp_size``.
 
     Uses the model's own ``packed_modules_mapping`` (``q_proj`` -> ``qkv_proj`` shard 0, ...)
-    and ``hf_to_vllm_mapper`` where it has one. A name that maps nowhere is listed in
+    and ``hf_to_vllm_mapper`` where it has one. With tensor parallelism each probe reads back
+    this rank's shard only, located as vLLM's weight loaders cut it (:func:`_tp_shard`). A name
+    that maps nowhere, or onto a layer whose split this read-back does not know, is listed in
     ``unverifiable`` with the reason.
     """
     plan = ProbePlan()
@@ -211,11 +240,12 @@ def build_probe_plan(
         # The packing is read off the checkpoint name: a mapper may already have renamed
         # q_proj to qkv_proj (vLLM's "stacked" mapping), which loses the shard.
         leaf = name.rpartition(".")[0].rpartition(".")[2]
-        target, offset = module_path, 0
+        target, offset, part = module_path, 0, -1
         for packed_name, parts in packed.items():
             if leaf in parts and leaf != packed_name:
                 target = f"{parent}.{packed_name}" if parent else packed_name
-                for sibling in parts[: parts.index(leaf)]:
+                part = parts.index(leaf)
+                for sibling in parts[:part]:
                     sibling_name = name.replace(f".{leaf}.", f".{sibling}.")
                     sibling_spec = specs.get(sibling_name)
                     if sibling_spec is None:
@@ -235,15 +265,134 @@ def build_probe_plan(
             continue
         rows = shape[0] if shape else 1
         kind = "op" if param == "weight" and len(shape) == 2 and _is_op_module(module) else "param"
+        probe = Probe(name, target, param, kind, offset, rows)
+        if tp_size > 1:
+            sharded = _tp_shard(module, param, part, shape, tp_rank, tp_size, kind)
+            if isinstance(sharded, str):
+                plan.unverifiable[name] = f"{target}.{param}: {sharded}"
+                continue
+            probe = Probe(
+                name,
+                target,
+                param,
+                kind,
+                sharded.get("row_offset", offset),
+                sharded.get("rows", rows),
+                sharded.get("src_row", 0),
+                sharded.get("col_start", 0),
+                sharded.get("width", -1),
+            )
         if kind == "param":
-            if not _holds_rows(getattr(module, param, None), shape, offset, rows):
+            local_shape = _local_shape(probe, shape)
+            if not _holds_rows(getattr(module, param, None), local_shape, probe.row_offset):
                 plan.unverifiable[name] = f"{target}.{param} is not served as a plain tensor"
                 continue
-        plan.probes[name] = [Probe(name, target, param, kind, offset, rows)]
+        plan.probes[name] = [probe]
         plan.groups[name] = target
         claimed.add(target)
-    _add_tied_lm_head(model, plan, claimed)
+    _add_tied_lm_head(model, plan, claimed, tp_size)
     return plan
+
+
+def _local_shape(probe: Probe, shape: Sequence[int]) -> tuple[int, ...]:
+    """The shape of the part of a checkpoint tensor of ``shape`` that ``probe`` reads back."""
+    if not shape:
+        return ()
+    rest = list(shape[1:])
+    if probe.width >= 0 and rest:
+        rest[0] = probe.width
+    return (probe.rows, *rest)
+
+
+_TP_LAYERS = (
+    "QKVParallelLinear",
+    "MergedColumnParallelLinear",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "ReplicatedLinear",
+    "VocabParallelEmbedding",
+    "ParallelLMHead",
+)
+"""The layers whose tensor-parallel split :func:`_tp_shard` knows (by exact class: a subclass
+may cut its weight otherwise, e.g. a fused QKV with an indexer)."""
+
+
+def _tp_shard(
+    module: torch.nn.Module,
+    param: str,
+    part: int,
+    shape: Sequence[int],
+    tp_rank: int,
+    tp_size: int,
+    kind: str,
+) -> dict[str, int] | str:
+    """Where a checkpoint tensor of ``shape`` (``param`` of ``module``; ``part``: its index in
+    a packed module, ``-1`` if not packed) lands on tensor-parallel rank ``tp_rank``: the
+    :class:`Probe` fields ``row_offset``, ``src_row``, ``rows``, ``col_start``, ``width``, as
+    vLLM's weight loaders cut it (``vllm/model_executor/parameter.py``:
+    ``load_column_parallel_weight``, ``load_merged_column_weight``, ``load_qkv_weight``,
+    ``load_row_parallel_weight``; ``VocabParallelEmbedding.weight_loader``). A string says why
+    it cannot be located."""
+    from vllm.model_executor.layers import linear, vocab_parallel_embedding
+
+    layer = type(module)
+    known = {getattr(linear, n, None) for n in _TP_LAYERS[:5]} | {
+        getattr(vocab_parallel_embedding, n, None) for n in _TP_LAYERS[5:]
+    }
+    if layer not in known:
+        if kind == "op":
+            return (
+                f"a tensor-parallel layer of type {layer.__name__} (the read-back knows how "
+                f"{', '.join(_TP_LAYERS)} split their weights)"
+            )
+        return {}  # a plain parameter (a norm): every rank holds it whole; checked by shape
+    rows = int(shape[0]) if shape else 1
+    # vLLM's loaders cut by the layer's own split (a layer may opt out of tensor parallelism).
+    rank = int(getattr(module, "tp_rank", tp_rank))
+    size_of_split = int(getattr(module, "tp_size", tp_size))
+    name = layer.__name__
+    whole = name == "ReplicatedLinear" or (name == "RowParallelLinear" and param != "weight")
+    if whole or (size_of_split == 1 and name not in _TP_LAYERS[5:]):
+        return {}  # whole on every rank (a row-parallel bias is added once, after the reduce)
+    if param not in ("weight", "bias"):
+        return f"{name} parameter {param!r} (the read-back knows weight and bias)"
+    if name == "RowParallelLinear":
+        width = int(getattr(module, "input_size_per_partition"))  # noqa: B009
+        return {"col_start": rank * width, "width": width}
+    if name in ("VocabParallelEmbedding", "ParallelLMHead"):
+        indices = getattr(module, "shard_indices")  # noqa: B009
+        start = int(indices.org_vocab_start_index)
+        return {
+            "row_offset": 0,
+            "src_row": start,
+            "rows": int(indices.org_vocab_end_index) - start,
+        }
+    if name == "QKVParallelLinear":
+        if part < 0 or part > 2:
+            return "a QKV projection not loaded as separate q, k and v parts"
+        shard_id = "qkv"[part]
+        qkv: Any = module
+        offset = int(qkv._get_shard_offset_mapping(shard_id))
+        size = int(qkv._get_shard_size_mapping(shard_id))
+        replicas = 1 if shard_id == "q" else int(getattr(module, "num_kv_head_replicas", 1))
+        return {"row_offset": offset, "src_row": (rank // replicas) * size, "rows": size}
+    if name == "MergedColumnParallelLinear":
+        sizes = [int(n) for n in getattr(module, "output_sizes")]  # noqa: B009
+        if part < 0 or part >= len(sizes):
+            return "a merged projection not loaded as its separate parts"
+        size = sizes[part] // size_of_split
+        return {
+            "row_offset": sum(sizes[:part]) // size_of_split,
+            "src_row": rank * size,
+            "rows": size,
+        }
+    # ColumnParallelLinear
+    if part >= 0:
+        return "a packed column-parallel layer of an unknown kind"
+    size = int(getattr(module, "output_size_per_partition"))  # noqa: B009
+    if rows < (rank + 1) * size:
+        return f"{rows} rows hold no part {rank} of {size} rows"
+    return {"row_offset": 0, "src_row": rank * size, "rows": size}
 
 
 def partial_load_groups(names: Collection[str], groups: Mapping[str, str]) -> list[str]:
@@ -265,18 +414,22 @@ def partial_load_groups(names: Collection[str], groups: Mapping[str, str]) -> li
     return problems
 
 
-def _holds_rows(served: object, shape: Sequence[int], row_offset: int, rows: int) -> bool:
+def _holds_rows(served: object, local_shape: Sequence[int], row_offset: int) -> bool:
     """Whether ``served`` is a plain tensor with rows ``row_offset : row_offset + rows`` of a
-    tensor of ``shape`` (not repacked by the platform into another layout, or to nothing)."""
+    tensor of ``local_shape`` (``rows`` its first dimension; not repacked by the platform into
+    another layout, or to nothing)."""
+    rows = local_shape[0] if local_shape else 1
     return (
         isinstance(served, torch.Tensor)
         and served.numel() > 0
-        and tuple(served.shape[1:]) == tuple(shape[1:])
+        and tuple(served.shape[1:]) == tuple(local_shape[1:])
         and served.shape[0] >= row_offset + rows
     )
 
 
-def _add_tied_lm_head(model: torch.nn.Module, plan: ProbePlan, claimed: set[str]) -> None:
+def _add_tied_lm_head(
+    model: torch.nn.Module, plan: ProbePlan, claimed: set[str], tp_size: int = 1
+) -> None:
     """A tied ``lm_head`` loads from the embedding's checkpoint tensor: probe it there too."""
     lm_head = getattr(model, "lm_head", None)
     if lm_head is None or "lm_head" in claimed or not _is_op_module(lm_head):
@@ -284,7 +437,14 @@ def _add_tied_lm_head(model: torch.nn.Module, plan: ProbePlan, claimed: set[str]
     for name, probes in plan.probes.items():
         first = probes[0]
         if first.param == "weight" and first.module.endswith("embed_tokens"):
-            probes.append(Probe(name, "lm_head", "weight", "op", 0, first.rows))
+            probe = Probe(name, "lm_head", "weight", "op", 0, first.rows)
+            if tp_size > 1:
+                indices = getattr(lm_head, "shard_indices")  # noqa: B009
+                start = int(indices.org_vocab_start_index)
+                probe = dataclasses.replace(
+                    probe, src_row=start, rows=int(indices.org_vocab_end_index) - start
+                )
+            probes.append(probe)
             return
 
 
@@ -315,18 +475,19 @@ def copy_in_place(
     for name, tensor in tensors.items():
         probe = plan.probes[name][0]
         served = getattr(model.get_submodule(probe.module), probe.param)
-        if not _holds_rows(served, tensor.shape, probe.row_offset, probe.rows):
+        part = probe.local_part(tensor)
+        if not _holds_rows(served, _local_shape(probe, tensor.shape), probe.row_offset):
             problems.append(
                 f"{name}: {probe.module}.{probe.param} is served with shape "
                 f"{list(served.shape)} (repacked by the platform), not writable in place"
             )
             continue
-        targets.append((served, probe, tensor))
+        targets.append((served, probe, part))
     if problems:
         raise WriteRefused(problems)
     with torch.no_grad():
-        for served, probe, tensor in targets:
-            served.data[probe.row_offset : probe.row_offset + probe.rows].copy_(tensor)
+        for served, probe, part in targets:
+            served.data[probe.row_offset : probe.row_offset + probe.rows].copy_(part)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -344,12 +505,14 @@ class Witness:
     A receiver that loads tensors as they arrive (vLLM's native weight transfer) cannot keep
     the whole model to compare after the load; it keeps this: for each ``"op"`` probe the
     sampled input columns and the tensor's values there (``rows x columns``), for each
-    ``"param"`` probe a checksum of the whole tensor's bytes.
+    ``"param"`` probe a checksum of the tensor's bytes. Under tensor parallelism both are of
+    the part of the tensor this worker holds (:meth:`Probe.local_part`).
     """
 
     name: str
     width: int
-    """The tensor's input width (its second dimension; 0 for a 1-D tensor)."""
+    """The input width its ``"op"`` probes read back (the tensor's second dimension, or this
+    rank's part of it under tensor parallelism; 0 for a 1-D tensor)."""
     op_columns: tuple[tuple[Probe, torch.Tensor, torch.Tensor], ...]
     """``(probe, columns, tensor[:, columns])`` per ``"op"`` probe."""
     param_checksums: tuple[tuple[Probe, tuple[int, int]], ...]
@@ -381,13 +544,15 @@ def witness_of(
     """The witness of checkpoint tensor ``name`` (``tensor``), for :func:`verify_witnesses`."""
     ops: list[tuple[Probe, torch.Tensor, torch.Tensor]] = []
     params: list[tuple[Probe, tuple[int, int]]] = []
-    for probe in plan.probes[name]:
-        if probe.kind == "op":
-            cols = probe_columns(probe.module, tensor.shape[1], columns, seed)
-            ops.append((probe, cols, tensor[:, cols.to(tensor.device)].clone()))
-        else:
-            params.append((probe, _bytes_checksum(tensor)))
     width = int(tensor.shape[1]) if tensor.dim() == 2 else 0
+    for probe in plan.probes[name]:
+        part = probe.local_part(tensor)  # this rank's shard (all of it without parallelism)
+        if probe.kind == "op":
+            width = int(part.shape[1])
+            cols = probe_columns(probe.module, width, columns, seed)
+            ops.append((probe, cols, part[:, cols.to(tensor.device)].clone()))
+        else:
+            params.append((probe, _bytes_checksum(part)))
     return Witness(name, width, tuple(ops), tuple(params))
 
 
@@ -462,6 +627,16 @@ def verify_written(
 # -- the extension -----------------------------------------------------------------------------
 
 
+def tensor_parallel_position() -> tuple[int, int]:
+    """This worker's tensor-parallel rank and the engine's tensor-parallel size (vLLM's)."""
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    return int(get_tensor_model_parallel_rank()), int(get_tensor_model_parallel_world_size())
+
+
 @dataclass
 class _EngineState:
     plan: ProbePlan
@@ -489,25 +664,36 @@ class RolloutSyncWorkerExtension:
         state: _EngineState | None = getattr(self, "_rollout_sync_engine_state", None)
         if state is None:
             specs = checkpoint_specs(str(self.model_config.model), self.model_config.dtype)
-            plan = build_probe_plan(self.model_runner.get_model(), specs)
+            tp_rank, tp_size = tensor_parallel_position()
+            plan = build_probe_plan(
+                self.model_runner.get_model(), specs, tp_rank=tp_rank, tp_size=tp_size
+            )
             state = _EngineState(plan=plan, specs=specs)
             self._rollout_sync_engine_state = state
         return state
 
     def rollout_sync_describe(self) -> dict[str, Any]:
-        """The served weights as checkpoint specs, their load groups, and what cannot be checked."""
-        from vllm.distributed import get_tensor_model_parallel_world_size
+        """The served weights as checkpoint specs, their load groups, what this worker cannot
+        check, and its place in the engine's parallelism. A failure comes back as data
+        (``{"error": ...}``), not raised: see :meth:`rollout_sync_write`."""
+        from vllm.distributed import get_pp_group
 
-        state = self._rollout_sync_state()
-        return {
-            "specs": [
-                [name, list(shape), str(dtype).removeprefix("torch.")]
-                for name, (shape, dtype) in state.specs.items()
-            ],
-            "groups": dict(state.plan.groups),
-            "unverifiable": dict(state.plan.unverifiable),
-            "tensor_parallel_size": int(get_tensor_model_parallel_world_size()),
-        }
+        try:
+            state = self._rollout_sync_state()
+            tp_rank, tp_size = tensor_parallel_position()
+            return {
+                "specs": [
+                    [name, list(shape), str(dtype).removeprefix("torch.")]
+                    for name, (shape, dtype) in state.specs.items()
+                ],
+                "groups": dict(state.plan.groups),
+                "unverifiable": dict(state.plan.unverifiable),
+                "tensor_parallel_size": tp_size,
+                "tensor_parallel_rank": tp_rank,
+                "pipeline_parallel_size": int(get_pp_group().world_size),
+            }
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
 
     def rollout_sync_write(
         self,
@@ -520,7 +706,13 @@ class RolloutSyncWorkerExtension:
 
         Returns ``{"written": bool, "refused": [...], "problems": [...], "write_ms", ...}``.
         ``refused`` means nothing was written; ``problems`` lists tensors whose write did not
-        land. An exception from the engine's loader propagates (the write may be partial).
+        land; ``error`` (when present) is an exception from the engine's loader (the write may
+        be partial). Under tensor parallelism every worker writes the whole tensors (vLLM's
+        loader keeps its shard) and reads back its own shard.
+
+        Errors come back as data, never raised: with several workers, vLLM's multiprocess
+        executor stops reading the other workers' answers when one raises (vLLM issue
+        #49972), and every later all-worker call would get stale answers.
         """
         if method not in WRITE_METHODS:
             return {
@@ -549,6 +741,13 @@ class RolloutSyncWorkerExtension:
                 copy_in_place(model, tensors, state.plan)
         except WriteRefused as refused:
             return {"written": False, "refused": refused.problems, "problems": []}
+        except Exception as exc:  # as data: see the docstring
+            return {
+                "written": True,
+                "refused": [],
+                "problems": [],
+                "error": f"the engine's loader raised {type(exc).__name__}: {exc}",
+            }
         finally:
             if state.hooks:
                 state.timeline.add_span(
@@ -628,13 +827,50 @@ class RolloutSyncWorkerExtension:
         """Forwards traced so far (counts also spans already collected)."""
         return self._rollout_sync_state().forwards
 
-    def rollout_sync_native_state(self) -> dict[str, Any] | None:
+    def rollout_sync_close_update(self) -> str | None:
+        """Close vLLM's weight-update session in this worker if it is still open; ``None`` when
+        none was, else what closing did. Never raises.
+
+        With several workers, an update that failed in some of them leaves it open in the
+        others (vLLM's worker closes it only where ``update_weights`` raised), and their next
+        ``start_weight_update`` would raise. A ``finish_weight_update`` to all would raise in
+        the closed ones instead, and an all-worker call that raises in one worker leaves
+        vLLM's executor out of step (vLLM issue #49972). This call closes each worker's
+        session where it is open and reports as data."""
+        if not getattr(self, "_weight_update_active", False):
+            return None
+        finish = getattr(self, "finish_weight_update", None)
+        try:
+            if callable(finish):
+                finish()
+                return "closed"
+            raise RuntimeError("the worker has no finish_weight_update")
+        except Exception as exc:
+            self._weight_update_active = False
+            engine = getattr(self, "weight_transfer_engine", None)
+            reset = getattr(engine, "reset_weight_update_target", None)
+            if callable(reset):
+                try:
+                    reset()
+                except Exception:  # closing is best effort; the session is closed either way
+                    pass
+            return f"closed after finish_weight_update raised {type(exc).__name__}: {exc}"
+
+    def rollout_sync_native_state(self, token: str | None = None) -> dict[str, Any] | None:
         """The ``"rollout_sync"`` weight-transfer engine's state (torn or not, updates landed,
         the last transfer), or ``None`` when the engine runs another weight-transfer backend
-        or none."""
+        or none.
+
+        ``token`` comes back in the state (``"token"``), so that the caller can tell this
+        call's answer from a stale one (vLLM issue #49972: after one worker failed an
+        all-worker call, the others' answers to it are read by the next call)."""
         engine = getattr(self, "weight_transfer_engine", None)
         state = getattr(engine, "state", None)
-        return state() if callable(state) else None
+        if not callable(state):
+            return None
+        answer: dict[str, Any] = state()
+        answer["token"] = token
+        return answer
 
 
 if "vllm" in sys.modules:

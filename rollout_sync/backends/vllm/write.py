@@ -24,7 +24,7 @@ import functools
 import math
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -181,23 +181,40 @@ class ServedModel:
     """Names, shapes and dtypes, in the engine's order."""
     groups: Mapping[str, str]
     """For each name, the engine module it loads into (``q_proj`` -> ``qkv_proj``)."""
+    workers: int = 1
+    """The engine's workers (its tensor-parallel ranks): each joins a native transfer."""
 
     @classmethod
     def describe(cls, engine: EngineAccess, timeout: float) -> ServedModel:
-        """Ask the engine's worker extension.
+        """Ask the engine's worker extension, in every worker.
 
         Raises:
-            NotImplementedError: tensor parallelism, or checkpoint tensors the read-back cannot
-                reach (a write to them could not be checked).
+            NotImplementedError: pipeline parallelism, or checkpoint tensors the read-back
+                cannot reach in some worker (a write to them could not be checked).
+            RuntimeError: a worker could not describe what it serves.
         """
-        info = engine.rpc("rollout_sync_describe", timeout=timeout)
-        if int(info["tensor_parallel_size"]) != 1:
-            raise NotImplementedError(
-                "the rollout_sync vLLM backend writes and verifies whole tensors: it supports "
-                f"tensor_parallel_size=1, got {info['tensor_parallel_size']}"
+        infos: list[dict[str, Any]] = engine.rpc_all("rollout_sync_describe", timeout=timeout)
+        errors = [f"worker {i}: {info['error']}" for i, info in enumerate(infos) if "error" in info]
+        if errors:
+            raise RuntimeError(
+                "the engine's workers could not describe the weights they serve: "
+                + "; ".join(errors)
             )
-        if info["unverifiable"]:
-            lines = [f"{n}: {why}" for n, why in sorted(info["unverifiable"].items())]
+        info = infos[0]
+        pipeline = max(int(i.get("pipeline_parallel_size", 1)) for i in infos)
+        if pipeline != 1:
+            raise NotImplementedError(
+                "the rollout_sync vLLM backend supports tensor parallelism but not pipeline "
+                f"parallelism (pipeline_parallel_size={pipeline}): each worker would serve "
+                "only some layers"
+            )
+        unverifiable: dict[str, str] = {}
+        for i, worker in enumerate(infos):
+            for name, why in worker["unverifiable"].items():
+                prefix = f"worker {i}: " if len(infos) > 1 else ""
+                unverifiable.setdefault(name, prefix + why)
+        if unverifiable:
+            lines = [f"{n}: {why}" for n, why in sorted(unverifiable.items())]
             raise NotImplementedError(
                 "the rollout_sync vLLM backend cannot read back these checkpoint tensors "
                 "from the served model, so it could not tell a write that did not land:\n  "
@@ -207,7 +224,7 @@ class ServedModel:
             WeightSpec(name, tuple(shape), getattr(torch, dtype))
             for name, shape, dtype in info["specs"]
         ]
-        return cls({s.name: s for s in specs}, dict(info["groups"]))
+        return cls({s.name: s for s in specs}, dict(info["groups"]), len(infos))
 
     @functools.cached_property
     def _meta(self) -> dict[str, torch.Tensor]:
@@ -278,9 +295,9 @@ class WeightWriter:
         served.check(weights, require_all=require_all, context=context)
         self.writes += 1
         if self.plan.native:
-            self._write_native(engine, weights, require_all, timeout, context)
+            self._write_native(engine, weights, require_all, timeout, context, served.workers)
         else:
-            self._write_rpc(engine, weights, timeout, context)
+            self._write_rpc(engine, weights, timeout, context, served.workers)
 
     def close(self) -> None:
         """Leave the native transfer group (after a failure, or before the engine shuts down)."""
@@ -299,11 +316,12 @@ class WeightWriter:
         weights: Mapping[str, torch.Tensor],
         timeout: float,
         context: str,
+        workers: int,
     ) -> None:
         plan = self.plan
         payload, cleanup = self._encode(weights)
         try:
-            report = engine.rpc(
+            reports: list[dict[str, Any]] = engine.rpc_all(
                 "rollout_sync_write",
                 payload,
                 plan.write_method,
@@ -312,10 +330,21 @@ class WeightWriter:
                 timeout=timeout,
             )
         except BaseException as exc:
-            self._on_torn(f"the engine's weight write failed: {type(exc).__name__}: {exc}")
+            self._on_torn(
+                f"the engine's weight write failed: {type(exc).__name__}: {exc}"
+                + _out_of_step_hint(workers)
+            )
             raise
         finally:
             cleanup()
+        report = _merged_write_reports(reports)
+        if report.get("error"):
+            self._on_torn(f"the engine's weight write failed: {report['error']}")
+            raise WeightsNotLandedError(
+                [str(report["error"])],
+                torn=True,
+                context=f"{context}: the engine's loader failed part-way",
+            )
         self.last_write_ms = float(report.get("write_ms", math.nan))
         self.last_verify_ms = float(report.get("verify_ms", math.nan))
         if report["refused"]:
@@ -364,9 +393,12 @@ class WeightWriter:
         require_all: bool,
         timeout: float,
         context: str,
+        workers: int,
     ) -> None:
         """One native update: this process sends, the engine's ``"rollout_sync"`` weight-transfer
-        engine receives, loads and reads back (over a gloo group of the two, on this host)."""
+        engine in each of its ``workers`` receives (every tensor whole), loads (vLLM's loader
+        keeps the worker's shard) and reads back its shard (over a gloo group of this process
+        and the workers, on this host)."""
         from .trainer import (
             MappingSource,
             RolloutSyncTrainerEngine,
@@ -376,6 +408,7 @@ class WeightWriter:
         try:
             if self._native is None:
                 info = RolloutSyncTrainerInitInfo.on_this_host(
+                    world_size=1 + workers,  # this process (the sender) and every worker
                     group_backend="gloo",  # the receive buffers here are CPU tensors
                     timeout_s=timeout,
                     verify_columns=self.plan.verify_columns,
@@ -406,7 +439,7 @@ class WeightWriter:
                     torn=False,
                     context=f"{context}: the engine refused the update; nothing was loaded",
                 ) from exc
-            torn = _native_torn(engine, timeout) or f"{type(exc).__name__}: {exc}"
+            torn = _native_torn(engine, timeout, workers) or f"{type(exc).__name__}: {exc}"
             self._on_torn(f"the engine's native weight update failed: {torn}")
             if isinstance(exc, (TimeoutError, KeyboardInterrupt)):
                 raise
@@ -422,20 +455,63 @@ class WeightWriter:
 
 
 def native_transfer_state(engine: EngineAccess, timeout: float) -> dict[str, Any] | None:
-    """The engine's ``"rollout_sync"`` weight-transfer engine state (``torn``: why it must not
-    serve, or ``None``; ``updates``; the last transfer), or ``None`` when the engine runs
-    another weight-transfer backend or none."""
-    state: dict[str, Any] | None = engine.rpc(_NATIVE_STATE_RPC, timeout=timeout)
-    return state
+    """The engine's ``"rollout_sync"`` weight-transfer engine state, merged over its workers
+    (``torn``: why it must not serve, or ``None``; ``updates``; ``workers``; the last
+    transfer), or ``None`` when the engine runs another weight-transfer backend or none.
+
+    Raises:
+        EngineOutOfStepError: a worker's answer was stale (vLLM issue #49972): restart the
+            engine.
+    """
+    from .client import _merged_native_state, state_token
+
+    token = state_token()
+    states: list[dict[str, Any] | None] = engine.rpc_all(_NATIVE_STATE_RPC, token, timeout=timeout)
+    return _merged_native_state(states, token)
 
 
-def _native_torn(engine: EngineAccess, timeout: float) -> str | None:
+def _out_of_step_hint(workers: int) -> str:
+    """What to add to a failed all-worker call's error on an engine of ``workers`` workers."""
+    if workers <= 1:
+        return ""
+    from .client import OUT_OF_STEP
+
+    return f" (the engine has {workers} workers: {OUT_OF_STEP})"
+
+
+def _merged_write_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One ``rollout_sync_write`` report for every worker's: refused or failing if any is
+    (each line naming its worker when there are several), the slowest worker's times."""
+    if len(reports) == 1:
+        return reports[0]
+
+    def lines(key: str) -> list[str]:
+        return [f"worker {i}: {line}" for i, r in enumerate(reports) for line in r.get(key, [])]
+
+    errors = [f"worker {i}: {r['error']}" for i, r in enumerate(reports) if r.get("error")]
+    return {
+        "written": any(r.get("written") for r in reports),
+        "refused": lines("refused"),
+        "problems": lines("problems"),
+        "error": "; ".join(errors) or None,
+        "write_ms": _slowest(r.get("write_ms") for r in reports),
+        "verify_ms": _slowest(r.get("verify_ms") for r in reports),
+    }
+
+
+def _slowest(times: Iterable[object]) -> float:
+    known = [float(t) for t in times if isinstance(t, (int, float)) and not math.isnan(t)]
+    return max(known) if known else math.nan
+
+
+def _native_torn(engine: EngineAccess, timeout: float, workers: int = 1) -> str | None:
     """The engine's reason its weights are torn (``None``: untouched); an engine that cannot
     answer counts as torn."""
     try:
         state = native_transfer_state(engine, timeout)
     except Exception as exc:  # no answer: assume the worst
-        return f"the engine did not report its state ({type(exc).__name__}: {exc})"
+        hint = "" if "restart the engine" in str(exc) else _out_of_step_hint(workers)
+        return f"the engine did not report its state ({type(exc).__name__}: {exc}){hint}"
     if state is None:
         return "the engine runs no rollout_sync weight-transfer engine"
     torn: str | None = state.get("torn")
