@@ -30,12 +30,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .distributed import DEFAULT_GROUP_TIMEOUT_S, new_group
-from .errors import RolloutSyncError
+from ._deadline import deadline_after, remaining
+from .distributed import DEFAULT_GROUP_TIMEOUT_S, GroupCollectives, new_group, wait_work
+from .errors import ManifestRejected, RolloutSyncError
 from .trace import SpanKind
+from .trainer import WeightSyncCommand
 from .transfer import ShardedTransfer, TransferPlan, TransferStats, WeightTransfer
+from .worker import CommandSink, WorkerCommandChannel
 
-__all__ = ["ShardedSyncGroups", "TreeRelay", "build_sharded_sync_groups"]
+__all__ = [
+    "ShardedCommandChannel",
+    "ShardedSyncGroups",
+    "TreeRelay",
+    "build_sharded_sync_groups",
+]
+
+_BARRIER_MAGIC = 0x5253_4241_5252  # "RSBARR"
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,56 @@ class ShardedSyncGroups:
     tree: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
     """With a ``fanout``: ``(replica j, position k)`` -> the group of replica ``j``'s rank
     ``k`` and its children's rank ``k`` (replicas with children only)."""
+    p2r_cpu: dist.ProcessGroup | None = None
+    """The P2R group's ranks on gloo, for :meth:`p2r_barrier` (the P2R group itself when that
+    is gloo); ``None``: no barrier group was built."""
+
+    def p2r_barrier(self, timeout: float) -> None:
+        """The sharded P2R's CPU-side barrier: every trainer rank and every rank of the first
+        replica meet here before each sharded P2R, as the one-source job's pair meets at
+        :meth:`~rollout_sync.worker.SyncGroups.p2r_barrier`: the trainer ranks in their pusher
+        (``TransferWeightPusher(barrier=groups.p2r_barrier)``), the first replica's ranks inside
+        their P2R bracket, paused, payload egress held (``RolloutWorker(p2r_barrier=...)``).
+        Past it, the trainer rank that receives payloads may hold its receives. Every rank of
+        the P2R group takes it, or none: it is one all-gather, never touching the device.
+
+        Raises:
+            ManifestRejected: a rank met it with another collective (it takes no barrier);
+                nothing was sent.
+            CollectiveTimeout / CollectiveError: a rank did not arrive within ``timeout``
+                seconds, or died.
+            RuntimeError: no barrier group was built, or this rank is not in the P2R group.
+        """
+        if self.p2r_cpu is None:
+            raise RuntimeError(
+                "these ShardedSyncGroups have no P2R barrier group (build them with "
+                "build_sharded_sync_groups)"
+            )
+        if dist.get_rank() not in self.trainers + self.replicas[0]:
+            raise RuntimeError(f"rank {dist.get_rank()} is not in the sharded P2R group")
+        collectives = GroupCollectives(self.p2r_cpu)
+        ranks = collectives.ranks
+        op = f"sharded P2R barrier of ranks {list(ranks)}"
+        mine = torch.tensor([_BARRIER_MAGIC], dtype=torch.int64)
+        rows = [torch.zeros(1, dtype=torch.int64) for _ in ranks]
+        work = collectives.all_gather(rows, mine)
+        wait_work(work, operation=op, timeout_s=timeout, group=self.p2r_cpu, ranks=ranks)
+        votes = torch.cat(rows).tolist()
+        odd = [r for r, v in zip(ranks, votes, strict=True) if v != _BARRIER_MAGIC]
+        if odd:
+            raise ManifestRejected(
+                f"{op}: rank(s) {odd} met it with something else (every rank of the P2R group "
+                "takes the barrier, or none does); nothing was sent",
+                operation=op,
+                version=None,
+                rejected_by=odd,
+            )
+
+    def command_channel(
+        self, queues: Mapping[int, CommandSink], *, pipelined_relay: bool = False
+    ) -> ShardedCommandChannel:
+        """The trainer's command channel for these replicas (:class:`ShardedCommandChannel`)."""
+        return ShardedCommandChannel(queues, self.replicas, pipelined_relay=pipelined_relay)
 
     @property
     def replica_size(self) -> int:
@@ -217,4 +277,69 @@ def build_sharded_sync_groups(
                 if children := shape.children(j):
                     ranks = [replica_ranks[c][k] for c in [j, *children]]
                     tree[(j, k)] = new_group(ranks, timeout_s=timeout_s, backend=backend)
-    return ShardedSyncGroups(trainer_ranks, replica_ranks, p2r, tuple(r2r), fanout, tree)
+    on_gloo = str(backend or dist.get_backend()) == "gloo"
+    p2r_ranks = trainer_ranks + replica_ranks[0]
+    p2r_cpu = p2r if on_gloo else new_group(p2r_ranks, timeout_s=timeout_s, backend="gloo")
+    return ShardedSyncGroups(trainer_ranks, replica_ranks, p2r, tuple(r2r), fanout, tree, p2r_cpu)
+
+
+class ShardedCommandChannel:
+    """The trainer's :class:`~rollout_sync.trainer.CommandChannel` for replicas of several
+    ranks: each announcement becomes a command on every replica rank's queue.
+
+    A sharded sync runs per position ``k`` within a replica exactly as a plain job's runs per
+    replica: the first replica's ``k``-th rank takes the P2R (with the other first-replica
+    ranks, in one :class:`~rollout_sync.transfer.ShardedTransfer`) and is the source of the
+    R2R group of the ``k``-th ranks. So this is one
+    :class:`~rollout_sync.worker.WorkerCommandChannel` per position over the ``k``-th ranks:
+    ``P2R`` to every rank of the first replica, then, with more than one replica, ``R2R`` to
+    every replica rank; with ``pipelined_relay``, ``P2R(relay=True)`` to the first replica's
+    ranks (each passes its slice on once it has it: a sharded relay is not pipelined by the
+    bucket) and ``R2R`` to the other replicas' ranks; ``STOP``: ``Stop()`` to every rank.
+
+    Args:
+        queues: replica rank -> its command queue (every rank of every replica).
+        replicas: each replica's ranks, the first replica first, each in its tensor-parallel
+            order (:attr:`~rollout_sync.launch.JobLayout.replica_groups`).
+        pipelined_relay: see above.
+    """
+
+    def __init__(
+        self,
+        queues: Mapping[int, CommandSink],
+        replicas: Sequence[Sequence[int]],
+        *,
+        pipelined_relay: bool = False,
+    ) -> None:
+        groups = tuple(tuple(r) for r in replicas)
+        if not groups or len({len(r) for r in groups}) != 1 or not groups[0]:
+            raise ValueError(f"replicas must be of one size, at least one rank: {groups}")
+        self.replicas = groups
+        self.pipelined_relay = pipelined_relay
+        self.positions = tuple(
+            WorkerCommandChannel(
+                queues, [replica[k] for replica in groups], pipelined_relay=pipelined_relay
+            )
+            for k in range(len(groups[0]))
+        )
+
+    def commands_for(self, announcement: WeightSyncCommand) -> list[tuple[int, object]]:
+        """The ``(replica rank, command)`` pairs one announcement becomes."""
+        return [pair for channel in self.positions for pair in channel.commands_for(announcement)]
+
+    def announce(self, command: WeightSyncCommand, timeout: float) -> None:
+        """Put the commands ``command`` becomes on the replica ranks' queues (every put of it
+        within ``timeout``; see :meth:`~rollout_sync.worker.WorkerCommandChannel.announce`)."""
+        deadline = deadline_after(timeout)
+        for channel in self.positions:
+            channel.announce(command, remaining(deadline))
+
+    def receive(self, timeout: float) -> WeightSyncCommand:
+        raise TypeError(
+            "a ShardedCommandChannel only announces: the replica ranks take their commands from "
+            "their queues (RolloutWorker(commands=...))"
+        )
+
+    def __repr__(self) -> str:
+        relay = ", pipelined relay" if self.pipelined_relay else ""
+        return f"<ShardedCommandChannel replicas={[list(r) for r in self.replicas]}{relay}>"

@@ -20,8 +20,9 @@ from rollout_sync.demos.distributed import (
     demo_limit_s,
     run_distributed_demo,
 )
-from rollout_sync.demos.sharded import ShardedCommandChannel, expected_digests
+from rollout_sync.demos.sharded import expected_digests
 from rollout_sync.launch import JobLayout, Role
+from rollout_sync.sharded_groups import ShardedCommandChannel
 from rollout_sync.trace import SpanKind, Timeline
 from rollout_sync.trainer import CommandChannel, CommandKind, WeightSyncCommand
 from rollout_sync.worker import P2R, R2R, Stop

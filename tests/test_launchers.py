@@ -74,6 +74,20 @@ def test_the_demo_on_a_local_ray_cluster_is_clean_and_leaves_no_ray_process(
     _assert_a_clean_run(report, "ray", replicas=2, steps=3)
 
 
+@pytest.mark.timeout(240)
+def test_the_sharded_demo_on_ray_places_every_rank_as_an_actor(no_ray_left: None) -> None:
+    """``--trainer-ranks 2 --tp 2 --launcher ray``: 2 + 2 x 2 actors, the same verdict."""
+    config = DistributedDemoConfig(replicas=2, steps=3, trainer_ranks=2, tp=2, **_FAST)
+    report = run_distributed_demo(config, launcher="ray")
+    assert (report["processes"], report["trainer_ranks"], report["tp"]) == (6, 2, 2)
+    assert report["launcher"] == "ray" and report["failed_commands"] == 0, report["errors"]
+    assert report["torn_reads"] == 0 and report["egress_overlaps"] == 0
+    assert report["payloads_lost"] == 0  # a short run may finish no generation yet
+    assert report["payloads_received"] == report["payloads_sent"]
+    assert report["trainer_shard_mismatches"] == 0 and report["step_mismatches"] == 0
+    assert report["bit_identical"] and report["final_versions"] == [3, 3]
+
+
 def _fails_on_rank_1(context: JobContext) -> int:
     if context.rank == 1:
         raise RuntimeError("rank 1 could not load its engine")

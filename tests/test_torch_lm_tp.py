@@ -121,7 +121,7 @@ def _stream_child(rank: int) -> dict[str, Any]:
             transfer.send(trainer_layout.shard(tiny_lm_weights(LM, seed), rank), version=version)
         # Version 3 comes late (a slow upstream: longer than one TP collective's limit, well
         # inside the transfer's), and the leader gets a bad bucket of it.
-        time.sleep(STEP_LIMIT_S + 1)
+        time.sleep(STEP_LIMIT_S + 1)  # on purpose: the slow upstream itself, not a wait
         with pytest.raises(WeightTransferError):
             transfer.send(trainer_layout.shard(tiny_lm_weights(LM, 13), rank), version=3)
         return {}
@@ -147,11 +147,7 @@ def _stream_child(rank: int) -> dict[str, Any]:
                 backend.put(prompt, max_new_tokens=20)
             assert third_step.wait(20)
             assert worker.handle(P2R(step=2)).ok
-            results: list[Any] = []
-            deadline = time.monotonic() + 30
-            while len(results) < len(PROMPTS) and time.monotonic() < deadline:
-                results += backend.get_all()
-                time.sleep(0.01)  # a bounded poll: the scheduler offers no event per result
+            results = [backend.scheduler.get(timeout=30) for _ in PROMPTS]
             out["results"] = [(r.prompt, r.tokens, r.token_weight_versions) for r in results]
         # Version 3: the leader's first bucket arrives corrupted, so it writes nothing and
         # alone would still serve version 2, whole; the follower wrote its part: torn. The

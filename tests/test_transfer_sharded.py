@@ -247,7 +247,8 @@ def test_a_trainer_rank_killed_mid_plan_leaves_no_replica_rank_serving_torn_weig
     for rank in (2, 3):
         outcome = results[rank]["outcome"]
         assert outcome.failed_with(WeightTransferError), (rank, outcome)
-        assert outcome.elapsed_s < 9.0
+        # A dead peer is seen at once (its connection closed), not at the 8 s limit.
+        assert outcome.elapsed_s < 4.0 and "peer most likely died" in outcome.error.message
         if outcome.servable:  # untouched: it still serves version 1, whole
             assert outcome.version == 1 and results[rank]["whole_v1"] is True
         else:  # torn, and refusing to serve

@@ -6,7 +6,6 @@ only its own regions, straight to the replica rank that serves them; the replica
 together, and its greedy output is the whole model's. Four processes, gloo on loopback.
 """
 
-import time
 from typing import Any
 
 import torch
@@ -75,11 +74,7 @@ def replica(rank: int, groups: Any, tp_group: Any) -> dict[str, Any]:
     if not engine.follower:  # the replica's first rank takes the requests
         engine.put([1, 2, 3], max_new_tokens=6)
     # [/doc:replica]
-    results = []
-    deadline = time.monotonic() + 30
-    while not engine.follower and not results and time.monotonic() < deadline:
-        results = engine.get_all()
-        time.sleep(0.01)  # a bounded poll for the one result
+    results = [] if engine.follower else [engine.scheduler.get(timeout=30)]
     worker.close(30)
     served = engine.served_weights()
     mine = replica_layout.shard(whole_model(STEPS), rank - 2)

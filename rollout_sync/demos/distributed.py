@@ -126,8 +126,6 @@ from .job import (
     register_demo_backend,
 )
 from .sharded import (
-    ShardedCommandChannel,
-    ShardedP2RBarrier,
     check_sharded_config,
     demo_layout,
     expected_digests,
@@ -723,7 +721,7 @@ def _sharded_process(context: JobContext, config: DistributedDemoConfig) -> dict
     target = replica_layout(config)
     plan = TransferPlan.between(trainer_layout(target.specs, config.trainer_ranks), target)
     in_p2r = context.rank in layout.trainers + layout.replica_groups[0]
-    barrier = ShardedP2RBarrier(groups.p2r) if in_p2r else None
+    barrier = groups.p2r_barrier if in_p2r else None
     timeline = Timeline()
     if context.is_trainer:
         queues = context.command_queues() if context.rank == layout.trainer else {}
@@ -749,7 +747,7 @@ def _sharded_trainer(
     layout: JobLayout,
     groups: ShardedSyncGroups,
     plan: TransferPlan,
-    barrier: ShardedP2RBarrier | None,
+    barrier: Callable[[float], None] | None,
     payloads: PayloadGroups,
     queues: Mapping[int, StoreCommandQueue],
     timeline: Timeline,
@@ -779,9 +777,7 @@ def _sharded_trainer(
         transfer, barrier=barrier, receiver=receiver if config.guarded else None
     )
     channel = (
-        ShardedCommandChannel(queues, layout.replica_groups, pipelined_relay=config.pipelined_relay)
-        if lead
-        else None
+        groups.command_channel(queues, pipelined_relay=config.pipelined_relay) if lead else None
     )
     report = _train(config, shards, advance, pusher, channel, receiver, timeline)
     return {**report, "rank": rank}
@@ -793,7 +789,7 @@ def _sharded_replica(
     layout: JobLayout,
     groups: ShardedSyncGroups,
     plan: TransferPlan,
-    barrier: ShardedP2RBarrier | None,
+    barrier: Callable[[float], None] | None,
     payloads: PayloadGroups,
     tp: TensorParallel | None,
     commands: StoreCommandQueue,

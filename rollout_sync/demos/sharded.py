@@ -14,10 +14,11 @@ replica's ``k``-th rank (:func:`~rollout_sync.sharded_groups.build_sharded_sync_
 
 This module is the part of that job that does not run an engine: the layouts
 (:func:`demo_layout`, :func:`trainer_layout`, :func:`replica_layout`), the refusals
-(:func:`check_sharded_config`), the trainer's announcements turned into every replica rank's
-commands (:class:`ShardedCommandChannel`), the P2R barrier of the sharded group
-(:class:`ShardedP2RBarrier`), and the digests every trainer rank and every replica rank must
-hold at each version (:func:`expected_digests`, replayed from the trainer model's seed).
+(:func:`check_sharded_config`), and the digests every trainer rank and every replica rank must
+hold at each version (:func:`expected_digests`, replayed from the trainer model's seed). The
+commands and the P2R barrier are the library's
+(:meth:`~rollout_sync.sharded_groups.ShardedSyncGroups.command_channel`,
+:meth:`~rollout_sync.sharded_groups.ShardedSyncGroups.p2r_barrier`).
 """
 
 from __future__ import annotations
@@ -26,27 +27,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from .._deadline import deadline_after, remaining
 from ..backends.torch_lm import tiny_lm_weights
 from ..backends.torch_lm.tensor_parallel import tiny_lm_layout
-from ..distributed import GroupCollectives, wait_work
-from ..errors import ManifestRejected
 from ..guard import SyncMode
 from ..launch import JobLayout
 from ..testing import weights_digest
-from ..trainer import WeightSyncCommand
 from ..transfer import Layout
 from ..weights import WeightSpec, specs_of
-from ..worker import CommandSink, WorkerCommandChannel
 from .job import DEMO_BACKENDS, DistributedDemoConfig
 
 __all__ = [
     "SHARDED_BACKEND",
     "ExpectedDigests",
-    "ShardedCommandChannel",
-    "ShardedP2RBarrier",
     "check_sharded_config",
     "demo_layout",
     "expected_digests",
@@ -120,131 +113,6 @@ def replica_layout(config: DistributedDemoConfig) -> Layout:
     controller need not pay)."""
     specs = specs_of(tiny_lm_weights(config.model, config.model.seed))
     return tiny_lm_layout(specs, config.model.n_layers, config.tp)
-
-
-# -- commands ----------------------------------------------------------------------------------
-
-
-class ShardedCommandChannel:
-    """The trainer's :class:`~rollout_sync.trainer.CommandChannel` for replicas of several
-    ranks: each announcement becomes a command on every replica rank's queue.
-
-    A sharded sync runs per position ``k`` within a replica exactly as a plain job's runs per
-    replica: the first replica's ``k``-th rank takes the P2R (with the other first-replica
-    ranks, in one :class:`~rollout_sync.transfer.ShardedTransfer`) and is the source of the
-    R2R group of the ``k``-th ranks. So this is one
-    :class:`~rollout_sync.worker.WorkerCommandChannel` per position over the ``k``-th ranks:
-    ``P2R`` to every rank of the first replica, then, with more than one replica, ``R2R`` to
-    every replica rank; with ``pipelined_relay``, ``P2R(relay=True)`` to the first replica's
-    ranks (each passes its slice on once it has it: a sharded relay is not pipelined by the
-    bucket) and ``R2R`` to the other replicas' ranks; ``STOP``: ``Stop()`` to every rank.
-
-    Args:
-        queues: replica rank -> its command queue (every rank of every replica).
-        replicas: each replica's ranks, the first replica first, each in its tensor-parallel
-            order (:attr:`~rollout_sync.launch.JobLayout.replica_groups`).
-        pipelined_relay: see above.
-    """
-
-    def __init__(
-        self,
-        queues: Mapping[int, CommandSink],
-        replicas: Sequence[Sequence[int]],
-        *,
-        pipelined_relay: bool = False,
-    ) -> None:
-        groups = tuple(tuple(r) for r in replicas)
-        if not groups or len({len(r) for r in groups}) != 1 or not groups[0]:
-            raise ValueError(f"replicas must be of one size, at least one rank: {groups}")
-        self.replicas = groups
-        self.pipelined_relay = pipelined_relay
-        self.positions = tuple(
-            WorkerCommandChannel(
-                queues, [replica[k] for replica in groups], pipelined_relay=pipelined_relay
-            )
-            for k in range(len(groups[0]))
-        )
-
-    def commands_for(self, announcement: WeightSyncCommand) -> list[tuple[int, object]]:
-        """The ``(replica rank, command)`` pairs one announcement becomes."""
-        return [pair for channel in self.positions for pair in channel.commands_for(announcement)]
-
-    def announce(self, command: WeightSyncCommand, timeout: float) -> None:
-        """Put the commands ``command`` becomes on the replica ranks' queues (every put of it
-        within ``timeout``; see :meth:`~rollout_sync.worker.WorkerCommandChannel.announce`)."""
-        deadline = deadline_after(timeout)
-        for channel in self.positions:
-            channel.announce(command, remaining(deadline))
-
-    def receive(self, timeout: float) -> WeightSyncCommand:
-        raise TypeError(
-            "a ShardedCommandChannel only announces: the replica ranks take their commands from "
-            "their queues (RolloutWorker(commands=...))"
-        )
-
-    def __repr__(self) -> str:
-        relay = ", pipelined relay" if self.pipelined_relay else ""
-        return f"<ShardedCommandChannel replicas={[list(r) for r in self.replicas]}{relay}>"
-
-
-# -- the barrier -------------------------------------------------------------------------------
-
-_BARRIER_MAGIC = 0x5253_4241_5252  # "RSBARR"
-
-
-class ShardedP2RBarrier:
-    """The CPU-side P2R barrier of a sharded job: every trainer rank and every rank of the first
-    replica meet here before each sharded P2R.
-
-    The one-source job's barrier (:meth:`~rollout_sync.worker.SyncGroups.p2r_barrier`) for a
-    P2R group of many ranks: the trainer ranks take it in their pusher
-    (``TransferWeightPusher(barrier=...)``), the first replica's ranks inside their P2R bracket,
-    paused, payload egress held (``RolloutWorker(p2r_barrier=...)``). Once past it, the trainer
-    rank that receives payloads may hold its receives: the replica that is about to receive
-    can no longer be waiting for it to receive (docs/transport.md).
-
-    Every rank of the group takes it, or none: it is one all-gather on the P2R group (gloo),
-    which the transfer's own collectives follow in the same order on every rank.
-
-    Args:
-        group: the P2R group (:attr:`~rollout_sync.sharded_groups.ShardedSyncGroups.p2r`), on
-            gloo.
-    """
-
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
-        self.group = group
-        self.collectives = GroupCollectives(group)
-        if self.collectives.backend != "gloo":
-            raise ValueError(
-                f"the sharded P2R barrier runs on a gloo group, not {self.collectives.backend}"
-            )
-
-    def __call__(self, timeout: float) -> None:
-        """Meet the others (each collective bounded by ``timeout`` seconds).
-
-        Raises:
-            ManifestRejected: a rank took part in something else (not this barrier).
-            CollectiveTimeout / CollectiveError: a rank did not arrive in time, or died.
-        """
-        ranks = self.collectives.ranks
-        op = f"sharded P2R barrier of ranks {list(ranks)}"
-        mine = torch.tensor([_BARRIER_MAGIC], dtype=torch.int64)
-        rows = [torch.zeros(1, dtype=torch.int64) for _ in ranks]
-        work = self.collectives.all_gather(rows, mine)
-        wait_work(work, operation=op, timeout_s=timeout, group=self.group, ranks=ranks)
-        votes = torch.cat(rows).tolist()
-        odd = [r for r, v in zip(ranks, votes, strict=True) if v != _BARRIER_MAGIC]
-        if odd:
-            raise ManifestRejected(
-                f"{op}: rank(s) {odd} met it with something else (every rank of the P2R group "
-                "takes the barrier, or none does); nothing was sent",
-                operation=op,
-                version=None,
-                rejected_by=odd,
-            )
-
-    def __repr__(self) -> str:
-        return f"<ShardedP2RBarrier ranks={list(self.collectives.ranks)}>"
 
 
 # -- what every rank must hold -----------------------------------------------------------------
