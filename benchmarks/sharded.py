@@ -38,7 +38,7 @@ whole tensors the shards were cut from, a staging buffer reuses them unseen, and
 reads low (below the staging the transfer holds). Even so the number is of the whole process:
 it includes what else it allocates meanwhile (Python objects, gloo's work, ~0.1-0.3 MiB here)
 and can miss a peak shorter than a millisecond, so it is reported beside what the transfer
-itself holds for staging (the sending transfer's ``_buffers``:
+itself holds for staging (the sending transfer's ``staging_bytes``:
 ``staging_mb_per_trainer_rank``) and the largest bucket it sends (``largest_bucket_mb``: a
 region larger than a bucket is cut to fit, so the staging is two buckets). Every replica rank
 compares what it serves, bit for bit, with what it should hold: its slice of the trainer's
@@ -293,7 +293,7 @@ def _sharded_child(
         assert transfer is not None
         out = _trainer(args, transfer, weights)
         out["plan_bytes"] = plan.bytes_sent(rank)
-        out["largest_bucket"] = max(transfer._largest.values())
+        out["largest_bucket"] = transfer.largest_bucket_bytes
         return out
     where = groups.position(rank)
     assert where is not None
@@ -337,7 +337,7 @@ def _trainer(
         "peak_extra_per_sync": windows,
         "baseline": peak.baseline,
         "samples": peak.samples,
-        "staging": sum(b.numel() * b.element_size() for b in transfer._buffers),
+        "staging": transfer.staging_bytes,
     }
 
 

@@ -297,6 +297,18 @@ class ShardedTransfer:
         )
 
     @property
+    def largest_bucket_bytes(self) -> int:
+        """The largest bucket this rank sends or receives (at most ``bucket_bytes``)."""
+        return max(self._largest.values(), default=0)
+
+    @property
+    def staging_bytes(self) -> int:
+        """The staging memory this rank holds now: a source's two buffers, a target's two per
+        source (made on the first transfer)."""
+        held = [*self._buffers, *(b for pair in self._receive_buffers.values() for b in pair)]
+        return sum(b.numel() * b.element_size() for b in held)
+
+    @property
     def nbytes(self) -> int:
         """The payload bytes this rank sends (a source) or receives (a target) per sync."""
         return sum(s.move.nbytes for q in self._queues.values() for b in q for s in b.slots)

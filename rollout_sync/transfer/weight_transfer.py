@@ -197,6 +197,11 @@ class WeightTransfer:
         self._views: tuple[object, list[list[torch.Tensor]]] | None = None
         self._spans: tuple[object, tuple[torch.Tensor | None, ...]] | None = None
 
+    @property
+    def staging_bytes(self) -> int:
+        """The bucket buffers this rank holds now (made on first use, kept across syncs)."""
+        return sum(b.numel() * b.element_size() for b in self._buffers)
+
     def __repr__(self) -> str:
         return (
             f"<WeightTransfer src={self.src} group={list(self.ranks)} "
