@@ -12,14 +12,24 @@ one engine, alternating so the ratios are fair on a noisy machine:
   ``collective_rpc`` (the backend's ``write_path="rpc"``; the default where the engine has no
   weight-transfer config);
 * **raw broadcast**: one gloo broadcast of the same bytes between this process and another,
-  the wire's speed.
+  the wire's speed;
+* **staged**: the same push staged (``RolloutSyncTrainerInitInfo(staged=True)`` through a
+  ``GuardedWeightSyncClient(staged=True)``) while ``--streams`` requests decode: the workers
+  receive on a thread of their own and the engine keeps stepping; only the install (vLLM's
+  load of the staged tensors, the read-back, the version) is parked. Reported: the whole update
+  and its stall (the report's ``stall_s``: parked to resumed), the decode tokens produced while
+  the wire ran, and the decode step (the interval between two tokens of one stream then);
+* **load alone**: vLLM's own load of the same tensors with no wire (layerwise reload, the
+  model's loader, finalize; tensors already in the worker), run in the engine's worker, parked.
 
 The engine runs in its own process (vLLM's engine core), so every row crosses a process
 boundary. Ratios are of bytes/s (higher is better for ``*_over_raw``). The last line is one JSON
-object: ``native_over_raw``, ``rpc_over_raw``, ``bracket_overhead`` (all for the larger model),
-``model_mb``, and every row.
+object: ``native_over_raw``, ``rpc_over_raw``, ``bracket_overhead``, ``stall_over_update``
+(staged stall / whole staged update), ``staged_stall_ms``, ``staged_update_ms``,
+``load_alone_ms``, ``decode_step_ms``, ``tokens_during_wire`` (medians; all for the larger
+model), ``model_mb``, and every row.
 
-Run: ``python benchmarks/vllm_native.py`` (``--iterations``, ``--skip-large``).
+Run: ``python benchmarks/vllm_native.py`` (``--iterations``, ``--skip-large``, ``--streams``).
 
 ``--tp N`` measures tensor parallelism instead: the backend's native write
 (``VLLMBlockingBackend.load_weights``) into an engine with ``tensor_parallel_size=1`` and one
@@ -33,6 +43,8 @@ import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+# The load-alone row runs a function of this file in the engine's worker (collective_rpc).
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 import argparse
 import json
@@ -46,7 +58,7 @@ from typing import Any
 
 import torch
 
-from rollout_sync.backends.vllm import VLLMAsyncBackend, VLLMEngineConfig
+from rollout_sync.backends.vllm import VLLMAsyncBackend, VLLMEngineConfig, greedy_params
 from rollout_sync.distributed import find_free_port, standalone_group
 from rollout_sync.errors import VLLMUnavailableError
 from rollout_sync.testing.tiny_llama import build_tiny_llama, random_llama_weights
@@ -91,7 +103,82 @@ def _raw_broadcast_s(nbytes: int, iterations: int) -> list[float]:
     return times
 
 
-def _bench_model(model_dir: Path, iterations: int, bucket_bytes: int) -> dict[str, Any]:
+def _load_alone(worker: Any, seed: int, repeats: int) -> list[float]:
+    """In the engine's worker (``collective_rpc``): seconds for vLLM's own load of version
+    ``seed``'s tensors, already in the worker (no wire): the layerwise reload, the model's
+    loader, finalize; ``repeats`` times. The same steps a staged install runs, without the
+    read-back."""
+    engine = worker.weight_transfer_engine
+    shapes = {name: tuple(t.shape) for name, t in engine._expected.items()}
+    weights = random_llama_weights(shapes, seed=seed)
+    times = []
+    for _ in range(repeats):
+        names = list(weights)
+        tensors = [t.clone() for t in weights.values()]  # the reload keeps what it is given
+        start = time.perf_counter()
+        engine._start_reload()
+        engine._load_into_model(names, tensors)
+        engine._finish_reload()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+class _Streams:
+    """Keeps ``count`` long greedy requests decoding on ``backend``; counts their tokens."""
+
+    def __init__(self, backend: VLLMAsyncBackend, count: int) -> None:
+        self.backend = backend
+        self.requests = [self._submit(i) for i in range(count)]
+
+    def _submit(self, i: int) -> Any:
+        return self.backend.submit([1 + i, 5, 9, 33, 7], greedy_params(1500))
+
+    def refill(self) -> None:
+        """Replace finished requests (call between rounds, never while counting)."""
+        self.requests = [self._submit(i) if r.done else r for i, r in enumerate(self.requests)]
+
+    def tokens(self) -> int:
+        return sum(len(r.tokens()) for r in self.requests)
+
+    def decode_step_s(self, tokens: int = 24) -> float:
+        """The interval between two tokens of the first stream, over ``tokens`` tokens."""
+        first = self.requests[0]
+        have = len(first.wait_for_tokens(len(first.tokens()) + 1, timeout=60))
+        start = time.perf_counter()
+        first.wait_for_tokens(have + tokens, timeout=60)
+        return (time.perf_counter() - start) / tokens
+
+    def stop(self) -> None:
+        for request in self.requests:
+            self.backend.abort(request)
+
+
+def _staged_push(engine: Any, client: Any, streams: _Streams, weights: Any, version: int) -> dict:
+    """One staged update driven step by step (as ``RolloutSyncTrainerEngine.push`` with
+    ``staged=True`` does), to count the tokens decoded while the wire ran."""
+    from dataclasses import asdict
+
+    from rollout_sync.backends.vllm.engine import RolloutSyncUpdateInfo
+
+    info = engine.init_info
+    update = asdict(
+        RolloutSyncUpdateInfo(group=f"{info.master_address}:{info.master_port}", staged=True)
+    )
+    start = time.perf_counter()
+    client.start_weight_update()
+    client.update_weights(update)  # returns once the worker's receive thread runs
+    before = streams.tokens()
+    engine.transfer.send(weights, version=version)
+    during = streams.tokens() - before
+    client.finish_weight_update(str(version))  # the install, parked
+    total = time.perf_counter() - start
+    report = client.reports[-1]
+    return {"update_s": total, "stall_s": report.stall_s, "tokens_during_wire": during}
+
+
+def _bench_model(
+    model_dir: Path, iterations: int, bucket_bytes: int, streams: int = 4
+) -> dict[str, Any]:
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
     from rollout_sync.backends.vllm.client import GuardedWeightSyncClient
@@ -142,11 +229,15 @@ def _bench_model(model_dir: Path, iterations: int, bucket_bytes: int) -> dict[st
                     rows[name].append(seconds)
                 overheads.append(pair["guarded native"] / pair["unguarded native"] - 1.0)
         state = backend.native_transfer_state()
+        staged = _bench_staged(backend, engine, plain, weights, iterations, streams)
         engine.shutdown()
     raw = _raw_broadcast_s(nbytes, iterations)
     medians = {name: statistics.median(times) for name, times in rows.items()}
     medians["raw broadcast"] = statistics.median(raw)
+    medians["staged"] = staged["staged_update_ms"] / 1e3
+    medians["load alone"] = staged["load_alone_ms"] / 1e3
     return {
+        **staged,
         "model_mb": nbytes / 1e6,
         "median_s": medians,
         "mb_per_s": {name: nbytes / 1e6 / s for name, s in medians.items()},
@@ -158,6 +249,63 @@ def _bench_model(model_dir: Path, iterations: int, bucket_bytes: int) -> dict[st
             "of which vllm load": state["last_load_s"],
             "finalize": state["last_finalize_s"],
             "read-back": state["last_verify_s"],
+        },
+    }
+
+
+def _bench_staged(
+    backend: VLLMAsyncBackend,
+    engine: Any,
+    plain: Any,
+    weights: list[dict[str, torch.Tensor]],
+    iterations: int,
+    streams: int,
+) -> dict[str, Any]:
+    """The staged rows: staged updates while ``streams`` requests decode, alternating with
+    vLLM's load alone of the served version's tensors (no wire), both on this engine."""
+    from rollout_sync.backends.vllm.client import GuardedWeightSyncClient
+
+    client = GuardedWeightSyncClient(plain, rollout=backend, timeout=600.0, staged=True)
+    engine.client = client
+    decoding = _Streams(backend, streams)
+    rounds: list[dict[str, Any]] = []
+    load_alone: list[float] = []
+    steps: list[float] = []
+    try:
+        for i in range(iterations + 1):
+            decoding.refill()
+            steps.append(decoding.decode_step_s())
+            version = engine.version + 1 + i
+            seed = 1 + i % 2
+            pushed = _staged_push(engine, client, decoding, weights[i % 2], version)
+            # vLLM's load alone of the tensors just installed (the served version stays).
+            with backend.paused():
+                times = backend.run_on_loop(
+                    backend.engine.collective_rpc(_load_alone, args=(seed, 1)),
+                    600,
+                    "load alone",
+                )
+            if i:  # the first round warms up
+                rounds.append(pushed)
+                load_alone.extend(times[0])
+    finally:
+        decoding.stop()
+    update = statistics.median(r["update_s"] for r in rounds)
+    stall = statistics.median(r["stall_s"] for r in rounds)
+    state = backend.native_transfer_state() or {}
+    return {
+        "staged_update_ms": update * 1e3,
+        "staged_stall_ms": stall * 1e3,
+        "stall_over_update": statistics.median(r["stall_s"] / r["update_s"] for r in rounds),
+        "load_alone_ms": statistics.median(load_alone) * 1e3,
+        "decode_step_ms": statistics.median(steps) * 1e3,
+        "tokens_during_wire": statistics.median(r["tokens_during_wire"] for r in rounds),
+        "staged_rounds": rounds,
+        "staged_engine_s": {
+            "install": state.get("last_install_s"),
+            "of which vllm load": state.get("last_load_s"),
+            "finalize": state.get("last_finalize_s"),
+            "read-back": state.get("last_verify_s"),
         },
     }
 
@@ -251,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-large", action="store_true", help="the tiny model only")
     parser.add_argument("--bucket-mb", type=float, default=8.0, help="the transfer's bucket size")
     parser.add_argument(
+        "--streams", type=int, default=4, help="requests decoding during the staged rows"
+    )
+    parser.add_argument(
         "--tp",
         type=int,
         default=0,
@@ -268,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
             build_tiny_llama(model_dir, seed=0, **overrides)
             try:
                 results[label] = _bench_model(
-                    model_dir, args.iterations, int(args.bucket_mb * (1 << 20))
+                    model_dir, args.iterations, int(args.bucket_mb * (1 << 20)), args.streams
                 )
             except VLLMUnavailableError as exc:
                 print(exc, file=sys.stderr)
@@ -284,6 +435,12 @@ def main(argv: list[str] | None = None) -> int:
             f"bracket overhead {r['bracket_overhead'] * 100:+.1f}%  "
             "\n  in the engine, last update: "
             + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["engine_s"].items())
+            + f"\n  staged: update {r['staged_update_ms']:.1f} ms, stall (parked) "
+            f"{r['staged_stall_ms']:.1f} ms = {r['stall_over_update']:.2f} of the update; load "
+            f"alone {r['load_alone_ms']:.1f} ms; decode step {r['decode_step_ms']:.2f} ms; "
+            f"{r['tokens_during_wire']:.0f} tokens decoded during the wire"
+            "\n  staged install in the engine, last: "
+            + ", ".join(f"{k} {(v or 0.0) * 1e3:.1f} ms" for k, v in r["staged_engine_s"].items())
         )
     main_row = results.get("large", results["tiny"])
     print(
@@ -292,6 +449,12 @@ def main(argv: list[str] | None = None) -> int:
                 "native_over_raw": main_row["native_over_raw"],
                 "rpc_over_raw": main_row["rpc_over_raw"],
                 "bracket_overhead": main_row["bracket_overhead"],
+                "stall_over_update": main_row["stall_over_update"],
+                "staged_stall_ms": main_row["staged_stall_ms"],
+                "staged_update_ms": main_row["staged_update_ms"],
+                "load_alone_ms": main_row["load_alone_ms"],
+                "decode_step_ms": main_row["decode_step_ms"],
+                "tokens_during_wire": main_row["tokens_during_wire"],
                 "model_mb": main_row["model_mb"],
                 "models": results,
             }

@@ -142,6 +142,13 @@ class RolloutBase(abc.ABC):
         """
         return None
 
+    def forward_collectives(self) -> frozenset[str]:
+        """The backends (``"nccl"``, ``"gloo"``) of the collectives this engine's forwards run
+        on their own (tensor parallelism); default none. A receive that runs beside the
+        forwards (staged, async) is refused over NCCL when this names NCCL
+        (:func:`~rollout_sync.staging.check_two_communicators`)."""
+        return frozenset()
+
     def load_weights(
         self, weights: Mapping[str, torch.Tensor], *, require_all: bool = True
     ) -> None:

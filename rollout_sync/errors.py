@@ -76,8 +76,10 @@ __all__ = [
     "RunInterrupted",
     "SchedulerTimeout",
     "ShutdownTimeout",
+    "StagedCommitAborted",
     "TornWeightsError",
     "TransferPlanMismatch",
+    "TwoCommunicatorsRefused",
     "UnsafeHeaderError",
     "VLLMUnavailableError",
     "WeightBroadcastError",
@@ -395,6 +397,45 @@ class ChecksumMismatchError(WeightTransferError):
         )
         self.buckets = tuple(buckets)
         self.failed_ranks = tuple(failed_ranks)
+
+
+class StagedCommitAborted(WeightTransferError):
+    """A staged version was installed on no replica of its sync (the two-phase commit).
+
+    Every replica of the sync staged and verified the version, then voted (the transfer's
+    commit vote); at least one said no, or the transfer failed before the vote, so none
+    installs it and every replica keeps serving ``kept_version``. The served weights were not
+    touched (``tensors_written`` is 0): nothing is torn and nothing needs re-seeding.
+
+    Attributes:
+        failed_ranks: global ranks that voted no (empty when the transfer failed before the
+            vote: then ``__cause__`` says why).
+        kept_version: the version this replica goes on serving.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        operation: str,
+        version: int | None,
+        failed_ranks: Sequence[int],
+        kept_version: int,
+    ) -> None:
+        super().__init__(message, operation=operation, version=version, tensors_written=0)
+        self.failed_ranks = tuple(failed_ranks)
+        self.kept_version = kept_version
+
+
+class TwoCommunicatorsRefused(RolloutSyncError, ValueError):
+    """A configuration would put two NCCL communicators in flight on one device at once.
+
+    A staged (or async-mode) receive runs while the engine's forwards run. When those
+    forwards do their own collectives over NCCL (tensor parallelism) and the weight transfer
+    is NCCL too, the two would overlap on the device: the hazard this package exists to
+    prevent. Choose ``SyncMode.SYNC`` (the receive runs parked, as before) or a transfer over a
+    gloo group (staging through host memory). Raised at construction, before anything runs.
+    """
 
 
 class WeightsNotLandedError(RolloutSyncError):

@@ -38,8 +38,8 @@ import enum
 import functools
 import threading
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, ExitStack
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, runtime_checkable
@@ -83,10 +83,22 @@ class SyncMode(enum.Enum):
     """Write a buffer clone; it is installed before each generation call. No pause."""
     ASYNC_PER_FORWARD = "async_per_forward"
     """Write a buffer clone; it is installed before each policy forward. No pause."""
+    STAGED = "staged"
+    """Stage, then swap: a :class:`~rollout_sync.RolloutWorker` receives into a staging copy
+    of the served weights while generation goes on (payload egress held), and pauses only to
+    install it and commit the version; every replica of a sync installs or none does
+    (:mod:`rollout_sync.staging`). A handler decorated with :func:`weight_sync_handler` on a
+    worker in this mode is paused throughout, as in ``SYNC``: it may write the served tensors."""
 
     @property
     def pauses_generation(self) -> bool:
-        return self is SyncMode.SYNC
+        """Whether the guard's decorators pause generation for a handler in this mode."""
+        return self in (SyncMode.SYNC, SyncMode.STAGED)
+
+    @property
+    def is_async(self) -> bool:
+        """An async mode: a weight buffer installed at the backend's own safe points."""
+        return self in (SyncMode.ASYNC_PER_GENERATION, SyncMode.ASYNC_PER_FORWARD)
 
 
 @dataclass(frozen=True)
@@ -107,6 +119,11 @@ class SyncReport:
     fence_s: float
     total_s: float
     error: str | None = None
+    stall_s: float = 0.0
+    """How long generation was parked by this sync: from parked to resumed. A sync that
+    pauses throughout (``SYNC``) stalls for nearly all of ``total_s``; a staged sync only for
+    its install (:meth:`WeightSyncBracket.stalled`); an R2R send or an async-mode sync not at
+    all."""
 
     def to_metrics(self, prefix: str = "rollout_sync/") -> dict[str, float]:
         """Scalar metrics, in milliseconds, under the names docs/metrics.md lists."""
@@ -116,6 +133,7 @@ class SyncReport:
             f"{prefix}handler_ms": self.handler_s * 1e3,
             f"{prefix}fence_ms": self.fence_s * 1e3,
             f"{prefix}sync_total_ms": self.total_s * 1e3,
+            f"{prefix}stall_ms": self.stall_s * 1e3,
         }
 
 
@@ -169,6 +187,9 @@ class WeightSyncBracket:
         self._start = self._parked = self._drained = 0.0
         self._body_start_ns = 0
         self._egress = EgressHoldReport()
+        self._stall_s = 0.0
+        self._install_park_s = 0.0
+        self._parked_on_entry = False
 
     def __enter__(self) -> WeightSyncBracket:
         self._start = self._parked = self._drained = time.perf_counter()
@@ -176,6 +197,7 @@ class WeightSyncBracket:
             if self._pause:
                 assert self._rollout is not None
                 self._stack.enter_context(self._rollout.paused(self._timeout))
+                self._parked_on_entry = True
             self._parked = self._drained = time.perf_counter()
             if self._hold:
                 if self._timeline is not None:
@@ -222,6 +244,30 @@ class WeightSyncBracket:
             finally:
                 self._finish(body_done, fence_done, error)
 
+    @contextmanager
+    def stalled(self, *, pause: bool = True) -> Iterator[None]:
+        """Park generation for the ``with`` body alone (a staged sync's install and version
+        commit) and count its time into the report's ``stall_s``.
+
+        In a bracket that paused on entry (``SYNC``) generation is parked already: the body
+        just runs. ``pause=False`` (an unguarded worker, to show the hazard) or a bracket
+        without a rollout parks nothing and counts nothing.
+
+        Raises:
+            PauseTimeout: generation did not park within the bracket's timeout.
+        """
+        if self._pause or not pause or self._rollout is None:
+            yield
+            return
+        asked = time.perf_counter()
+        with self._rollout.paused(self._timeout):
+            parked = time.perf_counter()
+            self._install_park_s += parked - asked
+            try:
+                yield
+            finally:
+                self._stall_s += time.perf_counter() - parked
+
     def _record_hold(self, start_ns: int) -> None:
         """A ``payload_hold`` span from asking for the hold until its release, if anything was
         held (a hold that timed out on entry, or only flushed, held nothing)."""
@@ -238,15 +284,16 @@ class WeightSyncBracket:
         self.report = SyncReport(
             handler=self.name,
             mode=self.mode,
-            paused=self._pause,
+            paused=self._pause or self._stall_s > 0,
             egress_held=self._egress.held,
             egress_flushed=self._egress.flushed,
-            park_s=self._parked - self._start,
+            park_s=self._parked - self._start + self._install_park_s,
             egress_drain_s=self._drained - self._parked,
             handler_s=body_end - self._drained,
             fence_s=(fence_done - body_end) if fence_done is not None else 0.0,
             total_s=end - self._start,
             error=None if error is None else f"{type(error).__name__}: {error}",
+            stall_s=(end - self._parked) if self._parked_on_entry else self._stall_s,
         )
 
 

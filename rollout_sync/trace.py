@@ -36,6 +36,7 @@ __all__ = [
     "read_chrome_trace",
     "split_overlaps",
     "step_intervals_ms",
+    "token_rates_in_windows",
     "torn_forwards",
 ]
 
@@ -52,7 +53,8 @@ class SpanKind:
     SYNC = "weight_sync"
     """The body of a guarded sync (after pause and egress hold, before release)."""
     WEIGHT_BUFFER_WRITE = "weight_buffer_write"
-    """A write into an async-mode weight buffer, not a served tensor (``transfer.BUFFER_WRITE``)."""
+    """A write into an async-mode weight buffer or a staged sync's staging area, not a served
+    tensor (``transfer.BUFFER_WRITE``): generation may overlap it."""
     PAYLOAD_HOLD = "payload_hold"
     """Payload transfers held for a weight sync: a replica's sends (the bracket's egress hold,
     from asking for it until its release) or the trainer's receives (the P2R push's hold)."""
@@ -348,6 +350,54 @@ def torn_forwards(forwards: Iterable[Span], overlaps: Iterable[Overlap]) -> list
     for span in (*flagged, *overlapping):
         torn.setdefault((span.pid, span.tid, span.start_ns, span.end_ns), span)
     return sorted(torn.values(), key=lambda s: s.start_ns)
+
+
+def token_rates_in_windows(
+    forwards: Iterable[Span], windows: Iterable[Span], *, tokens_arg: str = "batch"
+) -> tuple[float, float]:
+    """Decode throughput inside ``windows`` (weight syncs) and outside them, in tokens/s:
+    ``(inside, outside)``, NaN where there is no time to divide by.
+
+    Per process, only the time from its first forward's start to its last forward's end
+    counts (before the engine starts, a sync stalls nothing). A forward counts where its
+    midpoint lies: inside a window of its process or outside all of them. Its decode tokens
+    are its ``tokens_arg`` argument: by default ``batch``, the sequences it stepped, each of
+    which it gave one new token (prompt tokens it prefilled are not decode tokens); 1 when the
+    span has no such argument. Overlapping windows of one process are merged first.
+    """
+    by_pid: dict[int, list[Span]] = {}
+    for span in forwards:
+        by_pid.setdefault(span.pid, []).append(span)
+    held: dict[int, list[tuple[int, int]]] = {}
+    for window in windows:
+        held.setdefault(window.pid, []).append((window.start_ns, window.end_ns))
+    tokens_in = tokens_out = 0.0
+    time_in = time_out = 0
+    for pid, spans in by_pid.items():
+        lo = min(s.start_ns for s in spans)
+        hi = max(s.end_ns for s in spans)
+        merged: list[list[int]] = []
+        for start, end in sorted(held.get(pid, [])):
+            start, end = max(start, lo), min(end, hi)
+            if end <= start:
+                continue
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        inside = sum(end - start for start, end in merged)
+        time_in += inside
+        time_out += (hi - lo) - inside
+        for span in spans:
+            mid = (span.start_ns + span.end_ns) // 2
+            n = float(span.args.get(tokens_arg, 1))
+            if any(start <= mid < end for start, end in merged):
+                tokens_in += n
+            else:
+                tokens_out += n
+    rate_in = tokens_in / (time_in / 1e9) if time_in else math.nan
+    rate_out = tokens_out / (time_out / 1e9) if time_out else math.nan
+    return rate_in, rate_out
 
 
 def step_intervals_ms(forwards: Iterable[Span], *, gaps: Iterable[Span] = ()) -> list[float]:

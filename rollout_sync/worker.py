@@ -25,6 +25,14 @@ handlers queue the transfer on a :class:`~rollout_sync.buffer.WeightSyncThread`,
 :class:`~rollout_sync.WeightBuffer` the backend installs at its safe points; generation never
 pauses, and a failed transfer leaves the served weights whole.
 
+In :attr:`SyncMode.STAGED` (stage, then swap: :mod:`rollout_sync.staging`) a receive lands in a
+:class:`~rollout_sync.staging.StagingArea` while generation goes on, with payload egress held;
+generation is parked only to install the verified version and commit it. A replica installs
+only if every replica of the sync voted yes in the transfer's commit vote (two-phase), so a
+version lands on every replica of the sync or on none. The P2R target of a job with R2R holds
+what it staged until the R2R it sends from the staging area has been voted on; with the
+pipelined relay, the relay's vote covers both hops.
+
 Rendezvous is torch.distributed's own (``env://`` or ``tcp://``): see
 :mod:`rollout_sync.distributed` and :func:`build_sync_groups`.
 """
@@ -57,6 +65,7 @@ from .errors import (
     InstallTimeout,
     RolloutSyncError,
     RunInterrupted,
+    StagedCommitAborted,
     WeightBroadcastTimeout,
 )
 from .guard import (
@@ -68,6 +77,7 @@ from .guard import (
     weight_sync_bracket,
     weight_sync_handler,
 )
+from .staging import StagingArea, check_two_communicators
 from .trace import Timeline
 from .trainer import CommandKind, WeightSyncCommand
 from .transfer import (
@@ -165,6 +175,10 @@ class CommandResult:
     elapsed_s: float = 0.0
     weight_version: int = 0
     """The served weight version after the command."""
+    committed_at: float | None = None
+    """Wall-clock time (``time.time()``) at which this command committed a new served version
+    (installed it, in staged mode); ``None`` if it committed none. Compared across replicas,
+    it measures version skew: how long two replicas served different versions."""
 
 
 @runtime_checkable
@@ -271,6 +285,11 @@ class WorkerStatistics:
     sync_reports_total: int
     """Sync brackets reported (P2R, R2R and re-seeds, failed ones too); the recent ones are in
     :attr:`RolloutWorker.sync_reports`."""
+    staging_bytes: int = 0
+    """Memory held by the staging copy of the weights (``SyncMode.STAGED``; 0 until the first
+    sync, and always 0 in place)."""
+    staged_discarded: int = 0
+    """Staged versions thrown away: failed on this replica, or voted down by another."""
 
 
 @dataclass(frozen=True)
@@ -548,11 +567,18 @@ class RolloutWorker:
         timeline: records sync, collective and write spans.
         weight_sync_timeout: seconds for the pause, each egress hold, fences and collectives.
         guarded: ``False`` runs the handlers without the bracket (to show the hazards).
+        staging_device: ``SyncMode.STAGED``: where the staging copy of the weights lives
+            (default: with the served weights; ``"cpu"``: in host memory).
+        all_or_none: ``SyncMode.STAGED``: install a version only if every replica of the sync
+            received it whole (two-phase, the default). ``False`` installs whatever this
+            replica received whole even when another failed: the fleet may serve two
+            versions (to show the hazard).
         allow_subset: accept ``trainable_only`` (subset) syncs.
         on_result: called on the loop thread with every :class:`CommandResult` (async jobs:
             when they complete).
         on_transfer: called with the :class:`TransferStats` and the tensors of every
-            successful transfer (the served tensors; in async modes the buffer), right after
+            successful transfer (the served tensors; in async modes the buffer; staged, the
+            staging area), right after
             it, outside the bracket, on the thread that ran it and before that thread starts
             the next one, so the tensors hold exactly what was transferred. For checks.
         history: how many recent :class:`CommandResult` s (:attr:`results`) and
@@ -585,10 +611,13 @@ class RolloutWorker:
         on_result: Callable[[CommandResult], None] | None = None,
         on_transfer: Callable[[TransferStats, Mapping[str, torch.Tensor]], None] | None = None,
         history: int = DEFAULT_HISTORY,
+        staging_device: torch.device | str | None = None,
+        all_or_none: bool = True,
     ) -> None:
         bounded_history("RolloutWorker", history)
         _check_transfer("p2r", p2r)
         _check_transfer("r2r", r2r)
+        check_two_communicators(rollout, (p2r, r2r), mode)
         self.rollout = rollout
         self.p2r = p2r
         self.p2r_barrier = p2r_barrier
@@ -628,7 +657,12 @@ class RolloutWorker:
         self._syncs = 0
         self._failed_syncs = 0
         self._reports = 0
-        if mode is not SyncMode.SYNC:
+        self.staging: StagingArea | None = None
+        """``SyncMode.STAGED``: the staging copy of the weights (built by the first sync)."""
+        self.staging_device = staging_device
+        self.all_or_none = all_or_none
+        self._committed_at: float | None = None
+        if mode.is_async:
             if not isinstance(rollout, SupportsWeightBuffer):
                 raise TypeError(
                     f"{mode} needs a backend that installs a WeightBuffer at its safe points "
@@ -655,7 +689,13 @@ class RolloutWorker:
         return self._guarded
 
     def _choose_path(self) -> _SyncPath:
-        if self.weight_sync_mode is not SyncMode.SYNC:
+        if self.weight_sync_mode is SyncMode.STAGED:
+            return _SyncPath(
+                partial(self._staged, self._stage_p2r),
+                partial(self._staged, self._stage_r2r_send),
+                partial(self._staged, self._stage_r2r_receive),
+            )
+        if self.weight_sync_mode.is_async:
             # Queued on the weight-sync thread, which sends or receives by the R2R role it
             # finds when the job runs.
             r2r = partial(self._queue_async, "r2r")
@@ -718,9 +758,15 @@ class RolloutWorker:
                     value,
                     elapsed_s=time.perf_counter() - start,
                     weight_version=self.rollout.weight_version,
+                    committed_at=self._take_committed_at(),
                 )
                 if isinstance(value, TransferStats) and self.on_transfer is not None:
-                    self.on_transfer(value, self.rollout.served_weights())
+                    transferred = (
+                        self.staging.tensors
+                        if self.staging is not None and value.role != "send"
+                        else self.rollout.served_weights()
+                    )
+                    self.on_transfer(value, transferred)
         if not isinstance(result.value, concurrent.futures.Future):
             self._record(result)
         return result
@@ -866,6 +912,8 @@ class RolloutWorker:
         self.p2r_barrier = groups.p2r_barrier if self.p2r is not None else None
         self.r2r = groups.r2r_transfer(**transfer_kwargs)
         self._origin = None  # checksums of a layout on the old groups
+        if self.staging is not None:
+            self.staging.discard()  # a version staged on the old groups was never voted on
 
     def reseed(self, transfer: SupportsWeightTransfer) -> TransferStats:
         """Take part in a recovery's re-seed transfer (:func:`~rollout_sync.recovery.
@@ -927,6 +975,8 @@ class RolloutWorker:
                 engine_started=self._engine_started,
                 failed_syncs=self._failed_syncs,
                 sync_reports_total=self._reports,
+                staging_bytes=self.staging.nbytes if self.staging is not None else 0,
+                staged_discarded=self.staging.discarded if self.staging is not None else 0,
             )
 
     # -- guard hooks -------------------------------------------------------------------------
@@ -1048,7 +1098,9 @@ class RolloutWorker:
                 self._torn_park.hold_if_torn(self.weight_sync_timeout)
             raise
         reload_received(self.rollout, served)
-        self.rollout.commit_weight_version(stats.version)
+        self._committed(stats.version)
+        if self.staging is not None:
+            self.staging.discard()  # it no longer mirrors what is served
         self._torn_park.release()
         self._start_engine()
         return stats
@@ -1098,6 +1150,142 @@ class RolloutWorker:
         self.last_weight_sync_report = bracket.report
         self.on_weight_sync_report(bracket.report)
         return value
+
+    # -- staged mode: stage, then swap ------------------------------------------------------
+
+    def _staged(
+        self, body: Callable[[WeightSyncBracket, Any], TransferStats], command: object
+    ) -> TransferStats:
+        """Run a staged handler body in a bracket that holds payload egress for the transfer
+        but does not pause; the body parks generation only to install
+        (:meth:`WeightSyncBracket.stalled`). Unguarded: neither hold nor pause."""
+        bracket: WeightSyncBracket | None = None
+        try:
+            with weight_sync_bracket(
+                self.rollout,
+                self.payload_egress_components() if self.guarded else (),
+                name=getattr(body, "__name__", "staged sync").lstrip("_"),
+                mode=SyncMode.STAGED,
+                pause=False,
+                hold=self.guarded,
+                timeout=self.weight_sync_timeout,
+                fence=self.weight_sync_fence,
+                timeline=self.timeline,
+            ) as bracket:
+                return body(bracket, command)
+        finally:
+            if bracket is not None and bracket.report is not None:
+                self.last_weight_sync_report = bracket.report
+                self.on_weight_sync_report(bracket.report)
+
+    def _stage_p2r(self, bracket: WeightSyncBracket, command: P2R) -> TransferStats:
+        """Stage the trainer's version. It is installed at once when this replica is the only
+        one, or when it relays (the relay's R2R vote covers every replica); else it waits for
+        the R2R this replica sends next, whose vote decides for all."""
+        assert self.p2r is not None
+        forward = self._relay_target(command)
+        self._meet_trainer(forward)
+        install = forward is not None or self.r2r is None
+        stats = self._stage(bracket, self.p2r, forward, install=install)
+        self._keep_origin(stats)
+        return stats
+
+    def _stage_r2r_receive(self, bracket: WeightSyncBracket, command: R2R) -> TransferStats:
+        assert self.r2r is not None
+        return self._stage(bracket, self.r2r, None, install=True)
+
+    def _stage_r2r_send(self, bracket: WeightSyncBracket, command: R2R) -> TransferStats:
+        """Send the version staged by the P2R (or, with none staged, the served one); install
+        the staged one once every receiver voted yes, discard it otherwise."""
+        assert self.r2r is not None
+        staging = self.staging
+        version = staging.staged_version if staging is not None else None
+        if staging is None or version is None:
+            return self._send(self.r2r, self._served_to_send)
+        staged = staging
+
+        def what() -> tuple[Mapping[str, torch.Tensor], int, torch.Tensor | None]:
+            return staged.tensors, version, staged.storage
+
+        try:
+            stats = self._send(self.r2r, what)
+        except WeightTransferError as exc:
+            if self.all_or_none:
+                staged.discard()
+                raise self._commit_aborted(exc, version) from exc
+            self._install(bracket)  # two-phase off: this replica serves it regardless
+            raise
+        except BaseException:
+            staged.discard()
+            raise
+        self._install(bracket)
+        return stats
+
+    def _stage(
+        self,
+        bracket: WeightSyncBracket,
+        transfer: SupportsWeightTransfer,
+        forward: SupportsWeightTransfer | None,
+        *,
+        install: bool,
+    ) -> TransferStats:
+        """Receive ``transfer`` into the staging area while generation goes on; install the
+        version if ``install``, else keep it staged. A failure discards it: the served weights
+        were never touched."""
+        self._ensure_engine()
+        staging = self._ensure_staging()
+        staging.begin(self.rollout.served_weights())
+        try:
+            stats = self._take(
+                transfer, forward, staging.tensors, storage=staging.storage, write_kind=BUFFER_WRITE
+            )
+        except WeightTransferError as exc:
+            if exc.complete and exc.version is not None and not self.all_or_none:
+                staging.staged(exc.version)  # two-phase off: install what landed here whole
+                self._install(bracket)
+                raise
+            staging.discard()
+            if not self.all_or_none:
+                raise
+            raise self._commit_aborted(exc, exc.version) from exc
+        except BaseException:
+            staging.discard()
+            raise
+        staging.staged(stats.version)
+        if install:
+            self._install(bracket)
+        return stats
+
+    def _install(self, bracket: WeightSyncBracket) -> None:
+        """Park generation, copy the staged version into the served weights, commit it."""
+        assert self.staging is not None
+        with bracket.stalled(pause=self.guarded):
+            version = self.staging.install_into(self.rollout)
+            self._committed(version)
+        self._start_engine()
+
+    def _ensure_staging(self) -> StagingArea:
+        if self.staging is None:
+            self.staging = StagingArea.of(self.rollout, device=self.staging_device)
+        return self.staging
+
+    def _commit_aborted(self, exc: WeightTransferError, version: int | None) -> StagedCommitAborted:
+        failed = tuple(getattr(exc, "failed_ranks", ()))
+        why = (
+            f"rank(s) {list(failed)} voted no"
+            if failed
+            else f"the transfer failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+        )
+        kept = self.rollout.weight_version
+        return StagedCommitAborted(
+            f"version {version} is installed on no replica of this sync (two-phase commit): "
+            f"{why}. This replica keeps serving version {kept}; its served weights were not "
+            "touched",
+            operation=exc.operation,
+            version=version,
+            failed_ranks=failed,
+            kept_version=kept,
+        )
 
     # -- the engine --------------------------------------------------------------------------
 
@@ -1256,7 +1444,17 @@ class RolloutWorker:
             exception=exc,
             elapsed_s=elapsed,
             weight_version=self.rollout.weight_version,
+            committed_at=self._take_committed_at(),
         )
+
+    def _committed(self, version: int) -> None:
+        """Commit ``version`` as served, noting when (``CommandResult.committed_at``)."""
+        self.rollout.commit_weight_version(version)
+        self._committed_at = time.time()
+
+    def _take_committed_at(self) -> float | None:
+        at, self._committed_at = self._committed_at, None
+        return at
 
     def _record(self, result: CommandResult) -> None:
         """Count ``result`` and keep it in the history, without its exception (whose

@@ -88,6 +88,9 @@ def test_a_lost_payload_fails_the_run_guarded_or_not(
         (["--launcher", "ray", "--in-process"], "does not run with --in-process"),
         (["--launcher", "torchrun", "--backend", "vllm"], "--backend vllm"),
         (["--ray-address", "auto"], "--ray-address needs --launcher ray"),
+        (["--staged", "--in-process"], "runs the multi-process demo: drop --in-process"),
+        (["--staged", "--mode", "async_per_forward"], "--staged is --mode staged"),
+        (["--staged", "--tp", "2"], "sync mode only: drop --mode staged"),
     ],
 )
 def test_launcher_options_that_cannot_go_together_are_refused(

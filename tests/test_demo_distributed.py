@@ -49,9 +49,13 @@ def _by_pid(timeline: Timeline, kind: str) -> dict[int, list[Span]]:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("pipelined_relay", [False, True], ids=["p2r_then_r2r", "pipelined"])
+@pytest.mark.parametrize(
+    ("pipelined_relay", "mode"),
+    [(False, SyncMode.SYNC), (True, SyncMode.SYNC), (False, SyncMode.STAGED)],
+    ids=["p2r_then_r2r", "pipelined", "staged"],
+)
 def test_the_default_demo_is_clean_bit_identical_and_loses_no_payload(
-    pipelined_relay: bool,
+    pipelined_relay: bool, mode: SyncMode
 ) -> None:
     timeline = Timeline()
     steps = 6
@@ -62,6 +66,7 @@ def test_the_default_demo_is_clean_bit_identical_and_loses_no_payload(
         steps=steps,
         checksums=True,
         pipelined_relay=pipelined_relay,
+        mode=mode,
         min_new_tokens=2,
         max_new_tokens=12,
         **_FAST,
@@ -101,8 +106,14 @@ def test_the_default_demo_is_clean_bit_identical_and_loses_no_payload(
         assert writes[pid], f"replica {pid} recorded no weight writes"
     assert report["results_straddled_sync"] > 0
     # One pause per received sync: replica 1 for P2R (its R2R only reads, or it relays inside
-    # its P2R), the others for R2R.
+    # its P2R), the others for R2R. Staged, one per install: replica 1's after the R2R it sent.
     assert report["generation_pauses"] == 3 * steps
+    assert report["sync_mode"] == mode.value
+    assert 0 < report["stall_ms_p50"] <= report["stall_ms_p99"]
+    assert report["version_skew_ms_max"] >= 0 and report["sync_window_tokens_ratio"] >= 0
+    if mode is SyncMode.STAGED:
+        # The pause covers the install alone, not the wire.
+        assert report["stall_ms_p50"] < report["sync_ms_p50"] / 4
     assert report["syncs"] == (3 if pipelined_relay else 4) * steps
     # The trainer's metric, and the rollout side's phases.
     assert report["weight_sync_time_ms_p50"] > 0

@@ -39,12 +39,14 @@ from rollout_sync.errors import (  # noqa: E402
     PayloadTimeout,
     RolloutSyncError,
     TornWeightsError,
+    TwoCommunicatorsRefused,
     UnsafeHeaderError,
     WeightMismatchError,
     WeightTransferError,
     WouldBlock,
 )
 from rollout_sync.gate import Gate  # noqa: E402
+from rollout_sync.guard import SyncMode  # noqa: E402
 from rollout_sync.integrations.fast_llm import (  # noqa: E402
     FastLLMReceiver,
     FastLLMRolloutSender,
@@ -274,7 +276,10 @@ def _untouched_after(
     return trainer, receiver, rollout, runner, raised.value
 
 
-def test_a_malicious_header_is_refused_before_it_runs(redis: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", [SyncMode.SYNC, SyncMode.STAGED])
+def test_a_malicious_header_is_refused_before_it_runs(
+    redis: Any, tmp_path: Path, mode: SyncMode
+) -> None:
     marker = tmp_path / "pwned"
 
     class Evil:
@@ -285,10 +290,14 @@ def test_a_malicious_header_is_refused_before_it_runs(redis: Any, tmp_path: Path
         trainer.weights_ready(1, 8)
         trainer.broadcast_raw(pickle.dumps(Evil()))
 
-    trainer, receiver, _, runner, _ = _untouched_after(redis, send, UnsafeHeaderError, "system")
+    trainer, receiver, _, runner, _ = _untouched_after(
+        redis, send, UnsafeHeaderError, "system", mode=mode
+    )
     joined(runner)
     assert not marker.exists()
     assert receiver.group is None  # out of step with the trainer: abandoned
+    if mode is SyncMode.STAGED:  # refused before any install: generation never parked
+        assert receiver.sync_reports[-1].stall_s == 0.0 and not receiver.sync_reports[-1].paused
     trainer.close()
 
 
@@ -331,9 +340,13 @@ def test_a_header_the_receiver_cannot_afford_is_refused_before_allocating(
     trainer.close()
 
 
-@pytest.mark.parametrize("damage", ["shape", "dtype", "unknown name", "missing", "twice"])
+@pytest.mark.parametrize(
+    ("damage", "mode"),
+    [(d, SyncMode.SYNC) for d in ("shape", "dtype", "unknown name", "missing", "twice")]
+    + [("shape", SyncMode.STAGED), ("missing", SyncMode.STAGED)],
+)
 def test_a_stream_that_does_not_match_is_refused_whole_and_the_next_lands(
-    redis: Any, damage: str
+    redis: Any, damage: str, mode: SyncMode
 ) -> None:
     weights = trainer_weights(4)
     names = list(weights)
@@ -354,7 +367,7 @@ def test_a_stream_that_does_not_match_is_refused_whole_and_the_next_lands(
         trainer.push(2, 16, weights)  # the receiver stayed in step: this one lands
 
     trainer, receiver, rollout, runner, error = _untouched_after(
-        redis, send, WeightMismatchError, "nothing written"
+        redis, send, WeightMismatchError, "nothing written", mode=mode
     )
     if damage in ("shape", "dtype"):  # it came, refused: named once, never as missing
         assert str(error).count(names[1]) == 1 and "did not come" not in str(error)
@@ -457,10 +470,14 @@ def test_a_tensor_shorter_than_its_header_is_refused_whole(redis: Any) -> None:
         receiver.close()
 
 
-def test_a_version_the_group_replica_refuses_is_aborted_for_its_r2r_receivers(redis: Any) -> None:
+@pytest.mark.parametrize("mode", [SyncMode.SYNC, SyncMode.STAGED])
+def test_a_version_the_group_replica_refuses_is_aborted_for_its_r2r_receivers(
+    redis: Any, mode: SyncMode
+) -> None:
     """Fan-out: replica 1 refuses a version (a wrong shape), so its R2R receiver is told at
     once that none is coming (ManifestRejected, not a timeout, nothing written); the next
-    version reaches both."""
+    version reaches both. Staged, the R2R receiver stages into its StagingArea: the refused
+    version is discarded there, the next installed from it."""
     runner = ThreadRunner()
     first, second = TorchLMBackend(CONFIG), TorchLMBackend(CONFIG)
     second.ensure_initialized()
@@ -476,11 +493,15 @@ def test_a_version_the_group_replica_refuses_is_aborted_for_its_r2r_receivers(re
     joined(runner)
     config = TransferConfig(timeout_s=30)
     downstream = FastLLMReceiver(
-        second, redis=redis, r2r=WeightTransfer(groups[1], 0, config=config), timeout_s=30
+        second,
+        redis=redis,
+        r2r=WeightTransfer(groups[1], 0, config=config),
+        timeout_s=30,
+        mode=mode,
     )
     downstream.connect()
     trainer, upstream = connected(
-        redis, first, runner, r2r=WeightTransfer(groups[0], 0, config=config)
+        redis, first, runner, r2r=WeightTransfer(groups[0], 0, config=config), mode=mode
     )
     good = trainer_weights(6)
     bad = dict(good)
@@ -512,6 +533,13 @@ def test_a_version_the_group_replica_refuses_is_aborted_for_its_r2r_receivers(re
     joined(runner)
     assert served_digest(first) == served_digest(second) == weights_digest(good)
     assert first.weight_version == second.weight_version == 16
+    if mode is SyncMode.STAGED:
+        assert downstream.staging is not None
+        assert (downstream.staging.installs, downstream.staging.discarded) == (1, 1)
+        landed = downstream.sync_reports[-1]  # parked for the install only
+        assert landed.error is None and 0 < landed.stall_s < landed.total_s
+    else:
+        assert downstream.staging is None
     trainer.close()
     upstream.close()
 
@@ -531,11 +559,17 @@ def _dies_mid_stream(
     fault_point("mid_stream")  # killed: no end marker, its connections close
 
 
-@pytest.mark.parametrize("stage", [True, False])
-def test_a_trainer_killed_mid_stream(redis: Any, redis_server: RedisServer, stage: bool) -> None:
-    """Staged: a clear error, the weights untouched. In place: the error names the in-place
-    writes, the weights are marked torn, and generation stays parked although the engine
-    never looks at ``weights_torn`` (the receiver holds its pause), until ``stop_engine``."""
+@pytest.mark.parametrize(
+    ("stage", "mode"),
+    [(True, SyncMode.SYNC), (False, SyncMode.SYNC), (True, SyncMode.STAGED)],
+)
+def test_a_trainer_killed_mid_stream(
+    redis: Any, redis_server: RedisServer, stage: bool, mode: SyncMode
+) -> None:
+    """Staged buffers: a clear error, the weights untouched (``SyncMode.STAGED``: and
+    generation never parked). In place: the error names the in-place writes, the weights are
+    marked torn, and generation stays parked although the engine never looks at
+    ``weights_torn`` (the receiver holds its pause), until ``stop_engine``."""
     rollout = PlainEngine()
     before = served_digest(rollout)
     port = find_free_port()
@@ -551,7 +585,12 @@ def test_a_trainer_killed_mid_stream(redis: Any, redis_server: RedisServer, stag
         name="trainer-process",
     )
     receiver = FastLLMReceiver(
-        rollout, redis=redis, group_address=("127.0.0.1", port), timeout_s=30, stage=stage
+        rollout,
+        redis=redis,
+        group_address=("127.0.0.1", port),
+        timeout_s=30,
+        stage=stage,
+        mode=mode,
     )
     receiver.connect()
     event = receiver.next_event(30)
@@ -567,6 +606,10 @@ def test_a_trainer_killed_mid_stream(redis: Any, redis_server: RedisServer, stag
         assert re.search(broken, str(raised.value))
         assert served_digest(rollout) == before and not rollout.weights_torn
         assert rollout.can_generate()
+        report = receiver.sync_reports[-1]
+        assert report.error is not None and "CollectiveError" in report.error
+        assert report.paused is (mode is SyncMode.SYNC)
+        assert (report.stall_s == 0.0) is (mode is SyncMode.STAGED)
     else:
         assert isinstance(raised.value, WeightTransferError)
         assert isinstance(raised.value.__cause__, CollectiveError)
@@ -662,6 +705,156 @@ def test_the_pause_covers_the_whole_receive(redis: Any, guarded: bool) -> None:
     trainer.close()
 
 
+# -- staged: generation goes on during the wire ------------------------------------------------
+
+
+class HoldSignal:
+    """A payload sender with ``hold_sends`` only: says when a sync starts holding it (the
+    bracket holds egress right before its body) and whether it is held now."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.holding = 0
+
+    @contextmanager
+    def hold_sends(self, timeout: float | None = None) -> Iterator[None]:
+        self.holding += 1
+        self.entered.set()
+        try:
+            yield
+        finally:
+            self.holding -= 1
+
+
+@pytest.mark.parametrize("mode", [SyncMode.STAGED, SyncMode.SYNC])
+def test_a_staged_receive_parks_generation_for_the_install_only(redis: Any, mode: SyncMode) -> None:
+    """The trainer stops half-way through a stream until the engine has run three forwards.
+    Staged, they run while the receiver waits on the wire (payload egress held all along), the
+    weights are written only under the install's stall, which is a sliver of the sync, and the
+    torn-read detector counts nothing. The counterfactual, the default mode: the receive is
+    parked whole, so no forward runs on the wire (the trainer's wait runs out)."""
+    timeline = Timeline()
+    rollout = TorchLMStreamBackend(CONFIG, max_concurrent=4, timeline=timeline)
+    packer = HoldSignal()
+    runner = ThreadRunner()
+    trainer, receiver = connected(
+        redis, rollout, runner, timeline=timeline, mode=mode, data_packer=packer
+    )
+    first, second = trainer_weights(21), trainer_weights(22)
+    runner.start(lambda: trainer.push(1, 8, first), name="trainer-first")
+    initial = receiver.next_event(30)
+    assert isinstance(initial, WeightsReady)
+    receiver.take(initial)  # before generation: it starts the engine
+    joined(runner)
+
+    in_wire, enough = threading.Event(), threading.Event()
+    forwards_in_wire = 0
+
+    def count_forwards(layer: int) -> None:
+        nonlocal forwards_in_wire
+        if layer == 0 and in_wire.is_set():
+            forwards_in_wire += 1
+            if forwards_in_wire >= 3:
+                enough.set()
+
+    rollout.layer_hook = count_forwards
+    done = threading.Event()
+
+    def feed() -> None:
+        while not done.is_set():
+            for _ in range(4):
+                rollout.put([1, 2, 3], max_new_tokens=24)
+            rollout.scheduler.get(timeout=30)
+
+    seen: dict[str, bool] = {}
+
+    def train() -> None:
+        packer.entered.clear()
+        trainer.weights_ready(2, 16)
+        assert packer.entered.wait(30)  # the receiver's sync has begun
+        items = list(second.items())
+        for name, tensor in items[:2]:
+            trainer.broadcast_raw(
+                pickle.dumps(("weights", name, tensor.shape, tensor.dtype)), tensor
+            )
+        in_wire.set()
+        seen["forwards went on"] = enough.wait(30 if mode is SyncMode.STAGED else 0.5)
+        seen["egress held"] = packer.holding > 0
+        in_wire.clear()
+        for name, tensor in items[2:]:
+            trainer.broadcast_raw(
+                pickle.dumps(("weights", name, tensor.shape, tensor.dtype)), tensor
+            )
+        trainer.broadcast_raw(pickle.dumps(None))
+
+    runner.start(feed, name="feeder")
+    runner.start(train, name="trainer")
+    event = receiver.next_event(30)
+    assert isinstance(event, WeightsReady)
+    try:
+        receiver.take(event)
+    finally:
+        done.set()
+        joined(runner)
+        receiver.stop_engine(30)
+    assert served_digest(rollout) == weights_digest(second) and rollout.weight_version == 16
+    assert seen["egress held"]  # the collective's hazard is held off in both modes
+    spans = timeline.spans()
+    assert find_overlaps(spans, [(SpanKind.FORWARD, SpanKind.WEIGHT_WRITE)]) == []
+    assert rollout.statistics().torn_forwards == 0
+    report = receiver.sync_reports[-1]
+    assert report.error is None and report.paused
+    on_wire = find_overlaps(spans, [(SpanKind.FORWARD, SpanKind.SYNC)])
+    if mode is SyncMode.STAGED:
+        assert seen["forwards went on"] and forwards_in_wire >= 3 and on_wire
+        assert 0 < report.stall_s < report.total_s / 2
+    else:
+        assert not seen["forwards went on"] and forwards_in_wire == 0 and on_wire == []
+        assert report.stall_s > report.total_s / 2
+    trainer.close()
+
+
+class TensorParallelEngine(PlainEngine):
+    """An engine whose forwards run NCCL collectives of their own (tensor parallelism)."""
+
+    def forward_collectives(self) -> frozenset[str]:
+        return frozenset({"nccl"})
+
+
+class NcclTransfer:
+    """What the NCCL rule reads of an R2R transfer: its backend."""
+
+    backend = "nccl"
+    is_source = False
+
+
+def test_the_staged_mode_is_checked_when_the_receiver_is_built(redis: Any) -> None:
+    group = ("127.0.0.1", 1)
+    with pytest.raises(ValueError, match="stage=False"):
+        FastLLMReceiver(PlainEngine(), redis=redis, mode=SyncMode.STAGED, stage=False)
+    with pytest.raises(ValueError, match=r"SyncMode\.SYNC"):
+        FastLLMReceiver(PlainEngine(), redis=redis, mode=SyncMode.ASYNC_PER_FORWARD)
+    # The NCCL rule: a staged NCCL receive beside NCCL forwards is refused, naming the way out.
+    with pytest.raises(TwoCommunicatorsRefused, match=r"WeightsBroadcastConfig\.backend"):
+        FastLLMReceiver(
+            TensorParallelEngine(),
+            redis=redis,
+            group_address=group,
+            backend="nccl",
+            mode=SyncMode.STAGED,
+        )
+    for allowed in (
+        {"backend": "gloo", "mode": SyncMode.STAGED},
+        {"backend": "nccl", "mode": SyncMode.SYNC},
+    ):
+        FastLLMReceiver(TensorParallelEngine(), redis=redis, group_address=group, **allowed)
+    receiver = FastLLMReceiver(TensorParallelEngine(), redis=redis, mode=SyncMode.STAGED)
+    assert receiver.weight_sync_mode is SyncMode.STAGED
+    with pytest.raises(TwoCommunicatorsRefused):
+        receiver.r2r = NcclTransfer()  # type: ignore[assignment]
+    assert receiver.r2r is None
+
+
 # -- rollouts back -----------------------------------------------------------------------------
 
 
@@ -729,17 +922,24 @@ def test_a_sender_waits_for_ever_on_math_inf_and_refuses_a_negative_timeout(redi
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", [SyncMode.SYNC, SyncMode.STAGED])
 def test_the_fast_llm_demo_reports_a_clean_guarded_run(
-    redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+    redis_server: RedisServer, capsys: pytest.CaptureFixture[str], mode: SyncMode
 ) -> None:
     import json
 
     from rollout_sync.demos.cli import main
 
-    assert main(["demo", "--trainer", "fast-llm", "--steps", "4", "--replicas", "2", "--json"]) == 0
+    argv = ["demo", "--trainer", "fast-llm", "--steps", "4", "--replicas", "2", "--json"]
+    assert main(argv + (["--staged"] if mode is SyncMode.STAGED else [])) == 0
     out = capsys.readouterr().out
     report = json.loads(out.strip().splitlines()[-1])
     assert (report["trainer"], report["guarded"], report["replicas"]) == ("fast-llm", True, 2)
+    assert report["sync_mode"] == mode.value
+    # Staged, a receive parks generation for its install alone, a sliver of the sync.
+    assert 0 < report["stall_ms_p99"] <= report["sync_ms_p99"]
+    if mode is SyncMode.STAGED:
+        assert report["stall_ms_p50"] < report["sync_ms_p50"] / 2
     # 5 versions (the initial one and 4 steps): replica 1 receives and passes each on R2R,
     # replica 2 receives it.
     assert report["syncs"] == 15 and report["versions_checked"] == 10

@@ -96,7 +96,15 @@ def _build_parser() -> argparse.ArgumentParser:
         "--mode",
         choices=[m.value for m in SyncMode],
         default="sync",
-        help="weight sync mode (default sync: pause generation, write in place)",
+        help="weight sync mode (default sync: pause generation, write in place; staged: "
+        "receive into a staging copy while generation goes on, pause only to install)",
+    )
+    demo.add_argument(
+        "--staged",
+        action="store_true",
+        help="stage, then swap (the same as --mode staged): generation parks only for the "
+        "install; on the stream LM and vLLM replicas a version lands on every replica or on "
+        "none",
     )
     demo.add_argument(
         "--model-mb",
@@ -396,7 +404,9 @@ def _run_vllm_demo(
         return None
 
 
-def _run_fast_llm_demo(args: argparse.Namespace, timeline: Timeline) -> dict[str, Any] | None:
+def _run_fast_llm_demo(
+    args: argparse.Namespace, mode: SyncMode, timeline: Timeline
+) -> dict[str, Any] | None:
     """The demo with a Fast-LLM trainer, or ``None`` (the install hint on stderr) without
     redis-server or the redis client."""
     from ..testing.redis_server import RedisUnavailableError
@@ -406,7 +416,9 @@ def _run_fast_llm_demo(args: argparse.Namespace, timeline: Timeline) -> dict[str
         raise SystemExit("the demo needs at least one replica and one step (--replicas, --steps)")
     try:
         return run_fast_llm_demo(
-            FastLLMDemoConfig(replicas=args.replicas, steps=args.steps, guarded=not args.unguarded),
+            FastLLMDemoConfig(
+                replicas=args.replicas, steps=args.steps, guarded=not args.unguarded, mode=mode
+            ),
             timeline,
         )
     except RedisUnavailableError as exc:
@@ -471,6 +483,12 @@ def _run_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
             return 2
     timeline = Timeline()
     mode = SyncMode(args.mode)
+    if args.staged:
+        if mode not in (SyncMode.SYNC, SyncMode.STAGED):
+            raise SystemExit(f"--staged is --mode staged: drop --mode {mode.value}")
+        mode = SyncMode.STAGED
+    if mode is SyncMode.STAGED and args.in_process:
+        raise SystemExit("--staged (--mode staged) runs the multi-process demo: drop --in-process")
     if args.launcher != "local" and (args.in_process or args.backend == "vllm"):
         raise SystemExit(
             f"--launcher {args.launcher} places the multi-process demo's processes; it does not "
@@ -486,19 +504,20 @@ def _run_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 "--trainer fast-llm runs local processes over the tiny torch LM: no --launcher, "
                 "--in-process or other --backend"
             )
-        if mode is not SyncMode.SYNC:
-            raise SystemExit("--trainer fast-llm runs the sync mode only")
+        if mode not in (SyncMode.SYNC, SyncMode.STAGED):
+            raise SystemExit("--trainer fast-llm runs the sync or staged mode only")
     if args.ray_address is not None and args.launcher != "ray":
         raise SystemExit("--ray-address needs --launcher ray")
     if args.backend is None:
-        args.backend = "torch_lm" if mode is SyncMode.SYNC and not args.in_process else "torn_read"
+        stream_lm = mode in (SyncMode.SYNC, SyncMode.STAGED) and not args.in_process
+        args.backend = "torch_lm" if stream_lm else "torn_read"
     if args.launcher == "torchrun" and not _under_torchrun():
         _distributed_config(args, mode)  # refuse a bad config before starting torchrun
         return _start_torchrun(args, argv)
     if args.stream and not (args.in_process and args.backend == "torch_lm"):
         raise SystemExit("--stream needs --backend torch_lm (with --in-process)")
     if args.trainer == "fast-llm":
-        fast_llm_report = _run_fast_llm_demo(args, timeline)
+        fast_llm_report = _run_fast_llm_demo(args, mode, timeline)
         if fast_llm_report is None:
             return 2
         report = fast_llm_report

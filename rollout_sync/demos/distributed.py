@@ -100,7 +100,14 @@ from ..testing import (
     run_processes,
     weights_digest,
 )
-from ..trace import SpanKind, Timeline, split_overlaps, step_intervals_ms, torn_forwards
+from ..trace import (
+    SpanKind,
+    Timeline,
+    split_overlaps,
+    step_intervals_ms,
+    token_rates_in_windows,
+    torn_forwards,
+)
 from ..trainer import (
     CommandChannel,
     TrainerCallbacks,
@@ -395,7 +402,9 @@ def _torn_read_trainer(
     return weights, advance
 
 
-register_demo_backend("torch_lm", _torch_lm_engine, _torch_lm_trainer)
+register_demo_backend(
+    "torch_lm", _torch_lm_engine, _torch_lm_trainer, modes=(SyncMode.SYNC, SyncMode.STAGED)
+)
 register_demo_backend("torn_read", _torn_read_engine, _torn_read_trainer, modes=SyncMode)
 
 
@@ -675,7 +684,11 @@ def _replica_report(
         "transfers": [
             asdict(r.value) for r in results if r.ok and isinstance(r.value, TransferStats)
         ],
-        "reports": [{"handler": s.handler, **s.to_metrics(prefix="")} for s in worker.sync_reports],
+        "reports": [
+            {"handler": s.handler, "paused": s.paused, **s.to_metrics(prefix="")}
+            for s in worker.sync_reports
+        ],
+        "commits": {r.weight_version: r.committed_at for r in results if r.committed_at},
         "spans": timeline.to_records(),
     }
 
@@ -1120,6 +1133,16 @@ def decode_step_ms_p50(timeline: Timeline) -> float:
     return percentile(step_intervals_ms(steps, gaps=timeline.spans(SpanKind.PAUSE)), 50)
 
 
+def version_skew_ms_max(commits: Sequence[Mapping[int, float]]) -> float:
+    """The longest time two replicas served different versions after a commit: per version,
+    the spread of the wall-clock times at which the replicas committed it (each replica's
+    ``{version: CommandResult.committed_at}``), at the most; 0 with one replica, NaN with no
+    version committed by all."""
+    shared = set.intersection(*(set(c) for c in commits)) if commits else set()
+    spreads = [max(c[v] for c in commits) - min(c[v] for c in commits) for v in shared]
+    return max(spreads) * 1e3 if spreads else math.nan
+
+
 def add_process_spans(timeline: Timeline, records: Sequence[dict[str, Any]], name: str) -> None:
     """Merge one process's spans (:meth:`~rollout_sync.Timeline.to_records`) into ``timeline``
     and name their process (the picture's lane, Perfetto's process name)."""
@@ -1149,6 +1172,13 @@ def _report(
 
     def phase(key: str, q: float) -> float:
         return percentile([r[key] for r in receives], q)
+
+    # Generation stalls once per replica and sync: for the whole receive in place, for the
+    # install alone when staged (the reports that parked anything).
+    stalls = [r["stall_ms"] for rep in replicas for r in rep["reports"] if r.get("paused")]
+    rate_in, rate_out = token_rates_in_windows(
+        timeline.spans(SpanKind.FORWARD), timeline.spans(SpanKind.SYNC)
+    )
 
     sync_ms = [
         m["weight_sync_time_ms"] for m in trainer["step_metrics"] if "weight_sync_time_ms" in m
@@ -1206,6 +1236,11 @@ def _report(
         "fence_ms_p99": phase("fence_ms", 99),
         "sync_ms_p50": phase("sync_total_ms", 50),
         "sync_ms_p99": phase("sync_total_ms", 99),
+        "stall_ms_p50": percentile(stalls, 50),
+        "stall_ms_p99": percentile(stalls, 99),
+        "stall_over_sync_p50": percentile(stalls, 50) / phase("sync_total_ms", 50),
+        "version_skew_ms_max": version_skew_ms_max([rep["commits"] for rep in replicas]),
+        "sync_window_tokens_ratio": rate_in / rate_out,
         "weight_sync_time_ms_p50": percentile(sync_ms, 50),
         "weight_sync_time_ms_p99": percentile(sync_ms, 99),
         "model_mb": checks.model_nbytes / 1e6,

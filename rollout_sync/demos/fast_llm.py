@@ -18,6 +18,8 @@ plane; every process is spawned locally:
   throughout and ships each as a ``fast_llm_streaming`` record (tokens, logprobs, the version
   of every token in ``documents_seen`` units) through a
   :class:`~rollout_sync.integrations.fast_llm.FastLLMRolloutSender`, which the guard holds.
+  With ``mode=SyncMode.STAGED`` (``--staged``) every receiver stages each version while its
+  engine generates and parks it only for the install.
 
 The report has the default demo's keys where they apply, and ``staleness_p50`` /
 ``staleness_max`` (``documents_seen - model_version`` of each rollout's oldest token when the
@@ -35,6 +37,7 @@ import torch
 
 from ..distributed import standalone_group
 from ..errors import ShutdownTimeout
+from ..guard import SyncMode
 from ..integrations.fast_llm import FastLLMReceiver, FastLLMRolloutSender, ReceivedVersion
 from ..integrations.fast_llm_wire import ROLLOUTS_GROUP, ROLLOUTS_STREAM, decode_rollout
 from ..metrics import percentile
@@ -65,6 +68,8 @@ class FastLLMDemoConfig:
     replicas: int = 3
     steps: int = 30
     guarded: bool = True
+    mode: SyncMode = SyncMode.SYNC
+    """``SYNC`` (paused for each whole receive) or ``STAGED`` (paused for each install)."""
     step_interval_s: float = 0.1
     """The trainer's training step: it reads the rollouts that arrive for this long."""
     timeout_s: float = 30.0
@@ -184,6 +189,7 @@ def _replica(rank: int, config: FastLLMDemoConfig, client: Any) -> dict[str, Any
         data_packer=sender,
         timeline=timeline,
         timeout_s=config.timeout_s,
+        mode=config.mode,
         guarded=config.guarded,
         on_version=on_version,
     )
@@ -300,9 +306,13 @@ def _report(
     def phase(key: str, q: float) -> float:
         return percentile([r[key] for r in reports], q)
 
+    # Generation stalls once per receiving replica and version: for the whole receive, or for
+    # the install alone when staged.
+    stalls = [r["stall_ms"] for r in reports]
     errors = [rep["error"] for rep in replicas if rep["error"]]
     return {
         "mode": "multi_process",
+        "sync_mode": config.mode.value,
         "trainer": "fast-llm",
         "backend": "torch_lm",
         "guarded": config.guarded,
@@ -328,6 +338,8 @@ def _report(
         "park_steps_p99": park_steps(phase("time_to_park_ms", 99), decode_step),
         "sync_ms_p50": phase("sync_total_ms", 50),
         "sync_ms_p99": phase("sync_total_ms", 99),
+        "stall_ms_p50": percentile(stalls, 50),
+        "stall_ms_p99": percentile(stalls, 99),
         "weight_sync_time_ms_p50": percentile(trainer["push_ms"], 50),
         "weight_sync_time_ms_p99": percentile(trainer["push_ms"], 99),
         "model_mb": trainer["nbytes"] / 1e6,

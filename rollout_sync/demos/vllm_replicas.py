@@ -15,6 +15,13 @@ Every load is validated before the engine starts its reload and read back after,
 guard's bracket (pause at a step boundary, payload egress held). The trainer's weights are the
 same tiny Llama, drawn from another seed and moved every step.
 
+With ``--staged`` (``SyncMode.STAGED``) each replica's
+:class:`~rollout_sync.worker.RolloutWorker` receives the P2R and R2R transfers into a staging
+copy of the weights (host memory, in the replica's process) while its engine keeps decoding,
+with payload egress held; generation is parked only for the install: the native load of the
+staged copy into the engine (over the local gloo group to the engine's worker), vLLM's reload,
+the read-back and the version commit. Every replica installs a version or none does.
+
 Torn reads are the engine's forwards that overlap an engine-side weight write (its spans are
 collected into the replica's timeline); the engine has no detector of its own.
 """
@@ -31,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..backends.vllm import VLLMAsyncBackend, VLLMEngineConfig, VLLMGeneration
+from ..guard import SyncMode
 from ..payload import PayloadSender
 from ..testing.tiny_llama import build_tiny_llama
 from ..trace import SpanKind, Timeline
@@ -165,5 +173,10 @@ def _vllm_trainer(
 
 
 register_demo_backend(
-    "vllm", _vllm_engine, _vllm_trainer, start_s=VLLM_START_S, starts_processes=True
+    "vllm",
+    _vllm_engine,
+    _vllm_trainer,
+    modes=(SyncMode.SYNC, SyncMode.STAGED),
+    start_s=VLLM_START_S,
+    starts_processes=True,
 )

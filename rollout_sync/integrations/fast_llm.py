@@ -33,6 +33,14 @@ side:
   holds ``paused()``) until a complete version lands, whatever the backend.
   Tensors of other shard categories (Fast-LLM's own format sends optimizer state after the
   weights) are received and dropped, as the protocol requires.
+* **Stage, then swap** (``mode=SyncMode.STAGED``). By default (``SyncMode.SYNC``) generation
+  is paused for the whole receive, staged buffers or not. In the staged mode the stream
+  (headers, tensors, end marker, checks) lands in buffers of its own while generation goes on,
+  with payload egress still held for the collective; generation is parked only to install the
+  accepted version (the engine's ``load_weights``, or a copy per tensor) and commit it, and
+  that stall is the sync report's ``stall_s``. A stream that fails or is refused never touches
+  the served weights. An R2R receiver in this mode receives into a
+  :class:`~rollout_sync.staging.StagingArea` and installs it the same way.
 * **Fan-out.** The replica in the trainer's group passes each version on R2R with the package's
   :class:`~rollout_sync.transfer.WeightTransfer` (``r2r``, as its source); the other replicas run
   a :class:`FastLLMReceiver` without a group whose ``r2r`` receives it, on the same events.
@@ -69,9 +77,17 @@ from ..errors import (
     WeightMismatchError,
     WeightTransferError,
 )
-from ..guard import SyncReport, holds_payload_egress, weight_sync_bracket, weight_sync_handler
+from ..guard import (
+    SyncMode,
+    SyncReport,
+    WeightSyncBracket,
+    holds_payload_egress,
+    weight_sync_bracket,
+    weight_sync_handler,
+)
+from ..staging import StagingArea, check_two_communicators
 from ..trace import SpanKind, Timeline
-from ..transfer import TransferStats, WeightTransfer
+from ..transfer import BUFFER_WRITE, TransferStats, WeightTransfer
 from ..worker import (
     DEFAULT_HISTORY,
     BackgroundEngine,
@@ -135,9 +151,15 @@ class FastLLMReceiver:
             the trainer's group (each version is passed on), else its receiver.
         data_packer: the payload sender the guard holds (a :class:`FastLLMRolloutSender`).
         timeout_s: bounds the rendezvous, every receive, pause, hold and fence.
+        mode: ``SyncMode.SYNC`` (default): generation is paused for the whole receive.
+            ``SyncMode.STAGED``: the stream is received and checked while generation goes on
+            (payload egress held), and generation is parked only to install the version and
+            commit it (the report's ``stall_s``); an R2R receiver stages into a
+            :class:`~rollout_sync.staging.StagingArea` (one copy of the served weights, kept).
+            Other modes are refused.
         stage: receive into staging buffers and write after the end marker (default); ``False``
             receives in place (no second copy; torn, and generation kept parked, on a failure
-            after the first write).
+            after the first write). ``mode=SyncMode.STAGED`` needs it.
         allow_subset: accept a stream that leaves served names out (default: every served
             tensor must come).
         timeline: records the bracket's spans, the writes and (through the engine) forwards.
@@ -154,11 +176,17 @@ class FastLLMReceiver:
         versions: the most recent versions received (at most ``history``), oldest first.
         sync_reports: the most recent sync reports (at most ``history``), oldest first.
         versions_received: every version received since the receiver was made.
+        staging: ``SyncMode.STAGED`` R2R receivers: the staging copy of the served weights
+            (built by the first R2R receive), else ``None``.
 
     Raises:
         ValueError: ``redis`` has no socket timeout (its calls could block for ever; give
-            ``redis.Redis(..., socket_timeout=..., socket_connect_timeout=...)``), or
-            ``history`` is negative.
+            ``redis.Redis(..., socket_timeout=..., socket_connect_timeout=...)``),
+            ``history`` is negative, ``mode`` is not ``SYNC`` or ``STAGED``, or ``STAGED``
+            with ``stage=False``.
+        TwoCommunicatorsRefused: ``mode=SyncMode.STAGED`` with the engine's forwards running
+            NCCL collectives (tensor parallelism) and an NCCL receive (``backend="nccl"`` in
+            the trainer's group, or an NCCL ``r2r``, checked whenever it is set).
     """
 
     def __init__(
@@ -174,6 +202,7 @@ class FastLLMReceiver:
         data_packer: object = None,
         timeline: Timeline | None = None,
         timeout_s: float = 600.0,
+        mode: SyncMode = SyncMode.SYNC,
         stage: bool = True,
         allow_subset: bool = False,
         guarded: bool = True,
@@ -189,12 +218,30 @@ class FastLLMReceiver:
                 "FastLLMReceiver needs a Redis client whose calls are bounded: "
                 "redis.Redis(..., socket_timeout=30, socket_connect_timeout=30)"
             )
+        if mode not in (SyncMode.SYNC, SyncMode.STAGED):
+            raise ValueError(
+                f"FastLLMReceiver(mode={mode!r}): choose SyncMode.SYNC (the default: paused for "
+                "the whole receive) or SyncMode.STAGED (paused for the install only); the async "
+                "modes need a weight buffer that the engine installs itself, which this receiver "
+                "does not build"
+            )
+        if mode is SyncMode.STAGED and not stage:
+            raise ValueError(
+                "FastLLMReceiver(mode=SyncMode.STAGED, stage=False): a staged sync receives "
+                "into buffers of its own while generation goes on, and stage=False receives "
+                "straight into the served tensors, which only a paused receive may do. Drop "
+                "stage=False, or keep it with mode=SyncMode.SYNC"
+            )
         self.rollout = rollout
+        self._mode = mode
         self.redis = redis
         self._block_s = max(0.001, socket_timeout / 2)
         self.group_address = group_address
         self.rank, self.world_size, self.backend = rank, world_size, backend
-        self.r2r = r2r
+        self._trainer_group = _TrainerGroup(backend) if group_address is not None else None
+        """The trainer's group as the NCCL rule reads it (joined only at :meth:`connect`)."""
+        self._r2r: WeightTransfer | None = None
+        self.r2r = r2r  # checked against the NCCL rule, with the trainer's group
         self.data_packer = data_packer
         self.timeline = timeline
         self.weight_sync_timeout = timeout_s
@@ -215,8 +262,44 @@ class FastLLMReceiver:
         self._torn_park = TornWeightsPark(rollout, "FastLLMReceiver")
         """Parks generation from a receive that left the weights torn until the next complete
         version lands here (or ``stop_engine``)."""
+        self.staging: StagingArea | None = None
+        self.last_weight_sync_report: SyncReport | None = None
+
+    @property
+    def r2r(self) -> WeightTransfer | None:
+        """The transfer among the replicas (see the constructor); setting it checks the NCCL
+        rule as the constructor does."""
+        return self._r2r
+
+    @r2r.setter
+    def r2r(self, transfer: WeightTransfer | None) -> None:
+        check_two_communicators(
+            self.rollout,
+            (self._trainer_group, transfer),
+            self._mode,
+            what="FastLLMReceiver",
+            remedy=(
+                "Choose mode=SyncMode.SYNC (the stream is received with generation parked), or "
+                "gloo: Fast-LLM's broadcast backend is WeightsBroadcastConfig.backend (gloo "
+                "streams through host memory; then backend='gloo' here), and the R2R transfer's "
+                "is its group's"
+            ),
+        )
+        self._r2r = transfer
 
     # -- the worker contract the guard reads --------------------------------------------------
+
+    @property
+    def weight_sync_mode(self) -> SyncMode:
+        """How versions reach the served weights (``mode=``); fixed at construction. The
+        decorated :attr:`receive_weights` pauses for its whole body in either mode;
+        :meth:`take` runs a staged receive in ``STAGED``."""
+        return self._mode
+
+    def payload_egress_components(self) -> Sequence[object]:
+        """What the guard holds during a sync: the payload sender and the engine (if they
+        have the hooks)."""
+        return (self.data_packer, self.rollout)
 
     def on_weight_sync_report(self, report: SyncReport) -> None:
         self.sync_reports.append(report)
@@ -356,8 +439,8 @@ class FastLLMReceiver:
             self.take(event)
 
     def take(self, event: WeightsReady) -> ReceivedVersion:
-        """Receive the version ``event`` announces (guarded unless ``guarded=False``), then pass
-        it on R2R if this receiver is the R2R source."""
+        """Receive the version ``event`` announces (guarded unless ``guarded=False``; staged in
+        ``SyncMode.STAGED``), then pass it on R2R if this receiver is the R2R source."""
         source = self.r2r is not None and self.r2r.is_source
         try:
             try:
@@ -365,7 +448,9 @@ class FastLLMReceiver:
             except RolloutSyncError:
                 self.close()  # this version's stream stays unread: out of step with the trainer
                 raise
-            if self.guarded:
+            if self._mode is SyncMode.STAGED:
+                received = self._receive_staged(event)
+            elif self.guarded:
                 received = self.receive_weights(event)
             else:
                 with weight_sync_bracket(
@@ -392,29 +477,69 @@ class FastLLMReceiver:
                 self._send_r2r()
         return received
 
-    def _receive(self, event: WeightsReady) -> ReceivedVersion:
+    def _receive_staged(self, event: WeightsReady) -> ReceivedVersion:
+        """``SyncMode.STAGED``: receive in a bracket that holds payload egress (the
+        collective's hazard) but does not pause; :meth:`_receive` parks generation for the
+        install alone. Unguarded: neither hold nor park."""
+        bracket: WeightSyncBracket | None = None
+        try:
+            with weight_sync_bracket(
+                self.rollout,
+                self.payload_egress_components() if self.guarded else (),
+                name="receive_weights_staged",
+                mode=SyncMode.STAGED,
+                pause=False,
+                hold=self.guarded,
+                timeout=self.weight_sync_timeout,
+                timeline=self.timeline,
+            ) as bracket:
+                return self._receive(event, bracket)
+        finally:
+            if bracket is not None and bracket.report is not None:
+                self.last_weight_sync_report = bracket.report
+                self.on_weight_sync_report(bracket.report)
+
+    def _receive(
+        self, event: WeightsReady, bracket: WeightSyncBracket | None = None
+    ) -> ReceivedVersion:
+        """Receive the version ``event`` announces, install it and commit it.
+
+        ``bracket`` is a staged sync's (not paused): everything up to the install (the stream,
+        its checks) runs while generation goes on, into buffers of this receiver's, and the
+        install and the commit run parked (:meth:`_parked_install`). ``None``: the caller
+        paused generation for the whole receive (the guard), or nothing does (unguarded).
+        """
         try:
             self.rollout.ensure_initialized()
             served = self.rollout.served_weights()
             start = time.perf_counter()
             if self.group is not None:
-                tensors, dropped, nbytes = self._stream_into(served, event)
-                version = event.version
+                staged, dropped, nbytes = self._stream_into(served, event)
+                tensors, version = len(staged), event.version
+
+                def install() -> None:
+                    self._install_stream(staged, served, event)
+                    self.rollout.commit_weight_version(version)
+
             elif self.r2r is not None and not self.r2r.is_source:
-                stats = self._receive_r2r(served)
+                stats, install = self._receive_r2r(served, bracket)
                 tensors, dropped, nbytes, version = stats.tensors, 0, stats.nbytes, stats.version
             else:
                 raise RolloutSyncError(
                     "this FastLLMReceiver is neither in the trainer's group nor an R2R receiver"
                 )
-            self.rollout.commit_weight_version(version)
+            with self._parked_install(bracket):
+                install()
         except BaseException:
-            # Inside the failed sync's bracket, so no forward runs before the park.
+            # Paused still (the guard's pause; a staged install parked inside its stall), so
+            # no forward runs before the park. A staged stream that failed tore nothing.
             self._torn_park.hold_if_torn(self.weight_sync_timeout)
             raise
         self._torn_park.release()
         if not self._engine_started and isinstance(self.rollout, BackgroundEngine):
-            self.rollout.start()  # inside the first sync's bracket: it begins parked
+            # Inside the first sync's bracket, after the version landed (paused: it begins
+            # parked; staged: the install is done, it begins serving).
+            self.rollout.start()
             self._engine_started = True
         received = ReceivedVersion(
             version, event.step, tensors, dropped, nbytes, time.perf_counter() - start
@@ -425,19 +550,75 @@ class FastLLMReceiver:
             self.on_version(received, served)
         return received
 
-    def _receive_r2r(self, served: Mapping[str, torch.Tensor]) -> TransferStats:
-        """The R2R receive, as the rollout worker does it: a failure after a write marks the
-        weights torn; one that left every byte here intact still commits that version."""
+    @contextmanager
+    def _parked_install(self, bracket: WeightSyncBracket | None) -> Iterator[None]:
+        """Generation parked for the body: a staged sync's stall (``bracket.stalled()``,
+        counted into its report's ``stall_s``), or nothing more where the caller paused for
+        the whole sync. A body that left the weights torn takes the torn park before the
+        stall ends, so no forward runs on them."""
+        park: AbstractContextManager[None] = (
+            bracket.stalled(pause=self.guarded) if bracket is not None else contextlib.nullcontext()
+        )
+        with park:
+            try:
+                yield
+            except BaseException:
+                self._torn_park.hold_if_torn(self.weight_sync_timeout)
+                raise
+
+    def _receive_r2r(
+        self, served: Mapping[str, torch.Tensor], bracket: WeightSyncBracket | None
+    ) -> tuple[TransferStats, Callable[[], None]]:
+        """The R2R receive, as the rollout worker does it; returns its stats and the install
+        (which commits). In place (``bracket`` is ``None``): a failure after a write marks the
+        weights torn. Staged: into :attr:`staging`, the served weights untouched until the
+        install. Either way a failure that left every byte here intact still installs and
+        commits that version before it is raised."""
         assert self.r2r is not None
+        if bracket is None:
+            try:
+                stats = self.r2r.receive(
+                    served,
+                    allow_subset=self.allow_subset,
+                    storage=self.rollout.flat_weight_storage(),
+                )
+            except WeightTransferError as exc:
+                settle_failed_receive(self.rollout, served, exc)
+                raise
+
+            def install_in_place() -> None:
+                reload_received(self.rollout, served)
+                self.rollout.commit_weight_version(stats.version)
+
+            return stats, install_in_place
+        if self.staging is None:
+            self.staging = StagingArea.of(self.rollout)
+        staging = self.staging
+        staging.begin(served)
         try:
             stats = self.r2r.receive(
-                served, allow_subset=self.allow_subset, storage=self.rollout.flat_weight_storage()
+                staging.tensors,
+                allow_subset=self.allow_subset,
+                write_kind=BUFFER_WRITE,
+                storage=staging.storage,
             )
         except WeightTransferError as exc:
-            settle_failed_receive(self.rollout, served, exc)
+            if exc.complete and exc.version is not None:  # whole here: serve it, as in place
+                staging.staged(exc.version)
+                with self._parked_install(bracket):
+                    staging.install_into(self.rollout)
+            else:
+                staging.discard()
             raise
-        reload_received(self.rollout, served)
-        return stats
+        except BaseException:
+            staging.discard()
+            raise
+        staging.staged(stats.version)
+
+        def install_staged() -> None:
+            staging.install_into(self.rollout)  # load_weights, then the commit
+
+        return stats, install_staged
 
     receive_weights = weight_sync_handler(_receive)
     """The receive, guarded: pause, hold egress, lazy init, stream, write, fence, release."""
@@ -477,10 +658,13 @@ class FastLLMReceiver:
 
     def _stream_into(
         self, served: Mapping[str, torch.Tensor], event: WeightsReady
-    ) -> tuple[int, int, int]:
-        """Receive one whole stream; write it into ``served`` (staged: after the end marker).
+    ) -> tuple[dict[str, torch.Tensor], int, int]:
+        """Receive one whole stream and check it. Staged (``stage=True``), nothing served is
+        touched: the accepted tensors land in buffers of their own, for
+        :meth:`_install_stream` to write once the end marker came and every check passed. In
+        place (``stage=False``), each accepted tensor is received straight into the served one.
 
-        Returns (tensors written, tensors dropped, bytes received).
+        Returns (the accepted tensors by name, tensors dropped, bytes received).
 
         Raises:
             WeightTransferError: ``stage=False`` and the stream failed (chained as its cause)
@@ -530,7 +714,7 @@ class FastLLMReceiver:
                     sentinels.arm(scratch, header)
                     group.receive(scratch, f"{what}: {header.name}")
                     dropped += header.shard != "weights"
-                elif self.stage:
+                elif not self._in_place:
                     armed = sentinels.arm(target, header)
                     group.receive(target, f"{what}: {header.name}")
                     sentinels.watch(armed)
@@ -546,7 +730,7 @@ class FastLLMReceiver:
         except BaseException as exc:
             # Out of step with the trainer (or it is gone): leave the group.
             self.close()
-            if written and not self.stage:
+            if written and self._in_place:
                 torn = self._torn(
                     served, event, written, "the stream failed", f". {type(exc).__name__}: {exc}"
                 )
@@ -566,11 +750,25 @@ class FastLLMReceiver:
                 why = f"refused at the end marker ({len(problems)} problem(s))"
                 raise self._torn(served, event, written, why, "; see the cause") from refused
             raise WeightMismatchError(problems, context=f"{what}: refused, nothing written")
-        if self.stage:
-            self._write(staged, served, event)
-        else:
+        return staged, dropped, nbytes
+
+    @property
+    def _in_place(self) -> bool:
+        """Whether the stream is received straight into the served tensors (never staged)."""
+        return not self.stage and self._mode is SyncMode.SYNC
+
+    def _install_stream(
+        self,
+        staged: Mapping[str, torch.Tensor],
+        served: Mapping[str, torch.Tensor],
+        event: WeightsReady,
+    ) -> None:
+        """Write an accepted stream into the served weights (in place, it is there already:
+        hand it to an engine that overrides ``load_weights``)."""
+        if self._in_place:
             reload_received(self.rollout, served)
-        return len(staged), dropped, nbytes
+        else:
+            self._write(staged, served, event)
 
     def _torn(
         self,
@@ -613,7 +811,7 @@ class FastLLMReceiver:
                 f"{header.name}: announced {list(header.shape)} {header.dtype}, served "
                 f"{list(tensor.shape)} {tensor.dtype}"
             )
-        if not self.stage:
+        if self._in_place:
             return tensor, None
         device = self.group.device if self.group is not None else tensor.device
         return torch.empty(header.shape, dtype=header.dtype, device=device), None
@@ -653,6 +851,14 @@ class FastLLMReceiver:
         if self.timeline is None:
             return contextlib.nullcontext()
         return self.timeline.span(SpanKind.WEIGHT_WRITE, name)
+
+
+@dataclass(frozen=True)
+class _TrainerGroup:
+    """The trainer's broadcast group as the NCCL rule
+    (:func:`~rollout_sync.staging.check_two_communicators`) reads a transfer: its backend."""
+
+    backend: str
 
 
 @dataclass(frozen=True)

@@ -212,6 +212,12 @@ class WeightTransfer:
     def is_source(self) -> bool:
         return self.rank == self.src
 
+    @property
+    def backend(self) -> str:
+        """The group's backend (``"gloo"``, ``"nccl"``): what the NCCL rule reads
+        (:func:`~rollout_sync.staging.check_two_communicators`)."""
+        return str(self.collectives.backend)
+
     # -- the source ----------------------------------------------------------------------------
 
     def send(

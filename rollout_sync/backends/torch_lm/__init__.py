@@ -38,6 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -442,6 +443,13 @@ class TorchLMBackend(RolloutBase):
         if self._model is None:
             self.ensure_initialized()
         return self._served
+
+    def forward_collectives(self) -> frozenset[str]:
+        """With ``tp``: the tensor-parallel group's backend, which every forward all-reduces
+        on; else none."""
+        if self.tp is None or self.tp.group is None:
+            return frozenset()
+        return frozenset({str(dist.get_backend(self.tp.group)).lower()})
 
     def flat_weight_storage(self) -> torch.Tensor | None:
         """The flat buffer the parameters live in (``flat_weights``), else ``None``."""

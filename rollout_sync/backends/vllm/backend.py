@@ -215,6 +215,16 @@ class _VLLMBackendBase(RolloutBase, Generic[A]):
         ``write_path``) rather than the safetensors payload through ``collective_rpc``."""
         return self._writer.plan.native
 
+    def forward_collectives(self) -> frozenset[str]:
+        """The collectives the engine's forwards run on their own: with
+        ``tensor_parallel_size > 1`` NCCL on CUDA (gloo on vLLM for CPU); none at 1. A receive
+        that runs beside the forwards (``RolloutWorker(mode=SyncMode.STAGED)``) is refused
+        over NCCL when this names NCCL (:func:`~rollout_sync.staging.check_two_communicators`).
+        Read from the config: no engine call, valid before the engine starts."""
+        if self.config.tensor_parallel_size <= 1:
+            return frozenset()
+        return frozenset({"nccl" if torch.cuda.is_available() else "gloo"})
+
     # -- set-up ------------------------------------------------------------------------------
 
     def _started(self) -> A:
@@ -262,7 +272,9 @@ class _VLLMBackendBase(RolloutBase, Generic[A]):
         """Receive buffers of the served names, shapes and dtypes (CPU, allocated once).
 
         The engine's own tensors are not writable from here (and on vLLM for CPU not even in
-        checkpoint layout); receive into these, then :meth:`load_weights` them.
+        checkpoint layout); receive into these, then :meth:`load_weights` them. After a write
+        of other tensors (a staged sync's staging copy) lands, those are copied in here, so
+        the buffers hold what the engine serves (what a staging area refreshes from).
         """
         served = self._served_model()
         if self._buffers is None:
@@ -299,7 +311,19 @@ class _VLLMBackendBase(RolloutBase, Generic[A]):
             timeout=self.rpc_timeout,
             context=f"weights for {type(self).__name__}",
         )
+        self._mirror(weights)
         access.after_write(self.kv_cache_policy)
+
+    def _mirror(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Copy landed ``weights`` that are not the receive buffers themselves into them."""
+        buffers = self._buffers
+        if buffers is None:
+            return
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                buffer = buffers[name]
+                if tensor.data_ptr() != buffer.data_ptr():
+                    buffer.copy_(tensor)
 
     def weight_sync_client(self, timeout_s: float | None = None) -> Any:
         """vLLM's weight-sync client protocol over this backend's engine (starting it if

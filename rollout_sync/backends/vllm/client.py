@@ -13,6 +13,20 @@ client and brackets every update, in this order::
     finish_weight_update:  inner finish (sets the version) -> device fence
                            -> release egress -> resume generation
 
+With ``staged=True`` (stage, then swap; the trainer engine's
+``RolloutSyncTrainerInitInfo(staged=True)`` sends each update as one staged chunk) the wire runs
+while the engine generates, and only the install is parked::
+
+    start_weight_update:   hold payload egress -> inner start
+    update_weights:        inner update (the workers' receive starts on threads of their own)
+                           ... the trainer sends; the engine keeps stepping ...
+    finish_weight_update:  pause generation -> inner finish (the install: vLLM's load of the
+                           staged tensors, read-back; sets the version) -> device fence
+                           -> resume generation -> release egress
+
+A staged update that fails before its install never touched the served weights: generation
+was never parked for it and goes on, on the version it served.
+
 A failure anywhere leaves generation **parked** and the replica **torn** (``torn`` says why)
 until a complete update lands; egress is released. The exception: the engine says it loaded
 nothing (the ``"rollout_sync"`` engine refused the manifest), so it still serves the version it
@@ -581,8 +595,16 @@ class GuardedWeightSyncClient:
         max_update_s: the longest an update may stay open (start to finish). Past it the
             update is taken as abandoned: the weights are marked torn (generation stays
             parked) and egress is released.
+        staged: stage, then swap (see the module): park generation for
+            ``finish_weight_update`` (the install) alone, not for the whole update. Every
+            ``update_weights`` must then be a staged ``"rollout_sync"`` chunk (a dict with
+            ``staged=True``: ``RolloutSyncTrainerInitInfo(staged=True)``); any other is refused
+            before it reaches the engine, since it would write in place while the engine runs.
 
-    Raises (at construction): :class:`TypeError` when nothing can be paused.
+    Raises (at construction): :class:`TypeError` when nothing can be paused. (A staged
+    update over an NCCL group into an engine with tensor parallelism is refused by the engine,
+    at its ``update_weights``, before anything is received:
+    :class:`~rollout_sync.errors.TwoCommunicatorsRefused`.)
     """
 
     def __init__(
@@ -599,7 +621,9 @@ class GuardedWeightSyncClient:
         on_report: Callable[[SyncReport], None] | None = None,
         engine_state: Callable[[], dict[str, Any] | None] | None = None,
         max_update_s: float = 600.0,
+        staged: bool = False,
     ) -> None:
+        self.staged = staged
         self.inner = inner
         self.rollout = rollout
         self.timeout = limit_of(timeout, DEFAULT_SYNC_TIMEOUT_S)
@@ -672,10 +696,10 @@ class GuardedWeightSyncClient:
             try:
                 if self._engine_updates is None:
                     self._engine_updates = self._engine_update_count()
-                if self.rollout is None and not self._paused:
+                if self.rollout is None and not self._paused and not self.staged:
                     self._pause_engine()
                 self._times["parked"] = time.perf_counter()
-                self._hold()
+                self._hold(pause=not self.staged)
                 self._times["drained"] = time.perf_counter()
                 self._body_start_ns = time.monotonic_ns()
                 self.inner.start_weight_update()
@@ -687,6 +711,8 @@ class GuardedWeightSyncClient:
         """One chunk, through the inner client (the update must be open)."""
         self._require_open("update_weights")
         try:
+            if self.staged:
+                _require_staged_chunk(update_info)
             self.inner.update_weights(update_info)
         except BaseException as exc:
             with self._lock:
@@ -698,27 +724,23 @@ class GuardedWeightSyncClient:
         """Finish (and version) the update, fence, release egress, resume generation."""
         self._require_open("finish_weight_update")
         with self._lock:
+            failed = False
             try:
-                try:
-                    self.inner.finish_weight_update(weight_version)
-                except BaseException:
-                    self._close_failed_update()
-                    raise
-                body_done = time.perf_counter()
-                if self.timeline is not None:
-                    self.timeline.add_span(SpanKind.SYNC, "vllm native update", self._body_start_ns)
-                if self.fence is not None:
-                    self.fence(self.timeout)
-                fenced = time.perf_counter()
-                if self.rollout is not None:
-                    # Also clears torn weights left by an earlier failure (and so the backend
-                    # resumes when its pause ends).
-                    self.rollout.commit_weight_version(
-                        _version_number(weight_version, self.rollout.weight_version + 1)
-                    )
+                with ExitStack() as install:
+                    if self.staged:
+                        self._enter_install_pause(install)
+                    try:
+                        body_done, fenced = self._finish_inner(weight_version)
+                    except BaseException as exc:
+                        # Still parked (staged: inside the install's pause): a torn engine is
+                        # marked torn before the pause ends, so it never resumes.
+                        failed = True
+                        self._fail(exc, "finish_weight_update")
+                        raise
                 self._release()
             except BaseException as exc:
-                self._fail(exc, "finish_weight_update")
+                if not failed:
+                    self._fail(exc, "finish_weight_update")
                 raise
             self.torn = None
             self.updates += 1
@@ -726,6 +748,28 @@ class GuardedWeightSyncClient:
                 self._engine_updates += 1  # kept here: no engine call per update to learn it
             self._open = False
             self._report(body_done, fenced, None)
+
+    def _finish_inner(self, weight_version: str | None) -> tuple[float, float]:
+        """The inner finish (a staged update's install), the fence, the version commit; when
+        the body and the fence ended."""
+        try:
+            self.inner.finish_weight_update(weight_version)
+        except BaseException:
+            self._close_failed_update()
+            raise
+        body_done = time.perf_counter()
+        if self.timeline is not None:
+            self.timeline.add_span(SpanKind.SYNC, "vllm native update", self._body_start_ns)
+        if self.fence is not None:
+            self.fence(self.timeout)
+        fenced = time.perf_counter()
+        if self.rollout is not None:
+            # Also clears torn weights left by an earlier failure (and so the backend resumes
+            # when its pause ends).
+            self.rollout.commit_weight_version(
+                _version_number(weight_version, self.rollout.weight_version + 1)
+            )
+        return body_done, fenced
 
     def abort_weight_update(self, reason: str) -> None:
         """Give up the open update (the trainer's side failed): close vLLM's session, mark the
@@ -737,6 +781,17 @@ class GuardedWeightSyncClient:
             self._fail(RuntimeError(reason), "the trainer's side")
 
     # -- the bracket -------------------------------------------------------------------------------
+
+    def _enter_install_pause(self, stack: ExitStack) -> None:
+        """Staged: park generation for the install. A ``rollout``'s pause is entered on this
+        thread and left with ``stack``; a pauser's is ended by :meth:`_release` (or kept by a
+        failure: torn). Its time goes into the update's report (``park_s``, ``stall_s``)."""
+        self._times["install_asked"] = time.perf_counter()
+        if self.rollout is not None:
+            stack.enter_context(self.rollout.paused(self.timeout))
+        elif not self._paused:
+            self._pause_engine()
+        self._times["install_parked"] = time.perf_counter()
 
     def _require_open(self, what: str) -> None:
         if not self._open:
@@ -763,11 +818,12 @@ class GuardedWeightSyncClient:
             raise
         self._paused = True
 
-    def _hold(self) -> None:
-        """The backend's pause (with ``rollout``) and the egress holds, on a helper thread."""
+    def _hold(self, *, pause: bool = True) -> None:
+        """The backend's pause (with ``rollout``, unless not ``pause``) and the egress holds,
+        on a helper thread."""
         contexts: list[Callable[[], AbstractContextManager[Any]]] = []
         rollout = self.rollout
-        if rollout is not None:
+        if rollout is not None and pause:
             contexts.append(lambda: rollout.paused(self.timeout))
         contexts.append(lambda: payload_egress_held(*self.egress, timeout=self.timeout))
         held = _HeldBracket(
@@ -892,22 +948,44 @@ class GuardedWeightSyncClient:
         end = time.perf_counter()
         times = self._times
         body_end = body_done if body_done is not None else end
+        parked_at = times.get("install_parked")
+        if self.staged:
+            # Parked for the install alone (never, if the update failed before it).
+            park_s = parked_at - times["install_asked"] if parked_at is not None else 0.0
+            stall_s = end - parked_at if parked_at is not None else 0.0
+        else:
+            park_s = times["parked"] - times["start"]
+            stall_s = end - times["parked"]
         report = SyncReport(
             handler="vllm native update",
-            mode=SyncMode.SYNC,
-            paused=True,
+            mode=SyncMode.STAGED if self.staged else SyncMode.SYNC,
+            paused=not self.staged or parked_at is not None,
             egress_held=self._egress.held,
             egress_flushed=self._egress.flushed,
-            park_s=times["parked"] - times["start"],
+            park_s=park_s,
             egress_drain_s=times["drained"] - times["parked"],
             handler_s=max(0.0, body_end - times["drained"]),
             fence_s=(fenced - body_end) if fenced is not None and body_done is not None else 0.0,
             total_s=end - times["start"],
             error=None if error is None else f"{type(error).__name__}: {error}",
+            stall_s=stall_s,
         )
         self.reports.append(report)
         if self.on_report is not None:
             self.on_report(report)
+
+
+def _require_staged_chunk(update_info: Any) -> None:
+    """Refuse an ``update_weights`` chunk that is not a staged ``"rollout_sync"`` one, for a
+    guard that does not park for the wire (``staged=True``)."""
+    chunks = update_info if isinstance(update_info, list) else [update_info]
+    if not chunks or not all(isinstance(c, dict) and c.get("staged") is True for c in chunks):
+        raise ValueError(
+            "GuardedWeightSyncClient(staged=True) refuses an update_weights chunk that is not "
+            "staged (a dict with staged=True): it would write the served weights while the "
+            "engine generates. Send staged updates (the rollout_sync trainer engine with "
+            "RolloutSyncTrainerInitInfo(staged=True)), or build the guard with staged=False"
+        )
 
 
 def _version_number(weight_version: str | None, fallback: int) -> int:

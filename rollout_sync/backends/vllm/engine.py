@@ -38,14 +38,29 @@ worker's: each probe reads back the rows (and, for a row-parallel layer, the inp
 that this worker holds, located as vLLM's loaders cut them
 (:func:`~rollout_sync.backends.vllm.worker.build_probe_plan`).
 
+**Staged updates** (``RolloutSyncUpdateInfo(staged=True)``: stage, then swap). The wire does
+not need the engine parked; only the load does. A staged ``update_weights`` starts the receive
+on a thread of the worker's own and returns at once, so the engine keeps stepping while the
+bytes arrive: the whole transfer (manifest vote, buckets with checksums, commit vote) lands in
+staging buffers (one copy of the weights, host memory on gloo, the device on NCCL; each bucket
+in a buffer of its own), and each tensor's read-back witness is taken there too. Nothing of the
+served model is touched. :meth:`~RolloutSyncWeightTransferEngine.finish_weight_update` is the
+install, the one call to park generation for: it waits for the receive, then runs vLLM's
+layerwise reload over the staged tensors, finalizes and reads back. A receive that failed (or
+was discarded, :meth:`~RolloutSyncWeightTransferEngine.discard_staged`) is never installed: the
+served weights and version stay as they were, and ``torn`` stays ``None``. Under tensor
+parallelism with an NCCL group a staged receive would run beside forwards that do their own
+NCCL collectives: refused (:class:`~rollout_sync.errors.TwoCommunicatorsRefused`).
+
 The trainer side is :class:`~rollout_sync.backends.vllm.trainer.RolloutSyncTrainerEngine`.
 Both are registered by :func:`~rollout_sync.backends.vllm.plugin.register_engines`.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,7 +71,13 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ...distributed import standalone_group
-from ...errors import WeightMismatchError, WeightsNotLandedError
+from ...errors import (
+    TwoCommunicatorsRefused,
+    WeightMismatchError,
+    WeightsNotLandedError,
+    WeightTransferError,
+    WeightTransferTimeout,
+)
 from ...trace import SpanKind, Timeline
 from ...transfer import TransferConfig, TransferStats, WeightManifest, WeightTransfer
 from .worker import (
@@ -79,6 +100,7 @@ __all__ = [
     "RolloutSyncInitInfo",
     "RolloutSyncUpdateInfo",
     "RolloutSyncWeightTransferEngine",
+    "StagedReceive",
     "join_transfer_group",
 ]
 
@@ -139,6 +161,10 @@ class RolloutSyncUpdateInfo(WeightTransferUpdateInfo):
     rather than ``finish_weight_update`` (after which vLLM's worker still counts the update as
     open, and refuses the next ``start_weight_update`` until ``finish_weight_update`` is called
     again). The trainer engine sends one chunk per update, marked final."""
+    staged: bool = False
+    """Stage, then swap: receive on a thread of the worker's own into staging buffers while
+    the engine keeps stepping, and load them in ``finish_weight_update`` (see the module). The
+    update's only chunk; ``final`` does not apply (the install is the finish)."""
 
 
 def join_transfer_group(
@@ -159,6 +185,36 @@ def join_transfer_group(
         bucket_bytes=info.bucket_bytes, checksums=info.checksums, timeout_s=info.timeout_s
     )
     return group, WeightTransfer(group, 0, config=config, device=device)
+
+
+@dataclass
+class StagedReceive:
+    """One staged receive: the transfer's thread and what it landed.
+
+    The thread is the only writer of every field until :attr:`done` is set; after that they
+    are read-only. ``names``/``tensors``/``witnesses`` are in arrival order; each tensor is a
+    view of a bucket buffer of its own.
+    """
+
+    names: list[str] = field(default_factory=list)
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    witnesses: list[Witness] = field(default_factory=list)
+    stats: TransferStats | None = None
+    error: BaseException | None = None
+    """Why the receive failed (``None`` while it runs or once it landed whole)."""
+    done: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """The staging memory the received tensors take."""
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def status(self) -> str:
+        """``"receiving"``, ``"staged"`` (whole and verified) or ``"failed"``."""
+        if not self.done.is_set():
+            return "receiving"
+        return "failed" if self.error is not None else "staged"
 
 
 class RolloutSyncWeightTransferEngine(
@@ -197,6 +253,16 @@ class RolloutSyncWeightTransferEngine(
         self._expected: dict[str, torch.Tensor] = {}
         self._reload_started = False
         self._witnesses: list[Witness] = []
+        self._timeout_s = 60.0
+        self._staged: StagedReceive | None = None
+        """The staged receive of the open update (``None``: none, or it was installed or
+        discarded)."""
+        self._abandoned: StagedReceive | None = None
+        """A discarded receive whose thread may still be in a collective on the group."""
+        self.staged_installs = 0
+        self.staged_discarded = 0
+        self.last_stage_bytes = 0
+        self.last_install_s = 0.0
 
     # -- the lifecycle vLLM drives ---------------------------------------------------------------
 
@@ -215,6 +281,7 @@ class RolloutSyncWeightTransferEngine(
             init_info, init_info.rank_offset + worker_rank, device
         )
         self._verify_columns = init_info.verify_columns
+        self._timeout_s = init_info.timeout_s
         self._group_id = f"{init_info.master_address}:{init_info.master_port}"
 
     def start_weight_update(self) -> None:
@@ -224,6 +291,9 @@ class RolloutSyncWeightTransferEngine(
                 "the rollout_sync weight transfer is not initialized: call "
                 "init_weight_transfer_engine first"
             )
+        self._settle_abandoned()
+        self.discard_staged()
+        self._settle_abandoned()
         if self._reload_started:
             self._reset_reload()
         self._reload_started = False
@@ -256,6 +326,9 @@ class RolloutSyncWeightTransferEngine(
                 f"now serves the trainer of {self._group_id} (a later "
                 "init_weight_transfer_engine replaced the group; one trainer at a time)"
             )
+        if update_info.staged or self._staged is not None:
+            self._start_staged(transfer, update_info)
+            return
         try:
             self.last_stats = transfer.stream(
                 self._expected,
@@ -276,12 +349,141 @@ class RolloutSyncWeightTransferEngine(
         """Finalize the reload, then read every loaded tensor back through its kernel (unless
         the final chunk did already; a no-op when nothing was loaded).
 
+        With a staged receive open, this is its install: wait for the receive (at most the
+        group's ``timeout_s``), load the staged tensors through vLLM's layerwise reload,
+        finalize, read back. Park generation around it (vLLM does not).
+
         Raises:
             WeightsNotLandedError: a tensor did not land; the engine stays ``torn``. vLLM's
                 worker then still counts the update as open: call ``finish_weight_update``
                 again (a no-op here) before the next start.
+            WeightTransferError: the staged receive failed, or did not end within
+                ``timeout_s``: nothing was loaded, the model serves what it served (not torn).
         """
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            self._install(staged)
         self._complete()
+
+    def discard_staged(self) -> bool:
+        """Throw away the staged receive of the open update, installed nowhere; whether there
+        was one. Does not wait: a receive still running ends on its own (a failed trainer's
+        abort, or the group's timeout) and its buffers are dropped then; the next update waits
+        for it first. The served weights are untouched."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return False
+        self._abandoned = staged
+        self.staged_discarded += 1
+        return True
+
+    def _settle_abandoned(self) -> None:
+        """Wait for a discarded receive's thread to leave the group's collectives (bounded by
+        ``timeout_s``), so that the next transfer does not meet it there."""
+        abandoned, self._abandoned = self._abandoned, None
+        if abandoned is None or abandoned.done.wait(self._timeout_s + 5.0):
+            return
+        raise WeightTransferTimeout(
+            f"a discarded staged receive was still in the transfer group's collectives after "
+            f"{self._timeout_s + 5.0:.1f} s; restart the transfer group "
+            "(init_weight_transfer_engine)",
+            operation="start_weight_update: waiting for a discarded staged receive",
+        )
+
+    def _start_staged(self, transfer: WeightTransfer, update_info: RolloutSyncUpdateInfo) -> None:
+        """Start the receive on a thread of its own into fresh staging buffers; return at once."""
+        if not update_info.staged:
+            raise RuntimeError(
+                "an in-place update_weights chunk after a staged one: a staged update is one "
+                "chunk (staged=True), installed by finish_weight_update"
+            )
+        if self._staged is not None:
+            raise RuntimeError(
+                "a second staged update_weights chunk in one update: a staged update is one "
+                "chunk, installed by finish_weight_update"
+            )
+        if self._reload_started:
+            raise RuntimeError(
+                "a staged update_weights chunk after an in-place one in the same update: "
+                "finish that update first"
+            )
+        _, tp_size = tensor_parallel_position()
+        if transfer.backend == "nccl" and tp_size > 1:
+            raise TwoCommunicatorsRefused(
+                "a staged rollout_sync update over NCCL would receive beside forwards that run "
+                f"their own NCCL collectives (tensor_parallel_size={tp_size}): two NCCL "
+                "communicators in flight on one device at once. Send it in place "
+                "(RolloutSyncTrainerInitInfo(staged=False): the engine is parked for the whole "
+                "update) or over gloo (group_backend='gloo': staging through host memory)"
+            )
+        self._settle_abandoned()
+        staged = StagedReceive()
+        plan = self._plan
+        assert plan is not None
+        columns, seed = self._verify_columns, self.updates
+
+        def keep(names: list[str], tensors: list[torch.Tensor]) -> None:
+            for name, tensor in zip(names, tensors, strict=True):
+                staged.witnesses.append(witness_of(name, tensor, plan, columns=columns, seed=seed))
+            staged.names.extend(names)
+            staged.tensors.extend(tensors)
+
+        def receive() -> None:
+            try:
+                staged.stats = transfer.stream(
+                    self._expected, keep, accept=self._accept, allow_subset=update_info.allow_subset
+                )
+            except BaseException as exc:  # handed to the install, which raises it
+                staged.error = exc
+                staged.names, staged.tensors, staged.witnesses = [], [], []
+            finally:
+                staged.done.set()
+
+        staged.thread = threading.Thread(
+            target=receive, name="rollout_sync-staged-receive", daemon=True
+        )
+        self._staged = staged
+        staged.thread.start()
+
+    def _install(self, staged: StagedReceive) -> None:
+        """Load a staged receive into the model (the caller parks generation); see
+        :meth:`finish_weight_update`."""
+        limit = self._timeout_s + 5.0
+        if not staged.done.wait(limit):
+            self._abandoned = staged
+            self.staged_discarded += 1
+            raise WeightTransferTimeout(
+                f"the staged receive did not end within {limit:.1f} s; nothing was loaded, the "
+                "model serves the version it served",
+                operation="install a staged rollout_sync update",
+            )
+        if staged.error is not None:
+            self.staged_discarded += 1
+            error = staged.error
+            raise WeightTransferError(
+                "the staged receive failed, so nothing was installed and the model serves the "
+                f"version it served: {type(error).__name__}: {error}",
+                operation="install a staged rollout_sync update",
+                version=getattr(error, "version", None),
+            ) from error
+        start = time.perf_counter()
+        self.last_stats = staged.stats
+        self.last_stage_bytes = staged.nbytes
+        try:
+            self._begin(None)
+            self._witnesses = staged.witnesses
+            load_start = time.perf_counter()
+            self._load_into_model(staged.names, staged.tensors)
+            self.last_load_s = time.perf_counter() - load_start
+        except BaseException as exc:
+            self.torn = f"installing a staged update failed mid-load: {type(exc).__name__}: {exc}"
+            self._record_write(error=True)
+            raise
+        finally:
+            staged.names, staged.tensors = [], []  # the reload holds what it still needs
+        self._complete()
+        self.staged_installs += 1
+        self.last_install_s = time.perf_counter() - start
 
     def _complete(self) -> None:
         if not self._reload_started:
@@ -313,7 +515,10 @@ class RolloutSyncWeightTransferEngine(
         self.updates += 1
 
     def shutdown(self) -> None:
-        """Leave the transfer group (the engine keeps serving)."""
+        """Leave the transfer group (the engine keeps serving); a staged receive still open
+        is discarded (its collectives fail with the group)."""
+        self.discard_staged()
+        self._abandoned = None
         group, self.group, self.transfer = self.group, None, None
         if group is not None:
             group.shutdown()
@@ -333,6 +538,11 @@ class RolloutSyncWeightTransferEngine(
             "last_load_s": self.last_load_s,
             "last_finalize_s": self.last_finalize_s,
             "last_verify_s": self.last_verify_s,
+            "staged": None if self._staged is None else self._staged.status(),
+            "staged_installs": self.staged_installs,
+            "staged_discarded": self.staged_discarded,
+            "last_stage_mb": self.last_stage_bytes / 1e6,
+            "last_install_s": self.last_install_s,
         }
 
     # -- inside a transfer -----------------------------------------------------------------------
@@ -369,8 +579,9 @@ class RolloutSyncWeightTransferEngine(
         if problems:
             raise WeightMismatchError(problems, context="rollout_sync native weight update")
 
-    def _begin(self, manifest: WeightManifest) -> None:
-        """After the vote: start vLLM's layerwise reload (every layer leaves its device)."""
+    def _begin(self, manifest: WeightManifest | None) -> None:
+        """After the vote (or at a staged install): start vLLM's layerwise reload (every layer
+        leaves its device)."""
         if self._reload_started:
             return  # a second chunk of the same update
         self.torn = "an update is in progress (layers are on the meta device until finish)"

@@ -94,8 +94,8 @@ class RolloutSyncTrainerInitInfo(TrainerInitInfo):
     times data-parallel replicas); the workers join as ranks 1 .. world_size - 1.
     ``group_backend``: ``"gloo"`` or ``"nccl"``; ``None`` picks NCCL where CUDA is available.
     ``require_all``: every update carries every served weight (``False``: the source may be a
-    subset, whole fused modules only). ``timer``: times each push (default: the clock that fits
-    the group backend); not sent anywhere.
+    subset, whole fused modules only). ``staged``: see the field. ``timer``: times each push
+    (default: the clock that fits the group backend); not sent anywhere.
     """
 
     backend: ClassVar[str] = ENGINE_NAME
@@ -109,6 +109,12 @@ class RolloutSyncTrainerInitInfo(TrainerInitInfo):
     timeout_s: float = 60.0
     verify_columns: int = 16
     require_all: bool = True
+    staged: bool = False
+    """Stage, then swap: each update's ``update_weights`` only starts the workers' receive (on
+    a thread of their own, into staging buffers, while the engine keeps stepping) and
+    ``finish_weight_update`` installs what they staged; with a
+    :class:`~rollout_sync.backends.vllm.client.GuardedWeightSyncClient` built with
+    ``staged=True`` generation is parked for the install alone."""
     timer: WeightSyncTimer | None = field(default=None, compare=False, repr=False)
 
     @classmethod
@@ -252,12 +258,19 @@ class RolloutSyncTrainerEngine(TrainerWeightTransferEngine[RolloutSyncTrainerIni
         label: str | None,
         timeout: float,
         require_all: bool | None = None,
+        staged: bool | None = None,
     ) -> TransferStats | None:
         """:meth:`push_weights`, with vLLM's version ``label`` given apart from the transfer's
-        ``version`` (``None``: finish without setting one), and ``require_all`` for this push
-        (``None``: the init info's). The sender's transfer numbers, or ``None`` on other
-        ranks."""
+        ``version`` (``None``: finish without setting one), and ``require_all`` and ``staged``
+        for this push (``None``: the init info's). The sender's transfer numbers, or ``None``
+        on other ranks.
+
+        Staged: ``update_weights`` returns once the workers' receive threads have started;
+        this process then sends (the engine keeps generating), and ``finish_weight_update``
+        installs. A failed send leaves every worker's served weights untouched: the update is
+        given up (the workers' staged receives discarded, never installed)."""
         require_all = self.init_info.require_all if require_all is None else require_all
+        staged = self.init_info.staged if staged is None else staged
         if not self.is_sender:
             return None
         transfer = self.transfer
@@ -268,13 +281,17 @@ class RolloutSyncTrainerEngine(TrainerWeightTransferEngine[RolloutSyncTrainerIni
             RolloutSyncUpdateInfo(
                 allow_subset=not require_all,
                 group=f"{self.init_info.master_address}:{self.init_info.master_port}",
-                final=True,
+                final=not staged,
+                staged=staged,
             )
         )
         self.client.start_weight_update()
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout_sync-update")
         try:
-            self._transfer(transfer, weights, version, require_all, update, deadline, pool)
+            if staged:
+                self._stage(transfer, weights, version, require_all, update, deadline, pool)
+            else:
+                self._transfer(transfer, weights, version, require_all, update, deadline, pool)
         except BaseException as exc:
             # A guarded client whose update is still open (this side failed, the engine's may
             # not have) gives it up: torn, parked, egress released.
@@ -318,6 +335,22 @@ class RolloutSyncTrainerEngine(TrainerWeightTransferEngine[RolloutSyncTrainerIni
                 raise send_error from worker_error
             raise
         _result(received, deadline, "the workers' update_weights")
+
+    def _stage(
+        self,
+        transfer: WeightTransfer,
+        weights: Mapping[str, torch.Tensor],
+        version: int,
+        require_all: bool,
+        update: dict[str, Any],
+        deadline: float,
+        pool: concurrent.futures.ThreadPoolExecutor,
+    ) -> None:
+        """Start the workers' staged receive (``update_weights`` returns at once), then send;
+        both bounded. A worker that refused to start its receive (the call raised) gets no
+        send: nothing would receive it."""
+        _result(pool.submit(self.client.update_weights, update), deadline, "update_weights")
+        self.last_stats = transfer.send(weights, version=version, require_all=require_all)
 
     def _materialize(self) -> dict[str, torch.Tensor]:
         """The source's tensors, each materialized (an FSDP gather), in metadata order; on

@@ -836,9 +836,15 @@ class RolloutSyncWorkerExtension:
         ``start_weight_update`` would raise. A ``finish_weight_update`` to all would raise in
         the closed ones instead, and an all-worker call that raises in one worker leaves
         vLLM's executor out of step (vLLM issue #49972). This call closes each worker's
-        session where it is open and reports as data."""
+        session where it is open and reports as data.
+
+        A staged receive still open is discarded first, never installed: closing gives an
+        update up, and the served weights stay as they were."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        discard = getattr(engine, "discard_staged", None)
+        discarded = bool(discard()) if callable(discard) else False
         if not getattr(self, "_weight_update_active", False):
-            return None
+            return "discarded a staged receive" if discarded else None
         finish = getattr(self, "finish_weight_update", None)
         try:
             if callable(finish):
@@ -847,7 +853,6 @@ class RolloutSyncWorkerExtension:
             raise RuntimeError("the worker has no finish_weight_update")
         except Exception as exc:
             self._weight_update_active = False
-            engine = getattr(self, "weight_transfer_engine", None)
             reset = getattr(engine, "reset_weight_update_target", None)
             if callable(reset):
                 try:
