@@ -36,9 +36,40 @@ by the controller until every process of the new job reports ready: interrupt, r
 rendezvous, groups, re-seed; ``survivors_out_s`` is its first part, the death until the last
 survivor left its loop) and ``hangs`` (must be 0).
 
+``--staged`` runs every replica's worker in ``SyncMode.STAGED`` (stage, then swap, two-phase:
+a version is installed on every replica of a sync or on none); the default is ``SyncMode.SYNC``
+(in place, parked for the whole transfer). Two more numbers say what a death mid-wire leaves
+behind, measured the same way in both modes from what each replica reports after every command
+(its ``CommandResult``: ok, ``weight_version``, ``committed_at``) and at every check below:
+
+* ``torn_replicas``: (replica, round) pairs in which the replica was found with torn served
+  weights at any check - after each command, by its generation thread (a refused request), when
+  its loop broke, at the end. In place a death mid-wire tears the receivers, to be re-seeded;
+  with ``--staged`` it must be 0: the served weights are written only by the install.
+* ``mixed_versions``: syncs after which the live replicas of the sync serve different versions
+  while at least one of them committed in it. A sync is one trainer step of one round (its P2R
+  and R2R commands); every replica is in every sync. A replica committed in it when one of its
+  commands of that step reports ``committed_at`` within the command (a commit made outside any
+  command, a re-seed, is not one). A replica is live through the sync when it survived the
+  round, or (the round's victim) it reported the result of its last command of that step or of
+  a later one. What it serves after the sync is the ``weight_version`` of its last result of
+  that step (else its version before it); a replica torn by the sync still counts its old
+  version, so a receive that failed while another replica installed is mixed. A commit by a
+  victim that then died counts: it served that version while the others did not. In place the
+  relay commits at its P2R, before any leaf has received, so a death in the R2R leaves the fleet
+  mixed until the re-seed; with ``--staged`` it must be 0.
+
+``stall_ms_p50`` (and p99) is over (replica, sync): how long that replica's generation was
+parked for the sync (the sum of ``SyncReport.stall_s`` over its commands of that step; re-seeds
+excluded): the whole transfer in place, the install alone staged. ``skew_ms_p50`` is over the
+syncs every replica committed in: the last ``committed_at`` minus the first (how long the fleet
+served two versions). ``syncs_committed`` counts the syncs some replica committed in; ``mixed``
+lists each mixed one: who committed what, and what every live replica served after it.
+
     python benchmarks/chaos.py                       # 20 rounds, ~2-3 min on 2 cores
     python benchmarks/chaos.py --rounds 40 --seed 3
     python benchmarks/chaos.py --kill leaf:any_moment --kill trainer:any_moment
+    python benchmarks/chaos.py --rounds 6 --staged   # staged, two-phase syncs
 """
 
 from __future__ import annotations
@@ -114,13 +145,16 @@ class _ControllerLink:
                 self.joins.put(message)
 
 
-def _member(rank: int, conn: Connection, trainer_version: int, timeout_s: float) -> None:
+def _member(
+    rank: int, conn: Connection, trainer_version: int, timeout_s: float, staged: bool
+) -> None:
     """One process of the job, for as many generations as the controller runs it."""
     import torch
 
     torch.set_num_threads(1)
     from rollout_sync import (
         RolloutWorker,
+        SyncMode,
         TransferConfig,
         TransferHooks,
         WeightBroadcastCallback,
@@ -139,6 +173,7 @@ def _member(rank: int, conn: Connection, trainer_version: int, timeout_s: float)
     from rollout_sync.recovery import Rendezvous, recover_weights, rejoin
     from rollout_sync.testing import weights_digest
     from rollout_sync.trainer import TransferWeightPusher
+    from rollout_sync.worker import P2R, R2R, CommandResult
 
     link = _ControllerLink(conn)
     lm = TinyLMConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=64)
@@ -253,11 +288,50 @@ def _member(rank: int, conn: Connection, trainer_version: int, timeout_s: float)
 
     def run_replica() -> None:
         backend = TorchLMBackend(lm, pause_timeout=timeout_s)
+        generation_now = [0]
+        reports_seen = [0]  # sync reports already harvested (worker.statistics() counts them)
 
-        def committed(stats: Any, tensors: Any) -> None:
-            link.send("commit", rank, stats.version, weights_digest(tensors))
+        def stalled_since() -> float:
+            """Generation parked by the sync reports since the last call, seconds."""
+            total = worker.statistics().sync_reports_total
+            new, reports_seen[0] = total - reports_seen[0], total
+            recent = list(worker.sync_reports)
+            return sum(r.stall_s for r in recent[max(0, len(recent) - new) :]) if new > 0 else 0.0
 
-        worker = RolloutWorker(backend, weight_sync_timeout=timeout_s, on_transfer=committed)
+        def report_result(result: CommandResult) -> None:
+            """Every command's outcome, for the controller's torn and mixed-version counts."""
+            if not isinstance(result.command, (P2R, R2R)):
+                return
+            # committed_at is when this command committed a version; one made before the
+            # command started (a re-seed's, outside any command) is not this command's.
+            started = time.time() - result.elapsed_s
+            committed = result.committed_at is not None and result.committed_at >= started
+            if committed:
+                # The served weights right after the commit: only this thread writes them.
+                digest = weights_digest(backend.served_weights())
+                link.send("commit", rank, result.weight_version, digest)
+            link.send(
+                "result",
+                rank,
+                generation_now[0],
+                "p2r" if isinstance(result.command, P2R) else "r2r",
+                result.command.step,
+                {
+                    "ok": result.ok,
+                    "version": result.weight_version,
+                    "committed_at": result.committed_at if committed else None,
+                    "stall_s": stalled_since(),
+                    "torn": backend.weights_torn,
+                    "error": None if result.ok else (result.error or "")[:200],
+                },
+            )
+
+        worker = RolloutWorker(
+            backend,
+            weight_sync_timeout=timeout_s,
+            on_result=report_result,
+            mode=SyncMode.STAGED if staged else SyncMode.SYNC,
+        )
         link.on_interrupt = worker.interrupt
         sender: PayloadSender | None = None
         commands: Any = None
@@ -279,7 +353,7 @@ def _member(rank: int, conn: Connection, trainer_version: int, timeout_s: float)
                 try:
                     backend.generate([[1, 2, 3]], max_new_tokens=3, timeout=timeout_s)
                 except TornWeightsError:
-                    link.send("refused", rank)
+                    link.send("refused", rank, generation_now[0])
                     stop.wait(0.05)  # a torn replica: ask again later, not in a tight loop
                     continue
                 except RolloutSyncError:
@@ -300,6 +374,7 @@ def _member(rank: int, conn: Connection, trainer_version: int, timeout_s: float)
 
         while True:
             _, generation, port, plan = link.joins.get()
+            generation_now[0] = generation
             victim = plan["victim"] == rank
             stop = threading.Event()
             generator: threading.Thread | None = None
@@ -320,6 +395,7 @@ def _member(rank: int, conn: Connection, trainer_version: int, timeout_s: float)
                 worker.data_packer = sender  # before the re-seed, which holds it
                 worker.use_groups(groups, config=config)
                 recover_weights(groups, worker=worker, config=config)
+                stalled_since()  # the re-seed's park is not a sync's
                 # A new sender counts acknowledgements from 0: the carried ones come first.
                 registered[:], reported[0] = [], 0
                 for tensors, meta in carried:
@@ -345,7 +421,7 @@ def _member(rank: int, conn: Connection, trainer_version: int, timeout_s: float)
                     )
                 elif victim and plan["point"] == "mid_payload":
                     die_mid_payload(plan["calls"])
-                link.send("ready", generation, rank, time.monotonic())
+                link.send("ready", generation, rank, time.monotonic(), backend.weight_version)
                 generator = threading.Thread(target=generate, args=(sender, stop), daemon=True)
                 generator.start()
                 worker.run(idle_timeout_s=600)  # until the trainer's Stop
@@ -355,12 +431,13 @@ def _member(rank: int, conn: Connection, trainer_version: int, timeout_s: float)
             except Exception as exc:  # noqa: BLE001 - reported; the controller moves on
                 outcome = ("broken", generation, rank, f"{type(exc).__name__}: {exc}"[:300])
                 if backend.weights_torn:
+                    link.send("torn", rank, generation)
                     # Asked to serve now, a torn replica must refuse (counted either way).
                     try:
                         backend.generate([[1, 2, 3]], max_new_tokens=3, timeout=timeout_s)
                         link.send("torn_served", rank)
                     except TornWeightsError:
-                        link.send("refused", rank)
+                        link.send("refused", rank, generation)
             stop.set()
             if generator is not None:
                 generator.join(timeout_s * 3)
@@ -402,12 +479,22 @@ class _Job:
         self.finals: dict[int, dict[str, Any]] = {}
         self.dying: dict[int, str] = {}
         self.events: Counter[str] = Counter()
+        self.results: dict[tuple[int, int], list[tuple[str, int, dict[str, Any]]]] = defaultdict(
+            list
+        )
+        """(generation, replica rank) -> its commands' outcomes in order: (kind, step, result)."""
+        self.serving_at_ready: dict[tuple[int, int], int] = {}
+        """(generation, replica rank) -> the version it served once recovered."""
+        self.torn: set[tuple[int, int]] = set()
+        """(generation, replica rank) found with torn served weights at some check."""
+        self.victims: dict[int, int | None] = {}
+        """Generation -> the rank killed in it."""
 
     def start(self, rank: int) -> None:
         mine, theirs = self.ctx.Pipe()
         proc = self.ctx.Process(
             target=_member,
-            args=(rank, theirs, self.committed, self.args.timeout),
+            args=(rank, theirs, self.committed, self.args.timeout, self.args.staged),
             name=f"chaos-{ROLES[rank]}-{rank}",
             daemon=True,
         )
@@ -448,11 +535,21 @@ class _Job:
                 self.pushed_in[generation].append(version)
             elif kind == "commit":
                 self.commits[message[1]][message[2]] = message[3]
+            elif kind == "result":
+                rank_of, generation, command, step, result = message[1:]
+                self.results[(generation, rank_of)].append((command, step, result))
+                if result["torn"]:
+                    self.torn.add((generation, rank_of))
+            elif kind == "torn":
+                self.torn.add((message[2], message[1]))
             elif kind == "dying":
                 self.dying[message[1]] = message[2]
             elif kind == "final":
                 self.finals[message[1]] = message[2]
-            elif kind in ("refused", "torn_served"):
+            elif kind == "refused":
+                self.events[kind] += 1
+                self.torn.add((message[2], message[1]))
+            elif kind == "torn_served":
                 self.events[kind] += 1
             else:
                 out.append(message)
@@ -472,6 +569,7 @@ class _Job:
         from rollout_sync.distributed import find_free_port
 
         port = find_free_port()
+        self.victims[generation] = plan["victim"]
         for conn in self.conns.values():
             conn.send(("join", generation, port, plan))
         ready: dict[int, float] = {}
@@ -487,6 +585,8 @@ class _Job:
                 for message in self.drain(rank):
                     if message[0] == "ready" and message[1] == generation:
                         ready[rank] = message[3]
+                        if len(message) > 4:
+                            self.serving_at_ready[(generation, rank)] = message[4]
                     elif message[0] in ("broken", "finished") and message[1] == generation:
                         outcome[rank] = message[0] if message[0] == "finished" else message[3]
                         ended[rank] = time.monotonic()
@@ -516,6 +616,66 @@ class _Job:
             "died_at": died_at,
             "hang": True,
         }
+
+    def mixed_versions(self) -> tuple[list[dict[str, Any]], int]:
+        """The syncs after which live replicas serve different versions while one of them
+        committed in it (the module docstring defines each word), each with who committed what
+        and what every live replica served after it; and how many syncs some replica committed
+        in."""
+        mixed = []
+        syncs_committed = 0
+        for generation, victim in sorted(self.victims.items()):
+            outcomes = {r: self.results.get((generation, r), []) for r in REPLICAS}
+            for step in sorted({s for mine in outcomes.values() for _, s, _ in mine}):
+                committed = {
+                    r: result["version"]
+                    for r, mine in outcomes.items()
+                    for _, s, result in mine
+                    if s == step and result["committed_at"] is not None
+                }
+                if not committed:
+                    continue
+                syncs_committed += 1
+                serving = {}
+                for r, mine in outcomes.items():
+                    # Every replica's last command of a step is its R2R.
+                    if r == victim and not any(
+                        s > step or (s == step and c == "r2r") for c, s, _ in mine
+                    ):
+                        continue  # it died before the sync was over
+                    before = [result["version"] for _, s, result in mine if s <= step]
+                    if before:
+                        serving[r] = before[-1]
+                    elif (generation, r) in self.serving_at_ready:
+                        serving[r] = self.serving_at_ready[(generation, r)]
+                if len(set(committed.values()) | set(serving.values())) > 1:
+                    mixed.append(
+                        {
+                            "round": generation,
+                            "step": step,
+                            "committed": committed,
+                            "serving": serving,
+                        }
+                    )
+        return mixed, syncs_committed
+
+    def stalls_s(self) -> list[float]:
+        """Per (replica, sync): how long its generation was parked for that sync."""
+        per_sync: dict[tuple[int, int, int], float] = defaultdict(float)
+        for (generation, rank), mine in self.results.items():
+            for _, step, result in mine:
+                per_sync[(generation, rank, step)] += result["stall_s"]
+        return list(per_sync.values())
+
+    def skews_s(self) -> list[float]:
+        """Per sync every replica committed in: the last commit's time minus the first's (how
+        long two replicas served different versions)."""
+        at: dict[tuple[int, int], list[float]] = defaultdict(list)
+        for (generation, _), mine in self.results.items():
+            for _, step, result in mine:
+                if result["committed_at"] is not None:
+                    at[(generation, step)].append(result["committed_at"])
+        return [max(t) - min(t) for t in at.values() if len(t) == len(REPLICAS)]
 
     def check_commits(self) -> None:
         """Every version a replica committed must be the trainer's bytes of that version."""
@@ -559,6 +719,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--final-steps", type=int, default=3, help="pushes of the last, clean round (default 3)"
+    )
+    parser.add_argument(
+        "--staged",
+        action="store_true",
+        help="replicas run SyncMode.STAGED (stage, then swap; every replica of a sync installs "
+        "or none); torn_replicas and mixed_versions must then be 0",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
@@ -663,6 +829,10 @@ def main(argv: list[str] | None = None) -> int:
     for proc in job.procs.values():
         proc.join(30)
     job.check_commits()
+    job.torn |= {(rounds + 1, r) for r, final in job.finals.items() if final.get("torn")}
+    mixed, syncs_committed = job.mixed_versions()
+    stalls_ms = [s * 1e3 for s in job.stalls_s()]
+    skews_ms = [s * 1e3 for s in job.skews_s()]
     final_versions = job.pushed_in.get(rounds + 1, [])
     identical = [
         v for v in final_versions if all(job.commits[r].get(v) == job.pushed[v] for r in REPLICAS)
@@ -682,8 +852,13 @@ def main(argv: list[str] | None = None) -> int:
     kills = Counter(f"{r['victim'].split(':')[0]}/{r['point']}" for r in rows if "recovery_s" in r)
     summary = {
         "rounds": rounds,
+        "mode": "staged" if args.staged else "sync",
         "kills": dict(sorted(kills.items())),
         "torn_served": job.events["torn_served"],
+        "torn_replicas": len(job.torn),
+        "mixed_versions": len(mixed),
+        "mixed": mixed,
+        "syncs_committed": syncs_committed,
         "refused_while_torn": job.events["refused"],
         "acked_payloads_lost": len(job.acked - job.took),
         "payloads_acked": len(job.acked),
@@ -701,6 +876,9 @@ def main(argv: list[str] | None = None) -> int:
         if survivors_out_s
         else None,
         "hangs": hangs,
+        "stall_ms_p50": round(percentile(stalls_ms, 50), 2) if stalls_ms else None,
+        "stall_ms_p99": round(percentile(stalls_ms, 99), 2) if stalls_ms else None,
+        "skew_ms_p50": round(percentile(skews_ms, 50), 2) if skews_ms else None,
         "placed": [
             {k: r[k] for k in ("victim", "point", "step", "bucket") if k in r}
             for r in rows
@@ -710,16 +888,21 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": round(time.monotonic() - started, 1),
     }
     print(
-        f"\n{summary['rounds']} rounds in {summary['wall_s']} s: torn served "
-        f"{summary['torn_served']}, acknowledged payloads lost {summary['acked_payloads_lost']} "
+        f"\n{summary['rounds']} rounds ({summary['mode']}) in {summary['wall_s']} s: torn served "
+        f"{summary['torn_served']}, torn replicas {summary['torn_replicas']}, mixed versions "
+        f"{summary['mixed_versions']} (of {summary['syncs_committed']} syncs), acknowledged "
+        f"payloads lost {summary['acked_payloads_lost']} "
         f"(of {summary['payloads_acked']}), mismatched commits {summary['mismatched_commits']} "
         f"(of {summary['commits_checked']}), converged {summary['converged']} "
         f"({summary['final_pushes_identical']} final pushes identical everywhere), hangs "
         f"{summary['hangs']}; recovery p50 {summary['recovery_s_p50']} s, p99 "
-        f"{summary['recovery_s_p99']} s"
+        f"{summary['recovery_s_p99']} s; stall p50 {summary['stall_ms_p50']} ms"
     )
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "summary": summary}, indent=2))
+        commands = {f"{g}/{r}": mine for (g, r), mine in sorted(job.results.items())}
+        Path(args.json).write_text(
+            json.dumps({"rows": rows, "summary": summary, "commands": commands}, indent=2)
+        )
     print(json.dumps(summary))
     ok = (
         summary["torn_served"] == 0
@@ -727,6 +910,8 @@ def main(argv: list[str] | None = None) -> int:
         and summary["mismatched_commits"] == 0
         and converged
         and hangs == 0
+        # In place these two measure the hazard (the contrast); staged they are the contract.
+        and (not args.staged or (summary["torn_replicas"] == 0 and summary["mixed_versions"] == 0))
     )
     return 0 if ok else 1
 

@@ -405,7 +405,9 @@ class StagedCommitAborted(WeightTransferError):
     Every replica of the sync staged and verified the version, then voted (the transfer's
     commit vote); at least one said no, or the transfer failed before the vote, so none
     installs it and every replica keeps serving ``kept_version``. The served weights were not
-    touched (``tensors_written`` is 0): nothing is torn and nothing needs re-seeding.
+    touched (``tensors_written`` is 0): nothing is torn and nothing needs re-seeding. (After
+    a yes vote, an install that fails on one replica is raised as what failed, not as this:
+    that replica is behind the others until the next sync; docs/staged.md.)
 
     Attributes:
         failed_ranks: global ranks that voted no (empty when the transfer failed before the

@@ -120,10 +120,12 @@ class SyncReport:
     total_s: float
     error: str | None = None
     stall_s: float = 0.0
-    """How long generation was parked by this sync: from parked to resumed. A sync that
-    pauses throughout (``SYNC``) stalls for nearly all of ``total_s``; a staged sync only for
-    its install (:meth:`WeightSyncBracket.stalled`); an R2R send or an async-mode sync not at
-    all."""
+    """How long generation was parked by this sync: from parked to resumed. A receive in
+    place (``SYNC``) stalls for nearly all of ``total_s``; a staged sync only for its install
+    (:meth:`WeightSyncBracket.stalled`: a staged receive, or the staged R2R source's send,
+    which installs once its receivers voted yes); an R2R send in place or an async-mode sync
+    not at all. The install's time to park is in ``park_s`` (and, being inside the handler,
+    in ``handler_s`` too)."""
 
     def to_metrics(self, prefix: str = "rollout_sync/") -> dict[str, float]:
         """Scalar metrics, in milliseconds, under the names docs/metrics.md lists."""

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from .backend import RolloutBase
-from .errors import TwoCommunicatorsRefused
+from .errors import TwoCommunicatorsRefused, WeightMismatchError
 from .flat import FlatWeights
 from .guard import SyncMode
 
@@ -97,6 +97,7 @@ class StagingArea:
                 }
         self._state = StagingState.SERVED
         self._version: int | None = None
+        self._receiving = False
         self.installs = 0
         """Versions installed from this area."""
         self.discarded = 0
@@ -146,18 +147,23 @@ class StagingArea:
             self.refreshes += 1
         self._state = StagingState.VOID
         self._version = None
+        self._receiving = True
 
     def staged(self, version: int) -> None:
         """Record that a receive landed ``version`` here whole and verified."""
         self._state = StagingState.STAGED
         self._version = version
+        self._receiving = False
 
     def discard(self) -> None:
-        """Throw away what the area holds (a failed receive, a version voted down)."""
-        if self._state is not StagingState.SERVED:
+        """Throw away what the area holds: a receive in progress or a staged version (counted
+        in :attr:`discarded`), or the copy of the served weights (they are about to change
+        under it: not counted)."""
+        if self._receiving or self._state is StagingState.STAGED:
             self.discarded += 1
         self._state = StagingState.VOID
         self._version = None
+        self._receiving = False
 
     def install_into(self, rollout: RolloutBase) -> int:
         """Copy the staged version into ``rollout``'s served tensors and commit it; returns the
@@ -169,8 +175,10 @@ class StagingArea:
 
         Raises:
             RuntimeError: nothing is staged.
-            Whatever ``load_weights`` raises. A failure part-way leaves the served weights
-            torn (marked so; an engine's own ``load_weights`` may have marked them already).
+            WeightMismatchError: the staged tensors do not fit the served ones; nothing was
+                written (the staged version is thrown away).
+            Whatever else ``load_weights`` raises. A failure part-way leaves the served
+            weights torn (marked so; an engine's own ``load_weights`` may have marked them).
         """
         version = self.staged_version
         if version is None:
@@ -178,7 +186,7 @@ class StagingArea:
         try:
             rollout.load_weights(self.tensors, require_all=False)
         except BaseException as exc:
-            if not rollout.weights_torn:
+            if not rollout.weights_torn and not isinstance(exc, WeightMismatchError):
                 rollout.mark_weights_torn(
                     f"installing staged version {version} failed part-way: "
                     f"{type(exc).__name__}: {exc}"

@@ -736,6 +736,7 @@ class RolloutWorker:
         """Dispatch one command now, on this thread; never raises for a handler's error."""
         handler = self.handlers.get(type(command))
         start = time.perf_counter()
+        self._committed_at = None  # a commit outside a command (a re-seed) is not this one's
         if handler is None:
             result = CommandResult(
                 command,
@@ -911,6 +912,7 @@ class RolloutWorker:
         self.p2r = groups.p2r_transfer(**transfer_kwargs)
         self.p2r_barrier = groups.p2r_barrier if self.p2r is not None else None
         self.r2r = groups.r2r_transfer(**transfer_kwargs)
+        check_two_communicators(self.rollout, (self.p2r, self.r2r), self._mode)
         self._origin = None  # checksums of a layout on the old groups
         if self.staging is not None:
             self.staging.discard()  # a version staged on the old groups was never voted on
@@ -926,7 +928,7 @@ class RolloutWorker:
             TornWeightsError: this replica is the source but its weights are torn.
             WeightTransferError and its kinds: as for a P2R.
         """
-        if self.weight_sync_mode is not SyncMode.SYNC:
+        if self.weight_sync_mode.is_async:
             assert self.sync_thread is not None
             job = (
                 (lambda: self._async_send(transfer))
@@ -1087,10 +1089,13 @@ class RolloutWorker:
         self._ensure_engine()
         served = self.rollout.served_weights()
         storage = self.rollout.flat_weight_storage()
+        if self.staging is not None:
+            self.staging.discard()  # the served weights change under it: it mirrors them no more
         try:
             stats = self._take(transfer, forward, served, storage=storage)
         except WeightTransferError as exc:
             if settle_failed_receive(self.rollout, served, exc):
+                self._committed_at = time.time()
                 self._torn_park.release()
                 self._start_engine()
             elif isinstance(self.rollout, BackgroundEngine):
@@ -1099,8 +1104,6 @@ class RolloutWorker:
             raise
         reload_received(self.rollout, served)
         self._committed(stats.version)
-        if self.staging is not None:
-            self.staging.discard()  # it no longer mirrors what is served
         self._torn_park.release()
         self._start_engine()
         return stats
@@ -1248,6 +1251,11 @@ class RolloutWorker:
             if not self.all_or_none:
                 raise
             raise self._commit_aborted(exc, exc.version) from exc
+        except Exception as exc:  # this rank's own refusal (a manifest that does not fit)
+            staging.discard()
+            if not self.all_or_none:
+                raise
+            raise self._commit_aborted(exc, getattr(exc, "version", None)) from exc
         except BaseException:
             staging.discard()
             raise
@@ -1257,10 +1265,31 @@ class RolloutWorker:
         return stats
 
     def _install(self, bracket: WeightSyncBracket) -> None:
-        """Park generation, copy the staged version into the served weights, commit it."""
-        assert self.staging is not None
+        """Park generation, copy the staged version into the served weights, fence the copy,
+        commit it; then let generation go on.
+
+        It runs after every replica voted yes, so a failure here leaves this replica behind the
+        others (the in-doubt window of docs/staged.md): generation did not park in time (the
+        version stays staged, the served weights untouched), or the engine's ``load_weights``
+        failed part-way (the weights are torn, and a background engine stays parked until a
+        complete version commits). Either is raised."""
+        staging = self.staging
+        assert staging is not None
         with bracket.stalled(pause=self.guarded):
-            version = self.staging.install_into(self.rollout)
+            try:
+                version = staging.install_into(self.rollout)
+                try:
+                    self.weight_sync_fence(self.weight_sync_timeout)  # written before any read
+                except BaseException as exc:
+                    self.rollout.mark_weights_torn(
+                        f"the install of version {version} did not complete on the device: "
+                        f"{type(exc).__name__}"
+                    )
+                    raise
+            except BaseException:
+                if self.rollout.weights_torn and isinstance(self.rollout, BackgroundEngine):
+                    self._torn_park.hold_if_torn(self.weight_sync_timeout)
+                raise
             self._committed(version)
         self._start_engine()
 
@@ -1269,19 +1298,20 @@ class RolloutWorker:
             self.staging = StagingArea.of(self.rollout, device=self.staging_device)
         return self.staging
 
-    def _commit_aborted(self, exc: WeightTransferError, version: int | None) -> StagedCommitAborted:
+    def _commit_aborted(self, exc: Exception, version: int | None) -> StagedCommitAborted:
         failed = tuple(getattr(exc, "failed_ranks", ()))
+        first_line = (str(exc).splitlines() or [""])[0]
         why = (
             f"rank(s) {list(failed)} voted no"
             if failed
-            else f"the transfer failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+            else f"the transfer failed: {type(exc).__name__}: {first_line}"
         )
         kept = self.rollout.weight_version
         return StagedCommitAborted(
             f"version {version} is installed on no replica of this sync (two-phase commit): "
             f"{why}. This replica keeps serving version {kept}; its served weights were not "
             "touched",
-            operation=exc.operation,
+            operation=getattr(exc, "operation", "staged receive"),
             version=version,
             failed_ranks=failed,
             kept_version=kept,

@@ -1134,12 +1134,23 @@ def decode_step_ms_p50(timeline: Timeline) -> float:
 
 
 def version_skew_ms_max(commits: Sequence[Mapping[int, float]]) -> float:
-    """The longest time two replicas served different versions after a commit: per version,
-    the spread of the wall-clock times at which the replicas committed it (each replica's
-    ``{version: CommandResult.committed_at}``), at the most; 0 with one replica, NaN with no
-    version committed by all."""
-    shared = set.intersection(*(set(c) for c in commits)) if commits else set()
-    spreads = [max(c[v] for c in commits) - min(c[v] for c in commits) for v in shared]
+    """The longest time two replicas served different versions after a commit, in ms.
+
+    ``commits`` is each replica's ``{version: CommandResult.committed_at}``. A replica serves
+    version ``v`` (or newer) from the first time it committed ``v`` or a later version; per
+    version, the skew is the spread of those times over the replicas that got there, and this
+    is the largest. A replica that never reached ``v`` is left out of it: it had no later
+    commit to measure to (a sync whose version some replicas never served is what
+    ``benchmarks/chaos.py`` counts as ``mixed_versions``). 0 with one replica; NaN with no
+    commit."""
+    versions = {v for c in commits for v in c}
+    spreads = []
+    for version in versions:
+        reached = [
+            min((t for v, t in c.items() if v >= version), default=math.inf) for c in commits
+        ]
+        times = [t for t in reached if math.isfinite(t)]
+        spreads.append(max(times) - min(times))
     return max(spreads) * 1e3 if spreads else math.nan
 
 
@@ -1175,7 +1186,9 @@ def _report(
 
     # Generation stalls once per replica and sync: for the whole receive in place, for the
     # install alone when staged (the reports that parked anything).
-    stalls = [r["stall_ms"] for rep in replicas for r in rep["reports"] if r.get("paused")]
+    parked = [r for rep in replicas for r in rep["reports"] if r.get("paused")]
+    stalls = [r["stall_ms"] for r in parked]
+    stall_shares = [r["stall_ms"] / r["sync_total_ms"] for r in parked if r["sync_total_ms"] > 0]
     rate_in, rate_out = token_rates_in_windows(
         timeline.spans(SpanKind.FORWARD), timeline.spans(SpanKind.SYNC)
     )
@@ -1238,9 +1251,9 @@ def _report(
         "sync_ms_p99": phase("sync_total_ms", 99),
         "stall_ms_p50": percentile(stalls, 50),
         "stall_ms_p99": percentile(stalls, 99),
-        "stall_over_sync_p50": percentile(stalls, 50) / phase("sync_total_ms", 50),
+        "stall_over_sync_p50": percentile(stall_shares, 50),
         "version_skew_ms_max": version_skew_ms_max([rep["commits"] for rep in replicas]),
-        "sync_window_tokens_ratio": rate_in / rate_out,
+        "sync_window_tokens_ratio": rate_in / rate_out if rate_out > 0 else math.nan,
         "weight_sync_time_ms_p50": percentile(sync_ms, 50),
         "weight_sync_time_ms_p99": percentile(sync_ms, 99),
         "model_mb": checks.model_nbytes / 1e6,
