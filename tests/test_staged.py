@@ -59,7 +59,7 @@ class WireTransfer:
         storage: torch.Tensor | None = None,
     ) -> TransferStats:
         self.targets.append(into)
-        check_weights_match(specs_of(self.weights), into, require_all=False)
+        check_weights_match(specs_of(self.weights), into, require_all=not allow_subset)
         for i, (name, tensor) in enumerate(self.weights.items()):
             if i == self.fail_after:
                 raise WeightTransferError(

@@ -24,6 +24,7 @@ ROLLOUT_METRICS = {
     "rollout_sync/handler_ms",
     "rollout_sync/fence_ms",
     "rollout_sync/sync_total_ms",
+    "rollout_sync/stall_ms",
 }
 
 

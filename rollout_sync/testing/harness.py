@@ -75,5 +75,7 @@ def weights_digest(weights: Mapping[str, torch.Tensor]) -> str:
     digest = hashlib.blake2b(digest_size=16)
     for name, tensor in sorted(weights.items()):
         digest.update(f"{name}:{tensor.dtype}:{list(tensor.shape)}|".encode())
-        digest.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        digest.update(
+            tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes()
+        )
     return digest.hexdigest()
