@@ -48,6 +48,7 @@ import torch
 from ._deadline import deadline_after, limit_of, remaining, wait_arg
 from .errors import PauseTimeout, SchedulerTimeout, WouldBlock
 from .gate import Gate
+from .lora import SupportsLoRA
 from .trace import SpanKind, Timeline
 
 __all__ = [
@@ -108,8 +109,16 @@ class GenerationRequest:
     max_new_tokens: int = 16
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: tuple[int, ...] = ()
+    adapter: str | None = None
+    """The LoRA adapter the request runs on (:mod:`rollout_sync.lora`), by name; ``None``: the
+    base model. The engine must serve it (:class:`~rollout_sync.lora.SupportsLoRA`), or
+    :meth:`RolloutTaskScheduler.put` refuses the request."""
 
     def __post_init__(self) -> None:
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            raise ValueError(
+                f"GenerationRequest.adapter must be an adapter's name or None, got {self.adapter!r}"
+            )
         # operator.index accepts numpy and torch integers and refuses floats, so a prompt of
         # 3.7 is an error here rather than a silently truncated token.
         object.__setattr__(self, "prompt", tuple(operator.index(t) for t in self.prompt))
@@ -124,7 +133,8 @@ class GenerationResult:
 
     Staleness is reported in full: the version at admission, the version at completion, the
     version each token was produced under, and whether a weight sync landed while the sequence
-    was in flight (``straddled_sync``), even when the version number did not change.
+    was in flight (``straddled_sync``), even when the version number did not change. A request
+    on a LoRA adapter also carries the adapter version each token was produced under.
     """
 
     request_id: int
@@ -138,7 +148,8 @@ class GenerationResult:
     admitted_weight_version: int
     completed_weight_version: int
     straddled_sync: bool
-    """A weight write landed between admission and completion."""
+    """A weight write landed between admission and completion (for a request on an adapter:
+    a write of the base weights or of that adapter)."""
     recomputes: int
     """Times the engine rebuilt this sequence's cached state under new weights."""
     stale_cache_tokens: int
@@ -147,6 +158,10 @@ class GenerationResult:
     """From admission to completion."""
     error: str | None = None
     exception: BaseException | None = field(default=None, compare=False, repr=False)
+    adapter: str | None = None
+    """The LoRA adapter the request ran on (``None``: the base model)."""
+    token_adapter_versions: tuple[int, ...] = ()
+    """The adapter's served version when each token was produced; empty on the base model."""
 
     @property
     def ok(self) -> bool:
@@ -181,6 +196,12 @@ class SequenceState:
     recomputes: int = 0
     stale_cache_tokens: int = 0
     engine_state: object | None = None
+    token_adapter_versions: list[int] = field(default_factory=list)
+    """Per token, the version of the request's adapter it was produced under (the engine
+    passes it to :meth:`append_token`); empty for a request on the base model."""
+    adapter_write_landed: bool = False
+    """The engine saw a write to the request's adapter land while it was in flight (it then
+    reports ``straddled_sync``, as a base weight write does)."""
 
     @property
     def finished(self) -> bool:
@@ -190,13 +211,20 @@ class SequenceState:
         """The prompt followed by the tokens generated so far."""
         return [*self.request.prompt, *self.tokens]
 
-    def append_token(self, token: int, logprob: float, weight_version: int) -> None:
-        """Record one generated token; finishes the sequence on a stop token or the limit."""
+    def append_token(
+        self, token: int, logprob: float, weight_version: int, adapter_version: int | None = None
+    ) -> None:
+        """Record one generated token; finishes the sequence on a stop token or the limit.
+
+        ``adapter_version``: the version of the request's adapter the token was produced under
+        (a request on an adapter; ``None`` on the base model)."""
         if self.finished:
             raise RuntimeError(f"request {self.request_id} is finished; it takes no more tokens")
         self.tokens.append(token)
         self.logprobs.append(logprob)
         self.token_weight_versions.append(weight_version)
+        if adapter_version is not None:
+            self.token_adapter_versions.append(adapter_version)
         if token in self.request.stop_token_ids:
             self.finish_reason = FinishReason.STOP
         elif len(self.tokens) >= self.request.max_new_tokens:
@@ -229,12 +257,14 @@ class SequenceState:
             finish_reason=reason,
             admitted_weight_version=self.admitted_weight_version,
             completed_weight_version=completed_weight_version,
-            straddled_sync=completed_epoch != self.admitted_epoch,
+            straddled_sync=completed_epoch != self.admitted_epoch or self.adapter_write_landed,
             recomputes=self.recomputes,
             stale_cache_tokens=self.stale_cache_tokens,
             latency_s=(time.monotonic_ns() - self.admitted_ns) / 1e9,
             error=message,
             exception=error,
+            adapter=self.request.adapter,
+            token_adapter_versions=tuple(self.token_adapter_versions),
         )
 
 
@@ -464,14 +494,18 @@ class RolloutTaskScheduler:
         max_new_tokens: int = 16,
         sampling: SamplingParams | None = None,
         stop_token_ids: Sequence[int] = (),
+        adapter: str | None = None,
     ) -> int:
-        """Queue a request (or a prompt, built into one with the keyword arguments).
+        """Queue a request (or a prompt, built into one with the keyword arguments, ``adapter``
+        included: the LoRA adapter it runs on, ``None`` for the base model).
 
         Never blocks (the queue is unbounded); a put during a pause is admitted after it.
         Returns the request id its result will carry.
 
         Raises:
-            ValueError: the engine cannot serve the request (checked now, not later).
+            ValueError: the engine cannot serve the request (checked now, not later), its
+                adapter included: an engine that serves no LoRA adapters
+                (:class:`~rollout_sync.lora.SupportsLoRA`) refuses every request on one.
             RuntimeError: the scheduler was stopped or its thread died.
         """
         if not isinstance(request, GenerationRequest):
@@ -480,6 +514,12 @@ class RolloutTaskScheduler:
                 max_new_tokens=max_new_tokens,
                 sampling=sampling if sampling is not None else SamplingParams(),
                 stop_token_ids=tuple(stop_token_ids),
+                adapter=adapter,
+            )
+        if request.adapter is not None and not isinstance(self.engine, SupportsLoRA):
+            raise ValueError(
+                f"request on LoRA adapter {request.adapter!r}, but {type(self.engine).__name__} "
+                "serves no adapters (it does not implement rollout_sync.lora.SupportsLoRA)"
             )
         self.engine.validate_request(request)
         with self._changed:

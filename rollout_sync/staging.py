@@ -29,7 +29,7 @@ configuration with :class:`~rollout_sync.errors.TwoCommunicatorsRefused`.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from .backend import RolloutBase
 from .errors import TwoCommunicatorsRefused, WeightMismatchError
 from .flat import FlatWeights
 from .guard import SyncMode
+from .lora import require_adapter
 
 __all__ = [
     "StagingArea",
@@ -165,35 +166,52 @@ class StagingArea:
         self._version = None
         self._receiving = False
 
-    def install_into(self, rollout: RolloutBase) -> int:
-        """Copy the staged version into ``rollout``'s served tensors and commit it; returns the
-        version. Call with generation parked (the worker calls it inside
+    def install_into(
+        self,
+        rollout: RolloutBase,
+        *,
+        adapter: str | None = None,
+        fence: Callable[[], None] | None = None,
+    ) -> int:
+        """Copy the staged version into ``rollout``'s served tensors (or, with ``adapter``,
+        into that LoRA adapter's slot), run ``fence`` (the copy's device work completes), and
+        commit the version; returns it. Call with generation parked (the worker calls it inside
         :meth:`~rollout_sync.guard.WeightSyncBracket.stalled`).
 
-        The copy goes through the engine's ``load_weights``, which checks every name, shape and
-        dtype before it writes and records the write as the engine records any.
+        The copy goes through the engine's ``load_weights`` (``load_adapter``), which checks
+        every name, shape and dtype before it writes and records the write as the engine
+        records any.
 
         Raises:
             RuntimeError: nothing is staged.
             WeightMismatchError: the staged tensors do not fit the served ones; nothing was
                 written (the staged version is thrown away).
-            Whatever else ``load_weights`` raises. A failure part-way leaves the served
+            Whatever else the load or the fence raises. A failure part-way leaves the served
             weights torn (marked so; an engine's own ``load_weights`` may have marked them).
         """
         version = self.staged_version
         if version is None:
             raise RuntimeError(f"install_into: nothing is staged ({self!r})")
+        what = "the weights" if adapter is None else f"adapter {adapter!r}"
         try:
-            rollout.load_weights(self.tensors, require_all=False)
+            if adapter is None:
+                rollout.load_weights(self.tensors, require_all=False)
+            else:
+                require_adapter(rollout, adapter).load_adapter(adapter, self.tensors)
+            if fence is not None:
+                fence()
         except BaseException as exc:
             if not rollout.weights_torn and not isinstance(exc, WeightMismatchError):
                 rollout.mark_weights_torn(
-                    f"installing staged version {version} failed part-way: "
+                    f"installing staged version {version} of {what} failed part-way: "
                     f"{type(exc).__name__}: {exc}"
                 )
             self.discard()
             raise
-        rollout.commit_weight_version(version)
+        if adapter is None:
+            rollout.commit_weight_version(version)
+        else:
+            require_adapter(rollout, adapter).commit_adapter_version(adapter, version)
         self._state = StagingState.SERVED
         self._version = None
         self.installs += 1

@@ -247,6 +247,10 @@ class WeightSyncCommand:
     num_tensors: int = 0
     nbytes: int = 0
     """Bytes the weights that follow take, so a receiver can check its buffers first."""
+    adapter: str | None = None
+    """The LoRA adapter whose set follows, not the model's weights (:mod:`rollout_sync.lora`);
+    a :class:`~rollout_sync.worker.WorkerCommandChannel` turns it into ``P2R(adapter=...)``
+    and ``R2R(adapter=...)``."""
 
 
 @runtime_checkable
@@ -294,6 +298,17 @@ class BroadcastCommandChannel:
         self.device = torch.device(device)
 
     def announce(self, command: WeightSyncCommand, timeout: float) -> None:
+        """Broadcast ``command`` as a fixed six-integer header.
+
+        Raises:
+            ValueError: the command names a LoRA adapter, which the header cannot carry (use a
+                :class:`~rollout_sync.worker.WorkerCommandChannel`).
+        """
+        if command.adapter is not None:
+            raise ValueError(
+                f"BroadcastCommandChannel carries integers only, not the adapter name "
+                f"{command.adapter!r}: announce adapter syncs on a WorkerCommandChannel"
+            )
         values = [
             _HEADER_MAGIC,
             int(command.kind),
@@ -675,6 +690,9 @@ class WeightBroadcastCallback(TrainerCallback):
         timeout: seconds for each announcement and each push; at ``train_end``, for draining
             the timer.
         initial_version: the version the rollout side serves before the first push.
+        adapter: ``weights()`` returns this LoRA adapter's set (:mod:`rollout_sync.lora`), not
+            the model's: every announcement names it, so the replicas receive it into that
+            adapter's slot. Its versions count apart from the model's.
         sync_on_run_begin: push the weights once at ``run_begin`` too, so the rollout side
             starts from the trainer's (resumed) weights.
         report_every_step: report on every step, not only those with training metrics.
@@ -691,6 +709,7 @@ class WeightBroadcastCallback(TrainerCallback):
         initial_version: int = 0,
         sync_on_run_begin: bool = True,
         report_every_step: bool = False,
+        adapter: str | None = None,
     ) -> None:
         if pusher is None:
             pusher = _default_pusher(timeout)
@@ -706,6 +725,7 @@ class WeightBroadcastCallback(TrainerCallback):
         self.version = initial_version
         self.sync_on_run_begin = sync_on_run_begin
         self.report_every_step = report_every_step
+        self.adapter = adapter
         self.final_metrics: dict[str, Any] | None = None
         """What ``train_end`` harvested after the last report (read it for the final log)."""
         self._window_syncs = 0
@@ -785,7 +805,9 @@ class WeightBroadcastCallback(TrainerCallback):
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
         if self.channel is not None:
             self.channel.announce(
-                WeightSyncCommand(CommandKind.WEIGHTS, step, version, len(weights), nbytes),
+                WeightSyncCommand(
+                    CommandKind.WEIGHTS, step, version, len(weights), nbytes, self.adapter
+                ),
                 self.timeout,
             )
         self.pusher.push_weights(weights, version=version, timeout=self.timeout)

@@ -77,6 +77,7 @@ from .guard import (
     weight_sync_bracket,
     weight_sync_handler,
 )
+from .lora import require_adapter
 from .staging import StagingArea, check_two_communicators
 from .trace import Timeline
 from .trainer import CommandKind, WeightSyncCommand
@@ -140,6 +141,9 @@ class P2R:
     :meth:`~rollout_sync.WeightTransfer.relay`): this worker must be the R2R source, and the
     other replicas must run their R2R receive at the same time, so they get ``R2R`` and this
     worker gets no ``R2R`` of its own (``WorkerCommandChannel(pipelined_relay=True)``)."""
+    adapter: str | None = None
+    """Receive this LoRA adapter's set into its slot, not the model's weights
+    (:mod:`rollout_sync.lora`): always staged, the whole set required."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +151,8 @@ class R2R:
     """Take part in the replica-to-replica broadcast: send if this replica is the source."""
 
     step: int | None = None
+    adapter: str | None = None
+    """Broadcast this LoRA adapter's set, not the model's weights (see :attr:`P2R.adapter`)."""
 
 
 @dataclass(frozen=True)
@@ -301,6 +307,36 @@ class _SyncPath:
     r2r_send: Callable[[R2R], Any]
     """This replica is the R2R source."""
     r2r_receive: Callable[[R2R], Any]
+
+
+@dataclass(frozen=True)
+class _Target:
+    """What a sync command writes: the model's weights (``adapter`` None) or one LoRA
+    adapter's slot."""
+
+    adapter: str | None = None
+
+    @classmethod
+    def of(cls, command: object) -> _Target:
+        return cls(getattr(command, "adapter", None))
+
+    def served(self, rollout: RolloutBase) -> Mapping[str, torch.Tensor]:
+        if self.adapter is None:
+            return rollout.served_weights()
+        return require_adapter(rollout, self.adapter).served_adapter(self.adapter)
+
+    def version(self, rollout: RolloutBase) -> int:
+        if self.adapter is None:
+            return rollout.weight_version
+        return require_adapter(rollout, self.adapter).adapter_version(self.adapter)
+
+    def staging(self, rollout: RolloutBase, device: torch.device | str | None) -> StagingArea:
+        if self.adapter is None:
+            return StagingArea.of(rollout, device=device)
+        return StagingArea(self.served(rollout), device=device)
+
+    def __str__(self) -> str:
+        return "the weights" if self.adapter is None else f"adapter {self.adapter!r}"
 
 
 # -- groups ------------------------------------------------------------------------------------
@@ -499,14 +535,16 @@ class WorkerCommandChannel:
         """The ``(replica rank, command)`` pairs one announcement becomes, in order."""
         if announcement.kind is CommandKind.STOP:
             return [(rank, Stop()) for rank in self.replicas]
-        step = announcement.step
+        step, adapter = announcement.step, announcement.adapter
         if self.pipelined_relay and len(self.replicas) > 1:
-            out: list[tuple[int, object]] = [(self.p2r_target, P2R(step=step, relay=True))]
-            out.extend((rank, R2R(step=step)) for rank in self.replicas[1:])
+            out: list[tuple[int, object]] = [
+                (self.p2r_target, P2R(step=step, relay=True, adapter=adapter))
+            ]
+            out.extend((rank, R2R(step=step, adapter=adapter)) for rank in self.replicas[1:])
             return out
-        out = [(self.p2r_target, P2R(step=step))]
+        out = [(self.p2r_target, P2R(step=step, adapter=adapter))]
         if len(self.replicas) > 1:
-            out.extend((rank, R2R(step=step)) for rank in self.replicas)
+            out.extend((rank, R2R(step=step, adapter=adapter)) for rank in self.replicas)
         return out
 
     def announce(self, command: WeightSyncCommand, timeout: float) -> None:
@@ -657,8 +695,9 @@ class RolloutWorker:
         self._syncs = 0
         self._failed_syncs = 0
         self._reports = 0
-        self.staging: StagingArea | None = None
-        """``SyncMode.STAGED``: the staging copy of the weights (built by the first sync)."""
+        self._stagings: dict[str | None, StagingArea] = {}
+        """Staging copies by target: the weights (``None``; ``SyncMode.STAGED``) and each LoRA
+        adapter (always staged), built by the first sync of each."""
         self.staging_device = staging_device
         self.all_or_none = all_or_none
         self._committed_at: float | None = None
@@ -676,6 +715,15 @@ class RolloutWorker:
         self.register_handler(P2R, self._handle_p2r)
         self.register_handler(R2R, self._handle_r2r)
         self.register_handler(Stop, self._handle_stop)
+
+    @property
+    def staging(self) -> StagingArea | None:
+        """The staging copy of the weights (``SyncMode.STAGED``, once a sync built it)."""
+        return self._stagings.get(None)
+
+    def adapter_staging(self, name: str) -> StagingArea | None:
+        """The staging copy of LoRA adapter ``name`` (once a sync of it built it)."""
+        return self._stagings.get(name)
 
     @property
     def weight_sync_mode(self) -> SyncMode:
@@ -762,10 +810,12 @@ class RolloutWorker:
                     committed_at=self._take_committed_at(),
                 )
                 if isinstance(value, TransferStats) and self.on_transfer is not None:
+                    target = _Target.of(command)
+                    staging = self._stagings.get(target.adapter)
                     transferred = (
-                        self.staging.tensors
-                        if self.staging is not None and value.role != "send"
-                        else self.rollout.served_weights()
+                        staging.tensors
+                        if staging is not None and value.role != "send"
+                        else target.served(self.rollout)
                     )
                     self.on_transfer(value, transferred)
         if not isinstance(result.value, concurrent.futures.Future):
@@ -914,8 +964,8 @@ class RolloutWorker:
         self.r2r = groups.r2r_transfer(**transfer_kwargs)
         check_two_communicators(self.rollout, (self.p2r, self.r2r), self._mode)
         self._origin = None  # checksums of a layout on the old groups
-        if self.staging is not None:
-            self.staging.discard()  # a version staged on the old groups was never voted on
+        for staging in self._stagings.values():
+            staging.discard()  # a version staged on the old groups was never voted on
 
     def reseed(self, transfer: SupportsWeightTransfer) -> TransferStats:
         """Take part in a recovery's re-seed transfer (:func:`~rollout_sync.recovery.
@@ -977,8 +1027,8 @@ class RolloutWorker:
                 engine_started=self._engine_started,
                 failed_syncs=self._failed_syncs,
                 sync_reports_total=self._reports,
-                staging_bytes=self.staging.nbytes if self.staging is not None else 0,
-                staged_discarded=self.staging.discarded if self.staging is not None else 0,
+                staging_bytes=sum(s.nbytes for s in self._stagings.values()),
+                staged_discarded=sum(s.discarded for s in self._stagings.values()),
             )
 
     # -- guard hooks -------------------------------------------------------------------------
@@ -1003,12 +1053,17 @@ class RolloutWorker:
                 "P2R command on a worker without a P2R transfer "
                 "(only the first replica of a group receives from the trainer)"
             )
+        if command.adapter is not None:
+            return self._staged(self._stage_p2r, command)  # adapters: always staged
         return self._path.p2r(command)
 
     def _handle_r2r(self, command: R2R) -> Any:
         if self.r2r is None:
             raise RolloutSyncError("R2R command on a worker that is not in an R2R group")
         # The role is read per command: use_groups() may have replaced the transfer.
+        if command.adapter is not None:
+            send = self.r2r.is_source
+            return self._staged(self._stage_r2r_send if send else self._stage_r2r_receive, command)
         if self.r2r.is_source:
             return self._path.r2r_send(command)
         return self._path.r2r_receive(command)
@@ -1065,9 +1120,14 @@ class RolloutWorker:
         assert self.r2r is not None
         return self._send(self.r2r, self._served_to_send)
 
-    def _served_to_send(self) -> tuple[Mapping[str, torch.Tensor], int, torch.Tensor | None]:
-        """The served weights, their version and flat storage; refused while torn."""
+    def _served_to_send(
+        self, target: _Target = _Target()
+    ) -> tuple[Mapping[str, torch.Tensor], int, torch.Tensor | None]:
+        """What is served of ``target`` (the weights, or an adapter), its version and flat
+        storage; refused while the weights are torn."""
         self.rollout.check_servable()
+        if target.adapter is not None:
+            return target.served(self.rollout), target.version(self.rollout), None
         return (
             self.rollout.served_weights(),
             self.rollout.weight_version,
@@ -1113,12 +1173,16 @@ class RolloutWorker:
         transfer: SupportsWeightTransfer,
         forward: SupportsWeightTransfer | None,
         into: Mapping[str, torch.Tensor],
+        *,
+        allow_subset: bool | None = None,
         **kwargs: Any,
     ) -> TransferStats:
-        """Receive ``transfer`` into ``into``, relaying it through ``forward`` if given."""
+        """Receive ``transfer`` into ``into``, relaying it through ``forward`` if given
+        (``allow_subset``: default the worker's)."""
+        subset = self.allow_subset if allow_subset is None else allow_subset
         if forward is None:
-            return transfer.receive(into, allow_subset=self.allow_subset, **kwargs)
-        return transfer.relay(into, forward, allow_subset=self.allow_subset, **kwargs)
+            return transfer.receive(into, allow_subset=subset, **kwargs)
+        return transfer.relay(into, forward, allow_subset=subset, **kwargs)
 
     def _send(
         self,
@@ -1189,22 +1253,25 @@ class RolloutWorker:
         forward = self._relay_target(command)
         self._meet_trainer(forward)
         install = forward is not None or self.r2r is None
-        stats = self._stage(bracket, self.p2r, forward, install=install)
-        self._keep_origin(stats)
+        target = _Target.of(command)
+        stats = self._stage(bracket, self.p2r, forward, install=install, target=target)
+        if target.adapter is None:
+            self._keep_origin(stats)
         return stats
 
     def _stage_r2r_receive(self, bracket: WeightSyncBracket, command: R2R) -> TransferStats:
         assert self.r2r is not None
-        return self._stage(bracket, self.r2r, None, install=True)
+        return self._stage(bracket, self.r2r, None, install=True, target=_Target.of(command))
 
     def _stage_r2r_send(self, bracket: WeightSyncBracket, command: R2R) -> TransferStats:
         """Send the version staged by the P2R (or, with none staged, the served one); install
         the staged one once every receiver voted yes, discard it otherwise."""
         assert self.r2r is not None
-        staging = self.staging
+        target = _Target.of(command)
+        staging = self._stagings.get(target.adapter)
         version = staging.staged_version if staging is not None else None
         if staging is None or version is None:
-            return self._send(self.r2r, self._served_to_send)
+            return self._send(self.r2r, partial(self._served_to_send, target))
         staged = staging
 
         def what() -> tuple[Mapping[str, torch.Tensor], int, torch.Tensor | None]:
@@ -1215,13 +1282,13 @@ class RolloutWorker:
         except WeightTransferError as exc:
             if self.all_or_none:
                 staged.discard()
-                raise self._commit_aborted(exc, version) from exc
-            self._install(bracket)  # two-phase off: this replica serves it regardless
+                raise self._commit_aborted(exc, version, target) from exc
+            self._install(bracket, target)  # two-phase off: this replica serves it regardless
             raise
         except BaseException:
             staged.discard()
             raise
-        self._install(bracket)
+        self._install(bracket, target)
         return stats
 
     def _stage(
@@ -1231,40 +1298,46 @@ class RolloutWorker:
         forward: SupportsWeightTransfer | None,
         *,
         install: bool,
+        target: _Target,
     ) -> TransferStats:
-        """Receive ``transfer`` into the staging area while generation goes on; install the
-        version if ``install``, else keep it staged. A failure discards it: the served weights
-        were never touched."""
+        """Receive ``transfer`` into ``target``'s staging area while generation goes on;
+        install the version if ``install``, else keep it staged. A failure discards it: the
+        served tensors were never touched. An adapter's set must be whole."""
         self._ensure_engine()
-        staging = self._ensure_staging()
-        staging.begin(self.rollout.served_weights())
+        staging = self._staging_for(target)
+        staging.begin(target.served(self.rollout))
         try:
             stats = self._take(
-                transfer, forward, staging.tensors, storage=staging.storage, write_kind=BUFFER_WRITE
+                transfer,
+                forward,
+                staging.tensors,
+                storage=staging.storage,
+                write_kind=BUFFER_WRITE,
+                allow_subset=self.allow_subset and target.adapter is None,
             )
         except WeightTransferError as exc:
             if exc.complete and exc.version is not None and not self.all_or_none:
                 staging.staged(exc.version)  # two-phase off: install what landed here whole
-                self._install(bracket)
+                self._install(bracket, target)
                 raise
             staging.discard()
             if not self.all_or_none:
                 raise
-            raise self._commit_aborted(exc, exc.version) from exc
+            raise self._commit_aborted(exc, exc.version, target) from exc
         except Exception as exc:  # this rank's own refusal (a manifest that does not fit)
             staging.discard()
             if not self.all_or_none:
                 raise
-            raise self._commit_aborted(exc, getattr(exc, "version", None)) from exc
+            raise self._commit_aborted(exc, getattr(exc, "version", None), target) from exc
         except BaseException:
             staging.discard()
             raise
         staging.staged(stats.version)
         if install:
-            self._install(bracket)
+            self._install(bracket, target)
         return stats
 
-    def _install(self, bracket: WeightSyncBracket) -> None:
+    def _install(self, bracket: WeightSyncBracket, target: _Target) -> None:
         """Park generation, copy the staged version into the served weights, fence the copy,
         commit it; then let generation go on.
 
@@ -1273,32 +1346,32 @@ class RolloutWorker:
         version stays staged, the served weights untouched), or the engine's ``load_weights``
         failed part-way (the weights are torn, and a background engine stays parked until a
         complete version commits). Either is raised."""
-        staging = self.staging
-        assert staging is not None
+        staging = self._stagings[target.adapter]
         with bracket.stalled(pause=self.guarded):
             try:
-                version = staging.install_into(self.rollout)
-                try:
-                    self.weight_sync_fence(self.weight_sync_timeout)  # written before any read
-                except BaseException as exc:
-                    self.rollout.mark_weights_torn(
-                        f"the install of version {version} did not complete on the device: "
-                        f"{type(exc).__name__}"
-                    )
-                    raise
+                staging.install_into(
+                    self.rollout,
+                    adapter=target.adapter,
+                    fence=partial(self.weight_sync_fence, self.weight_sync_timeout),
+                )
             except BaseException:
                 if self.rollout.weights_torn and isinstance(self.rollout, BackgroundEngine):
                     self._torn_park.hold_if_torn(self.weight_sync_timeout)
                 raise
-            self._committed(version)
+            self._committed_at = time.time()
         self._start_engine()
 
-    def _ensure_staging(self) -> StagingArea:
-        if self.staging is None:
-            self.staging = StagingArea.of(self.rollout, device=self.staging_device)
-        return self.staging
+    def _staging_for(self, target: _Target) -> StagingArea:
+        staging = self._stagings.get(target.adapter)
+        if staging is None:
+            staging = self._stagings[target.adapter] = target.staging(
+                self.rollout, self.staging_device
+            )
+        return staging
 
-    def _commit_aborted(self, exc: Exception, version: int | None) -> StagedCommitAborted:
+    def _commit_aborted(
+        self, exc: Exception, version: int | None, target: _Target
+    ) -> StagedCommitAborted:
         failed = tuple(getattr(exc, "failed_ranks", ()))
         first_line = (str(exc).splitlines() or [""])[0]
         why = (
@@ -1306,9 +1379,10 @@ class RolloutWorker:
             if failed
             else f"the transfer failed: {type(exc).__name__}: {first_line}"
         )
-        kept = self.rollout.weight_version
+        kept = target.version(self.rollout)
         return StagedCommitAborted(
-            f"version {version} is installed on no replica of this sync (two-phase commit): "
+            f"version {version} of {target} is installed on no replica of this sync (two-phase "
+            "commit): "
             f"{why}. This replica keeps serving version {kept}; its served weights were not "
             "touched",
             operation=getattr(exc, "operation", "staged receive"),

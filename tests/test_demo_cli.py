@@ -91,6 +91,9 @@ def test_a_lost_payload_fails_the_run_guarded_or_not(
         (["--staged", "--in-process"], "runs the multi-process demo: drop --in-process"),
         (["--staged", "--mode", "async_per_forward"], "--staged is --mode staged"),
         (["--staged", "--tp", "2"], "sync mode only: drop --mode staged"),
+        (["--lora", "--in-process"], "--lora runs the multi-process demo"),
+        (["--lora", "--trainer", "fast-llm"], "drop --trainer fast-llm"),
+        (["--lora", "--backend", "torn_read"], "serves no LoRA adapter"),
     ],
 )
 def test_launcher_options_that_cannot_go_together_are_refused(

@@ -50,12 +50,17 @@ def _by_pid(timeline: Timeline, kind: str) -> dict[int, list[Span]]:
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
-    ("pipelined_relay", "mode"),
-    [(False, SyncMode.SYNC), (True, SyncMode.SYNC), (False, SyncMode.STAGED)],
-    ids=["p2r_then_r2r", "pipelined", "staged"],
+    ("pipelined_relay", "mode", "lora"),
+    [
+        (False, SyncMode.SYNC, False),
+        (True, SyncMode.SYNC, False),
+        (False, SyncMode.STAGED, False),
+        (False, SyncMode.SYNC, True),
+    ],
+    ids=["p2r_then_r2r", "pipelined", "staged", "lora"],
 )
 def test_the_default_demo_is_clean_bit_identical_and_loses_no_payload(
-    pipelined_relay: bool, mode: SyncMode
+    pipelined_relay: bool, mode: SyncMode, lora: bool
 ) -> None:
     timeline = Timeline()
     steps = 6
@@ -67,6 +72,7 @@ def test_the_default_demo_is_clean_bit_identical_and_loses_no_payload(
         checksums=True,
         pipelined_relay=pipelined_relay,
         mode=mode,
+        lora=lora,
         min_new_tokens=2,
         max_new_tokens=12,
         **_FAST,
@@ -111,9 +117,13 @@ def test_the_default_demo_is_clean_bit_identical_and_loses_no_payload(
     assert report["sync_mode"] == mode.value
     assert 0 < report["stall_ms_p50"] <= report["stall_ms_p99"]
     assert report["version_skew_ms_max"] >= 0 and report["sync_window_tokens_ratio"] >= 0
-    if mode is SyncMode.STAGED:
-        # The pause covers the install alone, not the wire.
+    if mode is SyncMode.STAGED or lora:
+        # The pause covers the install alone, not the wire (an adapter is always staged).
         assert report["stall_ms_p50"] < report["sync_ms_p50"] / 4
+    if lora:
+        # Only the adapter moved: a fraction of the model, every version of it checked above.
+        assert report["lora"] and 0 < report["adapter_mb"] < report["model_mb"] / 4
+        assert report["bytes_per_sync"] == report["adapter_mb"] * 1e6
     assert report["syncs"] == (3 if pipelined_relay else 4) * steps
     # The trainer's metric, and the rollout side's phases.
     assert report["weight_sync_time_ms_p50"] > 0

@@ -18,6 +18,7 @@ from rollout_sync.backends.torch_lm import (
     TorchLMBackend,
     tiny_lm_weights,
 )
+from rollout_sync.lora import LoRAConfig
 from rollout_sync.testing import InProcessWorker
 
 
@@ -143,3 +144,23 @@ class Runner:
         if self.error is not None:
             raise self.error
         return self.result
+
+
+def greedy_lora_continuation(
+    config: TinyLMConfig,
+    weights: Mapping[str, torch.Tensor],
+    lora: LoRAConfig,
+    adapter: Mapping[str, torch.Tensor],
+    context: Sequence[int],
+    n: int,
+) -> tuple[int, ...]:
+    """What ``weights`` with the LoRA ``adapter`` (of ``lora``) generate greedily from
+    ``context``: a fresh engine, nothing shared."""
+    reference = TorchLMBackend(config)
+    reference.load_weights(weights)
+    reference.add_adapter("reference", lora)
+    reference.load_adapter("reference", adapter)
+    reference.commit_adapter_version("reference", 1)
+    (result,) = reference.generate([list(context)], max_new_tokens=n, adapter="reference")
+    assert result.ok, result.error
+    return result.tokens

@@ -107,6 +107,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "none",
     )
     demo.add_argument(
+        "--lora",
+        action="store_true",
+        help="the trainer trains a LoRA adapter on the replicas' base model: every step ships "
+        "only the adapter (into its slot, under the guard), and half the generations use it; "
+        "the report adds adapter_mb and bytes_per_sync (torch_lm and vllm)",
+    )
+    demo.add_argument(
         "--model-mb",
         type=float,
         default=8.0,
@@ -271,6 +278,7 @@ def _distributed_config(args: argparse.Namespace, mode: SyncMode) -> Distributed
         bucket_bytes=max(64, int(args.bucket_mb * (1 << 20))),
         checksums=args.checksums,
         pipelined_relay=args.pipelined_relay,
+        lora=args.lora,
         # Every pause, hold and collective is bounded by this; the first sync starts the
         # engines, so an engine that is slow to start gets its allowance.
         timeout_s=DistributedDemoConfig.timeout_s + start_s,
@@ -284,7 +292,7 @@ def _distributed_config(args: argparse.Namespace, mode: SyncMode) -> Distributed
     except ValueError as exc:
         if config.sharded:
             raise SystemExit(f"{exc} (--trainer-ranks, --tp)") from None
-        raise SystemExit(f"{exc} (--replicas, --steps, --backend, --mode)") from None
+        raise SystemExit(f"{exc} (--replicas, --steps, --backend, --mode, --lora)") from None
     return config
 
 
@@ -489,6 +497,11 @@ def _run_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
         mode = SyncMode.STAGED
     if mode is SyncMode.STAGED and args.in_process:
         raise SystemExit("--staged (--mode staged) runs the multi-process demo: drop --in-process")
+    if args.lora and (args.in_process or args.trainer != "default"):
+        raise SystemExit(
+            "--lora runs the multi-process demo with this package's trainer: drop "
+            + ("--in-process" if args.in_process else f"--trainer {args.trainer}")
+        )
     if args.launcher != "local" and (args.in_process or args.backend == "vllm"):
         raise SystemExit(
             f"--launcher {args.launcher} places the multi-process demo's processes; it does not "

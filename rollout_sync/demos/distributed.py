@@ -64,7 +64,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..backends.torch_lm import TinyCausalLM, TorchLMStreamBackend
+from ..backends.torch_lm import TinyCausalLM, TorchLMStreamBackend, tiny_lm_lora_shapes
 from ..backends.torch_lm.tensor_parallel import TensorParallel
 from ..distributed import new_group
 from ..errors import PayloadTimeout, ShutdownTimeout
@@ -76,6 +76,7 @@ from ..launch import (
     results_on_trainer,
     torchrun_context,
 )
+from ..lora import LoRAConfig, require_adapter
 from ..metrics import percentile
 from ..payload import (
     PayloadGroups,
@@ -124,6 +125,7 @@ from ..worker import (
 )
 from . import vllm_replicas as _vllm_replicas  # noqa: F401  (registers --backend vllm)
 from .job import (
+    DEMO_ADAPTER,
     DEMO_BACKENDS,
     DemoBackend,
     DemoEngine,
@@ -131,6 +133,7 @@ from .job import (
     drift_each_step,
     drift_shards_each_step,
     register_demo_backend,
+    trainer_adapter,
 )
 from .sharded import (
     check_sharded_config,
@@ -256,6 +259,8 @@ class _StreamingLM(TorchLMStreamBackend):
             prompt,
             max_new_tokens=rng.randint(cfg.min_new_tokens, cfg.max_new_tokens),
             sampling=SamplingParams(temperature=1.0, seed=rng.getrandbits(32)),
+            # --lora: every other generation on the adapter the trainer trains.
+            adapter=DEMO_ADAPTER if cfg.lora and rng.random() < 0.5 else None,
         )
 
     def _ship(self, results: Sequence[GenerationResult], timeout: float) -> None:
@@ -296,6 +301,9 @@ def _torch_lm_engine(
     engine = _StreamingLM(
         config, timeline, sender, seed=config.seed * 1009 + dist.get_rank(), tp=tp
     )
+    if config.lora:
+        lora, _ = _torch_lm_adapter(config)
+        engine.add_adapter(DEMO_ADAPTER, lora)
 
     def counters() -> dict[str, int]:
         stats = engine.statistics()
@@ -402,8 +410,21 @@ def _torn_read_trainer(
     return weights, advance
 
 
+def _torch_lm_adapter(
+    config: DistributedDemoConfig,
+) -> tuple[LoRAConfig, dict[str, tuple[int, int]]]:
+    """``--lora``: an adapter on every linear layer of the tiny LM's blocks."""
+    shapes = tiny_lm_lora_shapes(config.model)
+    rank = config.lora_rank
+    return LoRAConfig(rank, 2.0 * rank, tuple(shapes), config.model.dtype), shapes
+
+
 register_demo_backend(
-    "torch_lm", _torch_lm_engine, _torch_lm_trainer, modes=(SyncMode.SYNC, SyncMode.STAGED)
+    "torch_lm",
+    _torch_lm_engine,
+    _torch_lm_trainer,
+    modes=(SyncMode.SYNC, SyncMode.STAGED),
+    adapter=_torch_lm_adapter,
 )
 register_demo_backend("torn_read", _torn_read_engine, _torn_read_trainer, modes=SyncMode)
 
@@ -514,6 +535,9 @@ def _trainer(
     timeline: Timeline,
 ) -> dict[str, Any]:
     weights, advance = DEMO_BACKENDS[config.backend].trainer_model(config)
+    base_nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+    if config.lora:  # the replicas serve their own base model: only the adapter moves
+        weights, advance = trainer_adapter(config)
     transfer = groups.p2r_transfer(config=_transfer_config(config), timeline=timeline)
     assert transfer is not None  # the trainer is the P2R source
     receiver = PayloadReceiver(
@@ -530,7 +554,8 @@ def _trainer(
     channel = WorkerCommandChannel.for_groups(
         groups, queues, pipelined_relay=config.pipelined_relay
     )
-    return _train(config, weights, advance, pusher, channel, receiver, timeline)
+    report = _train(config, weights, advance, pusher, channel, receiver, timeline)
+    return {**report, "base_nbytes": base_nbytes}
 
 
 def _train(
@@ -553,6 +578,7 @@ def _train(
         timeout=config.timeout_s,
         sync_on_run_begin=False,
         report_every_step=True,
+        adapter=DEMO_ADAPTER if config.lora else None,
     )
     callbacks = TrainerCallbacks([broadcast])
     rollouts = _Rollouts()
@@ -650,7 +676,9 @@ def _replica(
         finally:
             # Every payload registered is sent before the goodbye.
             sender.close(config.timeout_s)
-        return _replica_report(rank, worker, engine, sender, results, digests, timeline)
+        return _replica_report(
+            rank, worker, engine, sender, results, digests, timeline, lora=config.lora
+        )
     finally:
         if engine is not None:
             engine.close()
@@ -664,14 +692,24 @@ def _replica_report(
     results: Sequence[CommandResult],
     digests: Mapping[int, str],
     timeline: Timeline,
+    *,
+    lora: bool = False,
 ) -> dict[str, Any]:
+    """One replica's part of the report; ``lora``: its weights are the demo's adapter."""
     sent = sender.statistics() if sender is not None else None
+    if lora:
+        served = require_adapter(worker.rollout, DEMO_ADAPTER)
+        final_digest = weights_digest(served.served_adapter(DEMO_ADAPTER))
+        final_version = served.adapter_version(DEMO_ADAPTER)
+    else:
+        final_digest = weights_digest(_received_weights(worker))
+        final_version = worker.rollout.weight_version
     return {
         "role": "replica",
         "rank": rank,
         "digests": digests,
-        "final_digest": weights_digest(_received_weights(worker)),
-        "final_version": worker.rollout.weight_version,
+        "final_digest": final_digest,
+        "final_version": final_version,
         "weights_torn": worker.rollout.weights_torn,
         "counters": engine.counters(),
         "superseded": (
@@ -882,7 +920,8 @@ def check_demo_config(config: DistributedDemoConfig) -> None:
 
     Raises:
         KeyError: ``config.backend`` is not a registered demo backend.
-        ValueError: no replica or step, or a sync mode the backend does not support; sharded
+        ValueError: no replica or step, or a sync mode the backend does not support; ``lora``
+            on an engine that serves no adapter, sharded or in an async mode; sharded
             (:func:`~rollout_sync.demos.sharded.check_sharded_config`): ``trainer_ranks`` or
             ``tp`` below 1, an engine other than torch_lm or a mode other than sync, a ``tp``
             that does not divide the model.
@@ -898,6 +937,14 @@ def check_demo_config(config: DistributedDemoConfig) -> None:
             f"demo backend {config.backend!r} runs the sync modes "
             f"{sorted(m.value for m in modes)}, not {config.mode.value!r}"
         )
+    if config.lora:
+        if DEMO_BACKENDS[config.backend].adapter is None:
+            lora_engines = sorted(n for n, b in DEMO_BACKENDS.items() if b.adapter is not None)
+            raise ValueError(
+                f"demo backend {config.backend!r} serves no LoRA adapter (lora: {lora_engines})"
+            )
+        if config.sharded or config.mode.is_async:
+            raise ValueError("the LoRA demo runs the plain job in sync or staged mode")
 
 
 def park_steps(park_ms: float, decode_step_ms: float) -> float:
@@ -1071,7 +1118,7 @@ def _plain_checks(trainer: dict[str, Any], replicas: list[dict[str, Any]]) -> _C
         final_identical=all(rep["final_digest"] == trainer["final_digest"] for rep in replicas),
         final_versions=[rep["final_version"] for rep in replicas],
         syncs=sum(rep["syncs"] for rep in replicas),
-        model_nbytes=trainer["nbytes"],
+        model_nbytes=trainer.get("base_nbytes", trainer["nbytes"]),
         p2r_rates=[_rate([t]) for t in trainer["transfers"]],
         r2r_rates=[_rate([t]) for t in r2r] if len(replicas) > 1 else [],
     )
@@ -1212,6 +1259,7 @@ def _report(
         "sync_mode": config.mode.value,
         "backend": config.backend,
         "guarded": config.guarded,
+        "lora": config.lora,
         "replicas": config.replicas,
         "trainer_ranks": config.trainer_ranks,
         "tp": config.tp,
@@ -1257,6 +1305,8 @@ def _report(
         "weight_sync_time_ms_p50": percentile(sync_ms, 50),
         "weight_sync_time_ms_p99": percentile(sync_ms, 99),
         "model_mb": checks.model_nbytes / 1e6,
+        "bytes_per_sync": percentile([t["nbytes"] for t in trainer["transfers"]], 50),
+        **({"adapter_mb": trainer["nbytes"] / 1e6} if config.lora else {}),
         "transfer_mb_per_s": percentile(checks.p2r_rates + checks.r2r_rates, 50),
         "p2r_mb_per_s": percentile(checks.p2r_rates, 50),
         "r2r_mb_per_s": percentile(checks.r2r_rates, 50),

@@ -17,12 +17,15 @@ import torch
 from ..backend import RolloutBase
 from ..backends.torch_lm import TinyLMConfig
 from ..guard import SyncMode
+from ..lora import ALPHA_KEY, LoRAConfig, random_adapter
 from ..payload import PayloadSender
 from ..trace import Timeline
 from ..transfer.layout import Layout, region_of
 
 __all__ = [
+    "DEMO_ADAPTER",
     "DEMO_BACKENDS",
+    "AdapterModel",
     "DemoBackend",
     "DemoEngine",
     "DistributedDemoConfig",
@@ -31,6 +34,7 @@ __all__ = [
     "drift_each_step",
     "drift_shards_each_step",
     "register_demo_backend",
+    "trainer_adapter",
 ]
 
 
@@ -77,6 +81,13 @@ class DistributedDemoConfig:
     check_every_step: bool = True
     """Compare every version every replica received with the trainer's (a digest each)."""
     seed: int = 0
+    lora: bool = False
+    """The trainer trains a LoRA adapter (:data:`DEMO_ADAPTER`) on the replicas' own base
+    model: every step ships only the adapter, which the replicas receive into its slot
+    (``P2R(adapter=...)``), and half the generations run on it. Needs an engine registered
+    with an ``adapter`` model."""
+    lora_rank: int = 8
+    """``lora``: the adapter's rank (its alpha is twice the rank)."""
 
     @property
     def sharded(self) -> bool:
@@ -107,6 +118,12 @@ TrainerModel = Callable[
 """The trainer's weights (named like the engine's served tensors) and ``advance(step)``, which
 moves them in place to the version of that step."""
 
+AdapterModel = Callable[[DistributedDemoConfig], tuple[LoRAConfig, dict[str, tuple[int, int]]]]
+"""``--lora``: the adapter's manifest on this engine and the (in, out) of its target modules."""
+
+DEMO_ADAPTER = "policy"
+"""The name of the adapter the ``--lora`` demo trains and serves."""
+
 
 @dataclass(frozen=True)
 class DemoBackend:
@@ -121,6 +138,8 @@ class DemoBackend:
     limit, and to the ``timeout_s`` the command line gives the run."""
     starts_processes: bool = False
     """The engine starts processes of its own: the replicas must not be daemonic."""
+    adapter: AdapterModel | None = None
+    """``--lora``: what adapter the engine serves (``None``: it serves none)."""
 
 
 DEMO_BACKENDS: dict[str, DemoBackend] = {}
@@ -135,16 +154,31 @@ def register_demo_backend(
     modes: Iterable[SyncMode] = (SyncMode.SYNC,),
     start_s: float = 0.0,
     starts_processes: bool = False,
+    adapter: AdapterModel | None = None,
 ) -> None:
     """Make an engine available as ``--backend name``.
 
     Register at import time of a module that the demo imports, since the processes are
-    spawned and look the backend up by name. ``start_s`` and ``starts_processes``: see
-    :class:`DemoBackend`.
+    spawned and look the backend up by name. ``start_s``, ``starts_processes`` and
+    ``adapter``: see :class:`DemoBackend`.
     """
     DEMO_BACKENDS[name] = DemoBackend(
-        engine, trainer_model, frozenset(modes), start_s, starts_processes
+        engine, trainer_model, frozenset(modes), start_s, starts_processes, adapter
     )
+
+
+def trainer_adapter(
+    config: DistributedDemoConfig,
+) -> tuple[dict[str, torch.Tensor], Callable[[int], None]]:
+    """``--lora``: the trainer's adapter on the engine's target modules (drawn from the
+    config's seed) and an ``advance`` that moves its ``A`` and ``B`` every step (alpha stays)."""
+    adapter_model = DEMO_BACKENDS[config.backend].adapter
+    if adapter_model is None:
+        raise ValueError(f"demo backend {config.backend!r} serves no LoRA adapter")
+    lora, shapes = adapter_model(config)
+    weights = random_adapter(lora, shapes, seed=config.seed + 3)
+    trained = {n: t for n, t in weights.items() if n != ALPHA_KEY}
+    return weights, drift_each_step(trained, seed=config.seed + 4)
 
 
 def drift_each_step(weights: Mapping[str, torch.Tensor], *, seed: int) -> Callable[[int], None]:

@@ -24,6 +24,13 @@ versions: it is counted in ``torn_forwards``. With a :class:`~rollout_sync.Timel
 decode step is a ``forward`` span and each write a ``weight_write`` span, so
 :meth:`~rollout_sync.Timeline.overlaps` checks the same thing from the timeline.
 
+**LoRA adapters** (:class:`~rollout_sync.lora.SupportsLoRA`): the engine serves named adapters,
+each in a slot of its own (:mod:`~rollout_sync.backends.torch_lm.lora`), per request
+(``GenerationRequest.adapter``): in a batched step each row adds its own adapter's delta to the
+targeted linear layers, or none. A write to one adapter is torn-read counted and
+cache-invalidated for the sequences on that adapter only (a per-adapter epoch under the same KV
+policy); each result says which adapter version produced each token.
+
 Deterministic: the weights come from a seed (:func:`tiny_lm_weights`), and sampling draws from a
 per-sequence generator seeded from the request, whatever the batch it runs in.
 """
@@ -43,9 +50,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...backend import KVCachePolicy, RolloutBase
-from ...errors import CollectiveError, ShutdownTimeout
+from ...errors import CollectiveError, ShutdownTimeout, TornWeightsError
 from ...flat import FlatWeights
 from ...gate import Gate
+from ...lora import LoRAConfig
 from ...scheduler import (
     GenerationRequest,
     GenerationResult,
@@ -58,6 +66,7 @@ from ...trace import SpanKind, Timeline
 from ...transfer import Layout
 from ...weights import check_weights_match, specs_of
 from .lockstep import Lockstep, StepPlan
+from .lora import AdapterSlot, LoRABatch, tiny_lm_lora_shapes
 from .tensor_parallel import TensorParallel, tiny_lm_layout
 
 __all__ = [
@@ -67,6 +76,7 @@ __all__ = [
     "TorchLMBackend",
     "TorchLMStatistics",
     "TorchLMStreamBackend",
+    "tiny_lm_lora_shapes",
     "tiny_lm_tp_layout",
     "tiny_lm_weights",
 ]
@@ -113,13 +123,17 @@ class TinyLMConfig:
 
 class _Block(nn.Module):
     """Pre-norm self-attention (reading a KV cache) and MLP; with ``tp``, this rank's heads
-    and MLP rows (module docstring of :mod:`~rollout_sync.backends.torch_lm.tensor_parallel`)."""
+    and MLP rows (module docstring of :mod:`~rollout_sync.backends.torch_lm.tensor_parallel`).
+    ``prefix`` is its path in the model (``"blocks.0"``), which LoRA targets name."""
 
-    def __init__(self, config: TinyLMConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self, config: TinyLMConfig, tp: TensorParallel | None = None, prefix: str = ""
+    ) -> None:
         super().__init__()
         d, dtype = config.d_model, config.dtype
         parts = 1 if tp is None else tp.size
         self.tp = tp
+        self.prefix = prefix
         self.n_heads = config.n_heads // parts
         self.width = d // parts
         """This rank's share of the attention's width (its heads)."""
@@ -131,18 +145,41 @@ class _Block(nn.Module):
         self.fc2 = nn.Linear(config.d_ff // parts, d, dtype=dtype)
 
     def forward(
-        self, x: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor, mask: torch.Tensor
+        self,
+        x: torch.Tensor,
+        past_k: torch.Tensor,
+        past_v: torch.Tensor,
+        mask: torch.Tensor,
+        lora: LoRABatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, p, _ = x.shape
         h, w = self.n_heads, self.width
-        q, k, v = self.qkv(self.ln1(x)).split(w, dim=-1)
+        q, k, v = self._adapt("qkv", self.qkv, self.ln1(x), lora).split(w, dim=-1)
         q, k, v = (t.view(b, p, h, w // h).transpose(1, 2) for t in (q, k, v))
         attn = F.scaled_dot_product_attention(
             q, torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2), attn_mask=mask
         )
-        x = x + self._row_parallel(self.proj, attn.transpose(1, 2).reshape(b, p, w), "proj")
-        x = x + self._row_parallel(self.fc2, F.gelu(self.fc1(self.ln2(x))), "fc2")
+        x = x + self._adapt("proj", self.proj, attn.transpose(1, 2).reshape(b, p, w), lora, True)
+        hidden = F.gelu(self._adapt("fc1", self.fc1, self.ln2(x), lora))
+        x = x + self._adapt("fc2", self.fc2, hidden, lora, True)
         return x, k, v
+
+    def _adapt(
+        self,
+        name: str,
+        linear: nn.Linear,
+        x: torch.Tensor,
+        lora: LoRABatch | None,
+        row_parallel: bool = False,
+    ) -> torch.Tensor:
+        """Linear layer ``name`` on ``x``, plus the delta of each row's adapter."""
+        if row_parallel:
+            out = self._row_parallel(linear, x, name)
+        else:
+            out = linear(x)
+        if lora is not None:
+            out = lora.apply(f"{self.prefix}.{name}", x, out)
+        return out
 
     def _row_parallel(self, linear: nn.Linear, x: torch.Tensor, what: str) -> torch.Tensor:
         if self.tp is None:
@@ -164,7 +201,9 @@ class TinyCausalLM(nn.Module):
         self.tp = tp
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model, dtype=dtype)
         self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model, dtype=dtype)
-        self.blocks = nn.ModuleList(_Block(config, tp) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(
+            _Block(config, tp, f"blocks.{i}") for i in range(config.n_layers)
+        )
         self.ln_f = nn.LayerNorm(config.d_model, dtype=dtype)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False, dtype=dtype)
 
@@ -222,6 +261,7 @@ class TinyCausalLM(nn.Module):
         past_mask: torch.Tensor,
         new_mask: torch.Tensor,
         on_layer: LayerHook | None = None,
+        lora: LoRABatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One batched step over the new tokens of each sequence.
 
@@ -232,6 +272,7 @@ class TinyCausalLM(nn.Module):
             new_mask: ``[B, P]`` which new tokens are real.
             on_layer: called with ``i`` before block ``i``, and with ``n_layers`` before the
                 head.
+            lora: which rows read which LoRA adapter (``None``: every row on the base model).
 
         Returns:
             ``(logits [B, P, V], new_k, new_v [n_layers, B, H, P, Dh])``.
@@ -247,7 +288,7 @@ class TinyCausalLM(nn.Module):
         for i, block in enumerate(self.blocks):
             if on_layer is not None:
                 on_layer(i)
-            x, k, v = block(x, past_k[i], past_v[i], mask)
+            x, k, v = block(x, past_k[i], past_v[i], mask, lora)
             new_k.append(k)
             new_v.append(v)
         if on_layer is not None:
@@ -285,9 +326,11 @@ def tiny_lm_tp_layout(config: TinyLMConfig, tp: int) -> Layout:
 
 
 class _KVState:
-    """A sequence's cache: preallocated to ``max_seq_len``, ``length`` entries valid."""
+    """A sequence's cache: preallocated to ``max_seq_len``, ``length`` entries valid, computed
+    under the weights of ``epoch`` and (a sequence on an adapter) the adapter's
+    ``adapter_epoch``."""
 
-    __slots__ = ("epoch", "generator", "k", "length", "stale", "v")
+    __slots__ = ("adapter_epoch", "epoch", "generator", "k", "length", "stale", "v")
 
     def __init__(self, config: TinyLMConfig, epoch: int, heads: int) -> None:
         shape = (config.n_layers, heads, config.max_seq_len, config.head_dim)
@@ -295,6 +338,7 @@ class _KVState:
         self.v = torch.zeros(shape, dtype=config.dtype, device=config.device)
         self.length = 0
         self.epoch = epoch
+        self.adapter_epoch = 0
         self.stale = False
         self.generator: torch.Generator | None = None
 
@@ -319,10 +363,16 @@ class TorchLMStatistics:
     tp_error: str | None = None
     """A streaming tensor-parallel follower: what stopped it following its leader (it is then
     torn, and its replica must be restarted); ``None`` otherwise."""
+    adapter_writes: int = 0
+    """Writes into LoRA adapter slots (:meth:`TorchLMBackend.load_adapter`)."""
 
 
 class TorchLMBackend(RolloutBase):
     """The tiny torch LM as a rollout backend; blocking :meth:`generate` on the caller's thread.
+
+    It serves LoRA adapters per request (:class:`~rollout_sync.lora.SupportsLoRA`: a
+    ``RolloutWorker`` syncs them with ``P2R(adapter=name)``), on every block's ``qkv``,
+    ``proj``, ``fc1`` and ``fc2`` (:func:`tiny_lm_lora_shapes`); not with ``tp`` > 1.
 
     Every decode step is a section of :attr:`generation_gate`, and :meth:`paused` closes it, so
     a weight write inside ``paused()`` never meets a forward, from whichever thread
@@ -393,6 +443,9 @@ class TorchLMBackend(RolloutBase):
         self._torn_forwards = 0
         self._tokens_processed = 0
         self._recomputed_tokens = 0
+        self._adapters: dict[str, AdapterSlot] = {}
+        """Replaced whole under the write lock when an adapter is added, so readers need none."""
+        self._adapter_writes = 0
         self._announce: Callable[[StepPlan], None] | None = None
         """A tensor-parallel leader's announcement of each step (the stream backend's)."""
         self._mirrored: dict[int, _KVState] = {}
@@ -507,8 +560,127 @@ class TorchLMBackend(RolloutBase):
 
     @property
     def weights_epoch(self) -> int:
-        """Changes whenever the served weights may have changed; not a count of syncs."""
+        """Changes whenever the served weights may have changed; not a count of syncs.
+        Adapter writes do not move it (each adapter has an epoch of its own)."""
         return self._weights_epoch
+
+    # -- LoRA adapters (rollout_sync.lora.SupportsLoRA) ----------------------------------------
+
+    def adapter_names(self) -> list[str]:
+        """The adapters served now, in the order they were added."""
+        return list(self._adapters)
+
+    def add_adapter(self, name: str, config: LoRAConfig) -> None:
+        """Give adapter ``name`` a slot of zeros at version 0: requests on it produce the base
+        model's tokens until a version lands. No request can use it yet, so it needs no pause;
+        it may be added before the engine is built.
+
+        Raises:
+            ValueError: ``name`` is empty or served already; a target module of ``config`` is
+                not a linear layer of the model (:func:`tiny_lm_lora_shapes` names them); the
+                engine is tensor-parallel (``tp`` > 1: adapters are not served there).
+        """
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"an adapter's name must be a non-empty string, got {name!r}")
+        if self.tp_size > 1:
+            raise ValueError(
+                f"{type(self).__name__} does not serve LoRA adapters with tensor parallelism "
+                f"(this replica has tp={self.tp_size}): serve adapter {name!r} on a replica "
+                "with tp=1"
+            )
+        slot = AdapterSlot(config, tiny_lm_lora_shapes(self.config), self.config.device)
+        with self._write_lock:
+            if name in self._adapters:
+                raise ValueError(
+                    f"adapter {name!r} is served already (serving {list(self._adapters)}); "
+                    "sync a new version of it instead (P2R(adapter=name))"
+                )
+            self._adapters = {**self._adapters, name: slot}
+
+    def adapter_config(self, name: str) -> LoRAConfig:
+        """The manifest of adapter ``name``. Raises KeyError for an unknown name."""
+        return self._slot(name).config
+
+    def served_adapter(self, name: str) -> Mapping[str, torch.Tensor]:
+        """The tensors requests on adapter ``name`` read (names as
+        :func:`~rollout_sync.lora.adapter_specs` gives them). Writing them directly is an
+        in-place sync: do it inside :meth:`paused`, then :meth:`commit_adapter_version`.
+        Raises KeyError for an unknown name."""
+        return self._slot(name).tensors
+
+    def load_adapter(self, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Validate ``tensors`` as adapter ``name``'s whole set, then copy them into its slot.
+
+        Call inside :meth:`paused` (the worker's install does). The write is bracketed by the
+        slot's torn-read counter (a forward on the adapter that it lands in is counted in
+        ``torn_forwards``), recorded as a ``weight_write`` span and moves the adapter's epoch:
+        sequences on it are handled by the KV policy at their next step; no other sequence is.
+
+        Raises:
+            KeyError: no adapter ``name`` is served.
+            WeightMismatchError: a module is missing or unknown, or a rank, shape or dtype does
+                not fit; nothing was written.
+            Whatever the copy raises part-way: the adapter and the engine's weights are then
+                marked torn (the engine refuses to generate until a complete version of the
+                adapter, or of the weights, commits).
+        """
+        slot = self._slot(name)
+        slot.config.check(tensors, tiny_lm_lora_shapes(self.config), context=f"adapter {name!r}")
+        start = time.monotonic_ns()
+        with self._write_lock:
+            slot.seq += 1
+            try:
+                with torch.no_grad():
+                    for tensor_name, tensor in tensors.items():
+                        target = slot.tensors[tensor_name]
+                        if tensor.data_ptr() != target.data_ptr():
+                            target.copy_(tensor)
+            except BaseException as exc:
+                slot.torn = f"load_adapter({name!r}) failed part-way: {type(exc).__name__}: {exc}"
+                self.mark_weights_torn(slot.torn)
+                raise
+            finally:
+                slot.seq += 1
+                slot.epoch += 1
+                self._adapter_writes += 1
+        if self.timeline is not None:
+            self.timeline.add_span(
+                SpanKind.WEIGHT_WRITE,
+                f"{self.name} load_adapter {name}",
+                start,
+                tensors=len(tensors),
+                adapter=name,
+                epoch=slot.epoch,
+            )
+
+    def adapter_version(self, name: str) -> int:
+        """The version of adapter ``name`` served now (0 before any landed). Raises KeyError
+        for an unknown name."""
+        return self._slot(name).version
+
+    def commit_adapter_version(self, name: str, version: int) -> None:
+        """Record that a complete ``version`` of adapter ``name`` landed. It moves the
+        adapter's epoch too (a transfer that wrote :meth:`served_adapter` directly still
+        invalidates the caches of sequences on it) and clears a tear this adapter's own
+        :meth:`load_adapter` made. Raises KeyError for an unknown name."""
+        slot = self._slot(name)
+        with self._write_lock:
+            slot.epoch += 1
+            slot.version = version
+            tear, slot.torn = slot.torn, None
+            if tear is not None and self._torn_reason == tear:
+                # The engine is torn by this adapter alone: the base's commit (of the version
+                # served) clears it; any other tear stays until a complete weight sync.
+                RolloutBase.commit_weight_version(self, self.weight_version)
+
+    def _slot(self, name: str) -> AdapterSlot:
+        slot = self._adapters.get(name)
+        if slot is None:
+            raise KeyError(
+                f"{type(self).__name__} serves no adapter {name!r} (serving "
+                f"{list(self._adapters)}); add it first: add_adapter(name, config)"
+            )
+        return slot
 
     # -- decoding ------------------------------------------------------------------------------
 
@@ -538,6 +710,18 @@ class TorchLMBackend(RolloutBase):
         bad_stop = [t for t in request.stop_token_ids if not 0 <= t < cfg.vocab_size]
         if bad_stop:
             problems.append(f"stop_token_ids {bad_stop[:8]} are outside the vocabulary")
+        if request.adapter is not None:
+            slot = self._adapters.get(request.adapter)
+            if slot is None:
+                problems.append(
+                    f"adapter {request.adapter!r} is not served (serving "
+                    f"{list(self._adapters)}; add it first: add_adapter(name, config))"
+                )
+            elif slot.torn is not None:
+                problems.append(
+                    f"adapter {request.adapter!r} is torn ({slot.torn}); a complete version of "
+                    "it must land first"
+                )
         if problems:
             raise ValueError(
                 f"{type(self).__name__} cannot serve this request: " + "; ".join(problems)
@@ -557,12 +741,30 @@ class TorchLMBackend(RolloutBase):
         self.check_servable()
         self.ensure_initialized()
         cfg = self.config
-        live = [s for s in sequences if not s.finished]
+        adapters = self._adapters
+        live: list[SequenceState] = []
+        slots: list[AdapterSlot | None] = []
+        for seq in sequences:
+            if seq.finished:
+                continue
+            slot = None if seq.request.adapter is None else adapters.get(seq.request.adapter)
+            if seq.request.adapter is not None and (slot is None or slot.torn is not None):
+                seq.fail(
+                    TornWeightsError(
+                        f"adapter {seq.request.adapter!r} is "
+                        + ("not served" if slot is None else f"torn ({slot.torn})")
+                    )
+                )
+                continue
+            live.append(seq)
+            slots.append(slot)
         if not live:
             return
         epoch = self._weights_epoch
         version = self.weight_version
-        caches = [self._cache_for(s, epoch) for s in live]
+        adapter_versions = [None if slot is None else slot.version for slot in slots]
+        caches = [self._cache_for(s, epoch, slot) for s, slot in zip(live, slots, strict=True)]
+        lora = self._lora_batch(live, slots)
         pending = [s.context()[kv.length :] for s, kv in zip(live, caches, strict=True)]
 
         batch = len(live)
@@ -584,7 +786,7 @@ class TorchLMBackend(RolloutBase):
             except CollectiveError as exc:
                 self._lockstep_broken(exc)
                 raise
-        logits, new_k, new_v = self._forward(caches, tokens, positions, new_mask, epoch)
+        logits, new_k, new_v = self._forward(caches, tokens, positions, new_mask, epoch, lora)
 
         last = torch.tensor([len(p) - 1 for p in pending], device=device)
         next_logits = logits[torch.arange(batch, device=device), last]
@@ -597,7 +799,7 @@ class TorchLMBackend(RolloutBase):
             self._append(kv, new_k, new_v, b, len(pending[b]))
             if kv.stale:
                 seq.stale_cache_tokens += 1
-            seq.append_token(token, logprob, version)
+            seq.append_token(token, logprob, version, adapter_versions[b])
             if seq.finished:
                 seq.engine_state = None
 
@@ -608,9 +810,11 @@ class TorchLMBackend(RolloutBase):
         positions: torch.Tensor,
         new_mask: torch.Tensor,
         epoch: int,
+        lora: LoRABatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One batched forward over the new ``tokens`` of sequences with these ``caches``,
-        torn-read counted and recorded; returns ``(logits, new_k, new_v)``."""
+        """One batched forward over the new ``tokens`` of sequences with these ``caches`` (and
+        rows on the adapters of ``lora``), torn-read counted and recorded; returns
+        ``(logits, new_k, new_v)``."""
         model = self.model
         device = self.config.device
         batch = tokens.shape[0]
@@ -620,11 +824,15 @@ class TorchLMBackend(RolloutBase):
         past_k = torch.stack([kv.k[:, :, :past] for kv in caches], dim=1)
         past_v = torch.stack([kv.v[:, :, :past] for kv in caches], dim=1)
 
-        seen = [self._write_seq]
+        # The seqlocks this forward reads under: the weights', and each adapter slot's it reads.
+        def sample() -> tuple[int, ...]:
+            return (self._write_seq,) if lora is None else (self._write_seq, *lora.seqs())
+
+        seen = [sample()]
         hook = self.layer_hook
 
         def on_layer(index: int) -> None:
-            seen.append(self._write_seq)
+            seen.append(sample())
             if hook is not None:
                 hook(index)
 
@@ -639,12 +847,13 @@ class TorchLMBackend(RolloutBase):
                     past_mask.to(device),
                     new_mask.to(device),
                     on_layer,
+                    lora,
                 )
         except CollectiveError as exc:  # a tensor-parallel peer died or left the lockstep
             self._lockstep_broken(exc)
             raise
-        seen.append(self._write_seq)
-        torn = any(s % 2 for s in seen) or len(set(seen)) > 1
+        seen.append(sample())
+        torn = any(s % 2 for sampled in seen for s in sampled) or len(set(seen)) > 1
         n_tokens = int(new_mask.sum())
         self._forwards += 1
         self._torn_forwards += torn
@@ -718,7 +927,25 @@ class TorchLMBackend(RolloutBase):
         for b, kv in enumerate(batch):
             self._append(kv, new_k, new_v, b, int(plan.new_mask[b].sum()))
 
-    def _cache_for(self, seq: SequenceState, epoch: int) -> _KVState:
+    def _lora_batch(
+        self, live: Sequence[SequenceState], slots: Sequence[AdapterSlot | None]
+    ) -> LoRABatch | None:
+        """The rows of each adapter in this batch (``None``: all on the base model)."""
+        rows: dict[str, list[int]] = {}
+        by_name: dict[str, AdapterSlot] = {}
+        for b, (seq, slot) in enumerate(zip(live, slots, strict=True)):
+            if slot is not None and seq.request.adapter is not None:
+                rows.setdefault(seq.request.adapter, []).append(b)
+                by_name[seq.request.adapter] = slot
+        if not rows:
+            return None
+        return LoRABatch([(r, by_name[n]) for n, r in rows.items()], self.config.device)
+
+    def _cache_for(
+        self, seq: SequenceState, epoch: int, slot: AdapterSlot | None = None
+    ) -> _KVState:
+        """``seq``'s cache, made current: computed under older weights (``epoch``) or an older
+        write of its adapter (``slot``), it is dropped or marked stale by the KV policy."""
         kv = seq.engine_state
         if kv is None:
             kv = _KVState(self.config, epoch, self.config.n_heads // self.tp_size)
@@ -728,7 +955,10 @@ class TorchLMBackend(RolloutBase):
                 f"request {seq.request_id} carries engine state of another engine "
                 f"({type(kv).__name__})"
             )
-        if kv.length and kv.epoch != epoch:
+        adapter_epoch = 0 if slot is None else slot.epoch
+        if kv.length and adapter_epoch != kv.adapter_epoch:
+            seq.adapter_write_landed = True
+        if kv.length and (kv.epoch != epoch or kv.adapter_epoch != adapter_epoch):
             if self.kv_policy is KVCachePolicy.RECOMPUTE:
                 self._recomputed_tokens += kv.length
                 kv.length = 0
@@ -736,6 +966,7 @@ class TorchLMBackend(RolloutBase):
             else:
                 kv.stale = True
         kv.epoch = epoch
+        kv.adapter_epoch = adapter_epoch
         return kv
 
     def _choose(self, seq: SequenceState, kv: _KVState, logits: torch.Tensor) -> tuple[int, float]:
@@ -770,8 +1001,13 @@ class TorchLMBackend(RolloutBase):
         stop_token_ids: Sequence[int] = (),
         max_concurrent: int | None = None,
         timeout: float | None = None,
+        adapter: str | None = None,
     ) -> list[GenerationResult]:
         """Decode ``prompts`` to completion on the calling thread, batched; results in order.
+
+        Prompts given as token lists are built into requests with the keyword arguments,
+        ``adapter`` included (the LoRA adapter they run on; ``None``: the base model); a
+        :class:`GenerationRequest` carries its own.
 
         Each step is a gate section: a ``paused()`` from another thread parks this call between
         two steps, and the sequences continue afterwards under the kv policy.
@@ -796,6 +1032,7 @@ class TorchLMBackend(RolloutBase):
                 max_new_tokens=max_new_tokens,
                 sampling=sampling if sampling is not None else SamplingParams(),
                 stop_token_ids=tuple(stop_token_ids),
+                adapter=adapter,
             )
             for p in prompts
         ]
@@ -839,6 +1076,7 @@ class TorchLMBackend(RolloutBase):
                 if self.lockstep is None or self.lockstep.error is None
                 else f"{type(self.lockstep.error).__name__}: {self.lockstep.error}"
             ),
+            adapter_writes=self._adapter_writes,
         )
 
     def __repr__(self) -> str:
@@ -964,10 +1202,13 @@ class TorchLMStreamBackend(TorchLMBackend):
         max_new_tokens: int = 16,
         sampling: SamplingParams | None = None,
         stop_token_ids: Sequence[int] = (),
+        adapter: str | None = None,
     ) -> int:
-        """Queue a request; see :meth:`RolloutTaskScheduler.put`.
+        """Queue a request (``adapter``: the LoRA adapter a bare prompt runs on); see
+        :meth:`RolloutTaskScheduler.put`.
 
         Raises:
+            ValueError: the request cannot be served (an adapter that is not served, say).
             RuntimeError: on a tensor-parallel follower (requests go to the leader).
         """
         if self.follower:
@@ -975,7 +1216,11 @@ class TorchLMStreamBackend(TorchLMBackend):
                 "requests go to a tensor-parallel replica's leader (its rank 0), not a follower"
             )
         return self.scheduler.put(
-            request, max_new_tokens=max_new_tokens, sampling=sampling, stop_token_ids=stop_token_ids
+            request,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            stop_token_ids=stop_token_ids,
+            adapter=adapter,
         )
 
     def get_all(self) -> list[GenerationResult]:

@@ -9,6 +9,8 @@
   when a backend is built) and the writer that validates, ships, reads back and reports torn.
 * :mod:`.config` - how an engine is started (:class:`VLLMEngineConfig`, :class:`PauseMode`)
   and vLLM imported on demand (:func:`require_vllm`).
+* :mod:`.lora` - LoRA adapters written from memory: the backends' adapter table, the engine
+  side's install and slot read-back (:func:`~.lora.vllm_lora_shapes`, :func:`~.lora.expected_slot`).
 * :mod:`.generations` - requests and their results dated by weight version
   (:class:`VLLMRequest`, :class:`VLLMGeneration`).
 * :mod:`.calls` - calls into an engine from other threads, bounded (:func:`run_coroutine`,
@@ -38,10 +40,12 @@ from .calls import run_coroutine as run_coroutine
 from .config import INSTALL_HINT as INSTALL_HINT
 from .config import PauseMode as PauseMode
 from .config import VLLMEngineConfig as VLLMEngineConfig
+from .config import VLLMLoRASettings as VLLMLoRASettings
 from .config import greedy_params as greedy_params
 from .config import require_vllm as require_vllm
 from .generations import VLLMGeneration as VLLMGeneration
 from .generations import VLLMRequest as VLLMRequest
+from .lora import vllm_lora_shapes as vllm_lora_shapes
 from .write import VLLMWritePlan as VLLMWritePlan
 
 __all__ = [
@@ -53,6 +57,7 @@ __all__ = [
     "VLLMBlockingBackend",
     "VLLMEngineConfig",
     "VLLMGeneration",
+    "VLLMLoRASettings",
     "VLLMRequest",
     "VLLMUnavailableError",
     "VLLMWritePlan",
@@ -61,4 +66,5 @@ __all__ = [
     "park_engine",
     "require_vllm",
     "run_coroutine",
+    "vllm_lora_shapes",
 ]

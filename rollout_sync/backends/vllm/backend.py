@@ -57,13 +57,20 @@ import torch
 from typing_extensions import Self
 
 from ...backend import KVCachePolicy, RolloutBase
-from ...errors import EngineCallTimeout, GenerationTimeout, PauseTimeout
+from ...errors import (
+    EngineCallTimeout,
+    GenerationTimeout,
+    PauseTimeout,
+    WeightsNotLandedError,
+)
+from ...lora import LoRAConfig
 from ...trace import Span, SpanKind, Timeline
 from ...weights import WeightSpec
 from .access import AsyncLLMAccess, EngineAccess, LLMAccess
 from .calls import LoopThread, park_engine
 from .config import PauseMode, VLLMEngineConfig, greedy_params, require_vllm
 from .generations import VersionHistory, VLLMGeneration, VLLMRequest
+from .lora import AdapterTable, ServedAdapter, encode_adapter, merged_reports, vllm_lora_shapes
 from .write import ServedModel, VLLMWritePlan, WeightWriter, native_transfer_state
 
 if TYPE_CHECKING:
@@ -190,6 +197,13 @@ class _VLLMBackendBase(RolloutBase, Generic[A]):
         self._requests_lock = threading.Lock()
         self._in_flight: dict[str, VLLMRequest] = {}
         self._finished = 0
+        self._adapters = AdapterTable(config.lora.max_adapters) if config.lora else None
+        self._lora_engine: dict[str, Any] | None = None
+        """The engine's LoRA description (settings, lora dtype, shapes) once it runs."""
+        self._lora_lock = threading.Lock()
+        self._torn_by_adapter: str | None = None
+        """The adapter whose failed install marked the weights torn (its next commit clears
+        it), or ``None``."""
 
     def __enter__(self) -> Self:
         """Start the engine (if it is not started yet); :meth:`shutdown` it when the block ends."""
@@ -241,6 +255,8 @@ class _VLLMBackendBase(RolloutBase, Generic[A]):
         self._served = ServedModel.describe(access, self.rpc_timeout)
         if self.timeline is not None:
             self.set_engine_tracing(True)
+        if self._adapters is not None:
+            self._attach_adapters(access)
 
     def _detach(self) -> A | None:
         """Leave the native transfer group and drop the engine access (to shut it down)."""
@@ -313,6 +329,7 @@ class _VLLMBackendBase(RolloutBase, Generic[A]):
         )
         self._mirror(weights)
         access.after_write(self.kv_cache_policy)
+        self._check_adapters_kept(access)
 
     def _mirror(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copy landed ``weights`` that are not the receive buffers themselves into them."""
@@ -324,6 +341,260 @@ class _VLLMBackendBase(RolloutBase, Generic[A]):
                 buffer = buffers[name]
                 if tensor.data_ptr() != buffer.data_ptr():
                     buffer.copy_(tensor)
+
+    # -- LoRA adapters (rollout_sync.lora.SupportsLoRA) ---------------------------------------
+
+    def _adapter_table(self) -> AdapterTable:
+        table = self._adapters
+        if table is None:
+            raise ValueError(
+                f"{type(self).__name__} serves no LoRA adapters: start it with "
+                "VLLMEngineConfig(..., lora=VLLMLoRASettings(max_adapters=..., max_loras=..., "
+                "max_lora_rank=...))"
+            )
+        return table
+
+    def lora_shapes(self) -> dict[str, tuple[int, int]]:
+        """``(in_features, out_features)`` of every linear layer an adapter may target, by
+        checkpoint module path (``"model.layers.0.self_attn.q_proj"``): the engine's own
+        answer once it runs, :func:`~.lora.vllm_lora_shapes` of the model's config before."""
+        self._adapter_table()
+        engine = self._lora_engine
+        if engine is not None:
+            return {m: (int(i), int(o)) for m, (i, o) in engine["shapes"].items()}
+        return vllm_lora_shapes(self.config.model)
+
+    def adapter_names(self) -> list[str]:
+        """The adapters served now (none on an engine without ``lora=``)."""
+        return [] if self._adapters is None else self._adapters.names()
+
+    def add_adapter(self, name: str, config: LoRAConfig) -> None:
+        """Serve adapter ``name``: all zeros at version 0 (it changes no token until a version
+        lands). No pause: no request can use it yet. Before the engine starts it is recorded
+        and created in the engine when it starts; on a started engine it is created now (one
+        engine call, between two steps).
+
+        Raises:
+            ValueError: the engine serves no adapters (``VLLMEngineConfig.lora``), the name is
+                served already, ``max_adapters`` are served, or ``config`` does not fit: a rank
+                above ``max_lora_rank``, a module that is not a LoRA layer of the model, a
+                dtype other than the engine's (its LoRA dtype is the model's).
+        """
+        table = self._adapter_table()
+        settings = self.config.lora
+        assert settings is not None
+        if not isinstance(config, LoRAConfig):
+            raise ValueError(f"add_adapter takes a rollout_sync.lora.LoRAConfig, got {config!r}")
+        if config.rank > settings.max_lora_rank:
+            raise ValueError(
+                f"adapter {name!r}: rank {config.rank} exceeds the engine's max_lora_rank "
+                f"{settings.max_lora_rank} (VLLMLoRASettings.max_lora_rank)"
+            )
+        self._check_adapter_dtype(name, config)
+        with self._lora_lock:
+            adapter = table.add(name, config, self.lora_shapes())
+            access = self._access
+            if access is None:
+                return
+            try:
+                self._install(access, adapter, adapter.tensors, context=f"adding adapter {name!r}")
+            except BaseException:
+                table.remove(name)
+                raise
+
+    def adapter_config(self, name: str) -> LoRAConfig:
+        """The manifest adapter ``name`` was added with. Raises KeyError for an unknown name."""
+        return self._adapter_table().get(name).config
+
+    def served_adapter(self, name: str) -> Mapping[str, torch.Tensor]:
+        """Host tensors of adapter ``name`` (names as :func:`~rollout_sync.lora.adapter_specs`
+        gives them, CPU): the set the engine serves, copied in whenever a set lands. vLLM's
+        slot is not writable from here; receive into a copy of these and :meth:`load_adapter`
+        it (what a staged ``P2R(adapter=...)`` does)."""
+        return self._adapter_table().get(name).tensors
+
+    def load_adapter(self, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Install ``tensors`` (the whole set) as adapter ``name`` and read its slot back.
+
+        Call inside :meth:`paused` (the worker's staged install does): requests on the adapter
+        then continue on the new set at the next step; vLLM steps every request in one batch,
+        so base-model requests wait the same install out. Order: check every name, shape and
+        dtype against the adapter's manifest; in the engine (one call, between two steps)
+        build vLLM's adapter from copies, check it as vLLM checks one read from disk, replace
+        the adapter of this id with it, read the slot back bit for bit. Requests submitted
+        from here on carry a new ``lora_path``, so vLLM's prefix cache serves them no block of
+        an earlier set.
+
+        Raises:
+            KeyError: no adapter ``name``.
+            WeightMismatchError: the set does not fit the manifest (a wrong rank, a missing or
+                unknown module, a wrong dtype); nothing was sent.
+            WeightsNotLandedError: the engine refused the set (``torn=False``: nothing
+                changed) or the install failed part-way or its read-back differs
+                (``torn=True``: the weights are marked torn, generation stays parked until a
+                set of this adapter, or a weight sync, lands).
+            EngineCallTimeout: the engine did not answer within ``rpc_timeout`` (torn).
+        """
+        table = self._adapter_table()
+        adapter = table.get(name)
+        adapter.config.check(tensors, self.lora_shapes(), context=f"adapter {name!r}")
+        with self._lora_lock:
+            access = self._access
+            if access is not None:
+                access.check_write_allowed(type(self).__name__)
+                self._install(access, adapter, tensors, context=f"adapter {name!r}")
+            with torch.no_grad():
+                for key, tensor in tensors.items():
+                    mirror = adapter.tensors[key]
+                    if tensor.data_ptr() != mirror.data_ptr():
+                        mirror.copy_(tensor)
+
+    def adapter_version(self, name: str) -> int:
+        """The version of adapter ``name`` served now (0 before any landed)."""
+        return self._adapter_table().get(name).version
+
+    def commit_adapter_version(self, name: str, version: int) -> None:
+        """Record that ``version`` of adapter ``name`` landed (results date their tokens by
+        it). A torn state its own failed install caused is cleared, and generation resumes
+        (outside a pause)."""
+        adapter = self._adapter_table().get(name)
+        adapter.version = version
+        adapter.history.commit(version, time.monotonic())
+        if self._torn_by_adapter == name and self.weights_torn:
+            self._torn_by_adapter = None
+            self._recovered()
+
+    def read_adapter_slot(self, name: str) -> dict[str, torch.Tensor]:
+        """What the engine computes adapter ``name`` with, read from its vLLM slot: for each
+        target module ``<module>.lora_A`` ``[rank, in]`` and ``<module>.lora_B`` ``[out,
+        rank]``, the latter scaled by ``alpha / rank`` as vLLM serves it (compare with
+        :func:`~.lora.expected_slot` of the trainer's set). One engine call."""
+        adapter = self._adapter_table().get(name)
+        answer = self._started().rpc(
+            "rollout_sync_lora_read", adapter.lora_id, timeout=self.rpc_timeout
+        )
+        if isinstance(answer, dict):
+            raise RuntimeError(f"reading adapter {name!r}'s slot failed: {answer['error']}")
+        import safetensors.torch
+
+        slot = safetensors.torch.load(answer)
+        r = adapter.config.rank
+        out: dict[str, torch.Tensor] = {}
+        for module in adapter.config.target_modules:
+            fan_in, fan_out = self.lora_shapes()[module]
+            out[f"{module}.lora_A"] = slot[f"{module}.lora_A"][:r, :fan_in].clone()
+            out[f"{module}.lora_B"] = slot[f"{module}.lora_B"][:fan_out, :r].clone()
+        return out
+
+    def lora_request(self, name: str) -> Any:
+        """vLLM's ``LoRARequest`` for a request on adapter ``name`` now (``load_inplace`` off:
+        the engine holds the adapter; the path names its install, see
+        :data:`~.lora.ADAPTER_PATH_SCHEME`)."""
+        adapter = self._adapter_table().get(name)
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(adapter.name, adapter.lora_id, adapter.lora_path)
+
+    def _check_adapter_dtype(self, name: str, config: LoRAConfig) -> None:
+        engine = self._lora_engine
+        served: torch.dtype | None = None
+        if engine is not None:
+            served = getattr(torch, engine["lora_dtype"])
+        elif self.config.dtype not in ("auto", None):
+            served = getattr(torch, str(self.config.dtype).removeprefix("torch."), None)
+        if served is not None and config.dtype != served:
+            raise ValueError(
+                f"adapter {name!r}: LoRAConfig.dtype {config.dtype} differs from the engine's "
+                f"LoRA dtype {served} (the model's dtype): use LoRAConfig(dtype={served})"
+            )
+
+    def _attach_adapters(self, access: A) -> None:
+        """Describe the engine's LoRA layers and create every adapter recorded before it ran."""
+        table = self._adapter_table()
+        infos: list[dict[str, Any]] = access.rpc_all(
+            "rollout_sync_lora_describe", timeout=self.rpc_timeout
+        )
+        errors = [f"worker {i}: {x['error']}" for i, x in enumerate(infos) if "error" in x]
+        if errors:
+            raise RuntimeError("the engine cannot serve adapters from memory: " + "; ".join(errors))
+        self._lora_engine = infos[0]
+        with self._lora_lock:
+            for adapter in table:
+                self._check_adapter_dtype(adapter.name, adapter.config)
+                adapter.config.check(
+                    adapter.tensors, self.lora_shapes(), context=f"adapter {adapter.name!r}"
+                )
+                self._install(
+                    access, adapter, adapter.tensors, context=f"creating adapter {adapter.name!r}"
+                )
+
+    def _install(
+        self,
+        access: A,
+        adapter: ServedAdapter,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        context: str,
+    ) -> None:
+        """One engine call: install ``tensors`` as ``adapter`` and read the slot back."""
+        data = encode_adapter(adapter.config, tensors)
+        adapter.installs += 1  # requests from here on get a path of this install
+        try:
+            reports = access.rpc_all(
+                "rollout_sync_lora_install",
+                adapter.lora_id,
+                adapter.name,
+                data,
+                timeout=self.rpc_timeout,
+            )
+        except BaseException as exc:
+            self._adapter_torn(adapter.name, f"the engine call failed: {type(exc).__name__}: {exc}")
+            raise
+        report = merged_reports(reports)
+        if report["refused"]:
+            raise WeightsNotLandedError(
+                list(report["refused"]), torn=False, context=f"{context}: the engine refused it"
+            )
+        if report.get("error") or report["problems"]:
+            why = [str(report["error"])] if report.get("error") else list(report["problems"])
+            self._adapter_torn(adapter.name, "; ".join(why[:3]))
+            raise WeightsNotLandedError(
+                why,
+                torn=True,
+                context=f"{context}: the install did not land in the slot the engine computes with",
+            )
+        adapter.in_engine = True
+        self._writer.last_write_ms = float(report.get("install_ms", math.nan))
+        self._writer.last_verify_ms = float(report.get("verify_ms", math.nan))
+
+    def _adapter_torn(self, name: str, why: str) -> None:
+        self._torn_by_adapter = name
+        self.mark_weights_torn(f"adapter {name!r} did not land: {why}")
+
+    def _recovered(self) -> None:
+        """Clear a torn state (the adapter that caused it landed since) and let generation go
+        on; the async backend resumes its engine outside a pause."""
+        RolloutBase.commit_weight_version(self, self.weight_version)
+
+    def _check_adapters_kept(self, access: A) -> None:
+        """After a base weight write (vLLM drops every adapter, the engine side installs them
+        again): mark the weights torn if one could not be."""
+        table = self._adapters
+        if table is None or not any(a.in_engine for a in table):
+            return
+        states: list[dict[str, Any]] = access.rpc_all(
+            "rollout_sync_lora_state", timeout=self.rpc_timeout
+        )
+        lost = {n: why for state in states for n, why in state["lost"].items()}
+        if lost:
+            name, why = next(iter(lost.items()))
+            self._adapter_torn(name, f"not installed again after the weight write: {why}")
+            raise WeightsNotLandedError(
+                [f"adapter {n!r}: {w}" for n, w in lost.items()],
+                torn=True,
+                context="the weights landed, but vLLM dropped the adapters and one could not "
+                "be installed again",
+            )
 
     def weight_sync_client(self, timeout_s: float | None = None) -> Any:
         """vLLM's weight-sync client protocol over this backend's engine (starting it if
@@ -392,14 +663,27 @@ class _VLLMBackendBase(RolloutBase, Generic[A]):
 
     # -- requests bookkeeping ----------------------------------------------------------------
 
-    def _new_request(self, prompt_token_ids: Sequence[int], request_id: str | None) -> VLLMRequest:
+    def _new_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        request_id: str | None,
+        adapter: str | None = None,
+    ) -> tuple[VLLMRequest, Any]:
+        """A request and its ``LoRARequest`` (``None`` on the base model)."""
+        lora: Any = None
+        history: VersionHistory | None = None
+        if adapter is not None:
+            served = self._adapter_table().get(adapter)
+            lora, history = self.lora_request(adapter), served.history
         rid = request_id if request_id is not None else f"rollout-sync-{next(self._ids)}"
-        request = VLLMRequest(rid, prompt_token_ids, self._versions)
+        request = VLLMRequest(
+            rid, prompt_token_ids, self._versions, adapter=adapter, adapter_versions=history
+        )
         with self._requests_lock:
             if rid in self._in_flight:
                 raise ValueError(f"request id {rid!r} is already in flight")
             self._in_flight[rid] = request
-        return request
+        return request, lora
 
     def _end_request(self, request: VLLMRequest, error: str | None) -> None:
         request._complete(error)
@@ -575,11 +859,15 @@ class VLLMAsyncBackend(_VLLMBackendBase[AsyncLLMAccess]):
         sampling_params: Any = None,
         *,
         request_id: str | None = None,
+        adapter: str | None = None,
     ) -> VLLMRequest:
         """Submit one prompt (token ids); returns at once. Greedy, 64 tokens by default.
+        ``adapter``: run it on that LoRA adapter (vLLM's ``LoRARequest``, never
+        ``load_inplace``); its result dates each token by the adapter's version too.
 
-        Raises :class:`~rollout_sync.TornWeightsError` while the weights are torn, and
-        :class:`RuntimeError` before the engine is started.
+        Raises :class:`~rollout_sync.TornWeightsError` while the weights are torn,
+        :class:`KeyError` for an adapter not served, and :class:`RuntimeError` before the
+        engine is started.
         """
         access = self._started()
         engine, loop = access.engine, access.loop
@@ -587,13 +875,15 @@ class VLLMAsyncBackend(_VLLMBackendBase[AsyncLLMAccess]):
         from vllm.inputs import TokensPrompt
 
         params = sampling_params if sampling_params is not None else greedy_params(64)
-        request = self._new_request(prompt_token_ids, request_id)
+        request, lora = self._new_request(prompt_token_ids, request_id, adapter)
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
 
         async def drive() -> None:
             error: str | None = None
             try:
-                async for output in engine.generate(prompt, params, request.request_id):
+                async for output in engine.generate(
+                    prompt, params, request.request_id, lora_request=lora
+                ):
                     request._update(output)
             except asyncio.CancelledError:
                 error = "cancelled"
@@ -612,9 +902,11 @@ class VLLMAsyncBackend(_VLLMBackendBase[AsyncLLMAccess]):
         sampling_params: Any = None,
         *,
         timeout: float = 300.0,
+        adapter: str | None = None,
     ) -> list[VLLMGeneration]:
-        """Submit every prompt and wait for all results (in prompt order)."""
-        requests = [self.submit(p, sampling_params) for p in prompts]
+        """Submit every prompt (on ``adapter``, if given) and wait for all results (in prompt
+        order)."""
+        requests = [self.submit(p, sampling_params, adapter=adapter) for p in prompts]
         deadline = time.monotonic() + timeout
         return [r.result(max(0.0, deadline - time.monotonic())) for r in requests]
 
@@ -737,6 +1029,12 @@ class VLLMAsyncBackend(_VLLMBackendBase[AsyncLLMAccess]):
         with self._park_lock:
             self._park_locked(self.pause_timeout)
 
+    def _recovered(self) -> None:
+        super()._recovered()
+        with self._park_lock:
+            if self._pause_depth == 0:
+                self._unpark_locked(self.pause_timeout)
+
     @property
     def parked(self) -> bool:
         return self._parked
@@ -828,8 +1126,10 @@ class VLLMBlockingBackend(_VLLMBackendBase[LLMAccess]):
         *,
         step_hook: Callable[[], None] | None = None,
         timeout: float = 300.0,
+        adapter: str | None = None,
     ) -> list[VLLMGeneration]:
-        """Generate for every prompt, blocking; results in prompt order.
+        """Generate for every prompt, blocking; results in prompt order. ``adapter``: every
+        prompt on that LoRA adapter (see :meth:`VLLMAsyncBackend.submit`).
 
         ``step_hook`` runs after each engine step (see the class docstring). Raises
         :class:`~rollout_sync.errors.GenerationTimeout` after ``timeout`` seconds and
@@ -848,16 +1148,18 @@ class VLLMBlockingBackend(_VLLMBackendBase[LLMAccess]):
 
         engine = access.llm.llm_engine
         params = sampling_params if sampling_params is not None else greedy_params(64)
-        requests = [self._new_request(p, None) for p in prompts]
+        made = [self._new_request(p, None, adapter) for p in prompts]
+        requests = [request for request, _lora in made]
         by_id = {r.request_id: r for r in requests}
         deadline = time.monotonic() + timeout
         access.stepping = threading.get_ident()
         try:
-            for request in requests:
+            for request, lora in made:
                 engine.add_request(
                     request.request_id,
                     TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
                     params,
+                    lora_request=lora,
                 )
             while engine.has_unfinished_requests():
                 self.check_servable()

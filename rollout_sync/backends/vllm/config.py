@@ -17,7 +17,15 @@ from ...errors import VLLMUnavailableError
 from .plugin import ENGINE_NAME as NATIVE_ENGINE
 from .worker import WORKER_EXTENSION
 
-__all__ = ["INSTALL_HINT", "PauseMode", "VLLMEngineConfig", "greedy_params", "require_vllm"]
+__all__ = [
+    "INSTALL_HINT",
+    "LORA_RANKS",
+    "PauseMode",
+    "VLLMEngineConfig",
+    "VLLMLoRASettings",
+    "greedy_params",
+    "require_vllm",
+]
 
 _VLLM_DEFAULT_TRANSFER = "nccl"
 """vLLM's ``WeightTransferConfig.backend`` default (vLLM 0.32)."""
@@ -64,6 +72,62 @@ class PauseMode(enum.Enum):
     """Abort in-flight requests (they finish with ``finish_reason="abort"``)."""
 
 
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM accepts (vLLM 0.32's ``MaxLoRARanks``)."""
+
+_LORA_ENGINE_KWARGS = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
+
+
+@dataclass(frozen=True)
+class VLLMLoRASettings:
+    """How many LoRA adapters an engine serves, and how large (``VLLMEngineConfig(lora=...)``).
+
+    Starts the engine with vLLM's ``enable_lora=True``, ``max_loras``, ``max_lora_rank`` and
+    ``max_cpu_loras``. Adapters are then added, written and read back through the backends'
+    :class:`~rollout_sync.lora.SupportsLoRA` methods, from memory (``docs/vllm.md``, "LoRA
+    adapters"). Checked when built: a value out of range is a :class:`ValueError` naming it.
+
+    Args:
+        max_adapters: the most adapters the backend serves at once (vLLM's ``max_cpu_loras``:
+            each keeps a host copy in vLLM's adapter cache, which must never evict one, since
+            an adapter written from memory has no path to be read again from).
+        max_loras: the most adapters one engine step (batch) may use (vLLM's slots, 1 or
+            more, at most ``max_adapters``).
+        max_lora_rank: the largest adapter rank, one of :data:`LORA_RANKS`; every slot is
+            allocated at this rank.
+    """
+
+    max_adapters: int = 4
+    max_loras: int = 1
+    max_lora_rank: int = 8
+
+    def __post_init__(self) -> None:
+        for option in ("max_adapters", "max_loras"):
+            value = getattr(self, option)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"VLLMLoRASettings: {option} must be an int >= 1, got {value!r}")
+        if self.max_loras > self.max_adapters:
+            raise ValueError(
+                f"VLLMLoRASettings: max_loras={self.max_loras} exceeds max_adapters="
+                f"{self.max_adapters} (a batch cannot use more adapters than are served): "
+                "raise max_adapters or lower max_loras"
+            )
+        if self.max_lora_rank not in LORA_RANKS:
+            raise ValueError(
+                f"VLLMLoRASettings: max_lora_rank must be one of {LORA_RANKS} (vLLM's), got "
+                f"{self.max_lora_rank!r}"
+            )
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """vLLM's engine arguments for these settings."""
+        return {
+            "enable_lora": True,
+            "max_loras": self.max_loras,
+            "max_lora_rank": self.max_lora_rank,
+            "max_cpu_loras": self.max_adapters,
+        }
+
+
 @dataclass(frozen=True)
 class VLLMEngineConfig:
     """How to start the engine: the model and the vLLM engine arguments that matter here.
@@ -98,6 +162,9 @@ class VLLMEngineConfig:
     """vLLM's ``tensor_parallel_size``: the workers the model is split over. Each worker's
     ``"rollout_sync"`` engine receives every tensor whole and vLLM's loader keeps its shard;
     the read-back checks each worker's own shard (``docs/vllm.md``, tensor parallelism)."""
+    lora: VLLMLoRASettings | None = None
+    """Serve LoRA adapters (:class:`VLLMLoRASettings`); ``None``: none (vLLM's LoRA off).
+    Only at ``tensor_parallel_size=1``: the adapter read-back compares whole slots."""
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
@@ -117,6 +184,25 @@ class VLLMEngineConfig:
                 f"weight_transfer_config={self.weight_transfer_config!r} (the backends pick "
                 "their write path from the field): pass it as weight_transfer_config= only"
             )
+        named = [k for k in _LORA_ENGINE_KWARGS if k in self.engine_kwargs]
+        if named:
+            raise ValueError(
+                f"VLLMEngineConfig: engine_kwargs {named} are set from lora= (the backends "
+                "serve adapters from memory only with the settings they know): pass "
+                "lora=VLLMLoRASettings(max_adapters=..., max_loras=..., max_lora_rank=...)"
+            )
+        if self.lora is not None:
+            if not isinstance(self.lora, VLLMLoRASettings):
+                raise ValueError(
+                    f"VLLMEngineConfig: lora must be a VLLMLoRASettings or None, got {self.lora!r}"
+                )
+            effective = given if given is not None else tp
+            if effective != 1:
+                raise ValueError(
+                    f"VLLMEngineConfig: lora= with tensor_parallel_size={effective}: the adapter "
+                    "read-back compares whole slots, so LoRA is served at "
+                    "tensor_parallel_size=1 only"
+                )
         if self.weight_transfer_config is not None and not isinstance(
             self.weight_transfer_config, Mapping
         ):
@@ -153,5 +239,7 @@ class VLLMEngineConfig:
             kwargs["weight_transfer_config"] = dict(self.weight_transfer_config)
         if self.tensor_parallel_size != 1:
             kwargs["tensor_parallel_size"] = self.tensor_parallel_size
+        if self.lora is not None:
+            kwargs.update(self.lora.engine_kwargs())
         kwargs.update(self.engine_kwargs)
         return kwargs

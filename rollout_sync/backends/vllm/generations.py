@@ -51,6 +51,13 @@ class VLLMGeneration:
     process. Exact under the guard's pause (every output produced before a pause arrives
     before the sync commits); unguarded, a token produced just before a commit may be
     stamped with the new version."""
+    adapter: str | None = None
+    """The LoRA adapter the request ran on (``None``: the base model)."""
+    token_adapter_versions: tuple[int, ...] = ()
+    """For each output token, the version of ``adapter`` served when it reached this process
+    (empty on the base model). Exact under the pause, as :attr:`arrival_versions` are: an
+    adapter install commits its version inside the pause, after every earlier output
+    arrived. vLLM labels no adapter version of its own."""
 
     @property
     def token_weight_versions(self) -> tuple[int, ...]:
@@ -110,10 +117,23 @@ class VLLMRequest:
     """
 
     def __init__(
-        self, request_id: str, prompt_token_ids: Sequence[int], versions: VersionHistory
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        versions: VersionHistory,
+        *,
+        adapter: str | None = None,
+        adapter_versions: VersionHistory | None = None,
     ) -> None:
+        """``adapter``/``adapter_versions``: the LoRA adapter it runs on and when each of its
+        versions was committed (both or neither)."""
+        if (adapter is None) != (adapter_versions is None):
+            raise ValueError("VLLMRequest: adapter and adapter_versions go together")
         self.request_id = request_id
         self.prompt_token_ids = tuple(int(t) for t in prompt_token_ids)
+        self.adapter = adapter
+        self._adapter_versions = adapter_versions
+        self._adapter_stamps: list[int] = []
         self._versions = versions
         self._cond = threading.Condition()
         self._tokens: tuple[int, ...] = ()
@@ -139,6 +159,8 @@ class VLLMRequest:
                 arrived = len(self._tokens) - len(self._arrival_versions)
                 if arrived > 0:
                     self._arrival_versions.extend([self._versions.latest] * arrived)
+                    if self._adapter_versions is not None:
+                        self._adapter_stamps.extend([self._adapter_versions.latest] * arrived)
                 self._finish_reason = completion.finish_reason
                 # vLLM's spans, kept as they are; converted once, in _complete.
                 self._weight_versions = getattr(completion, "weight_versions", None) or None
@@ -171,6 +193,8 @@ class VLLMRequest:
                     )
                 ),
                 arrival_versions=tuple(self._arrival_versions[: len(self._tokens)]),
+                adapter=self.adapter,
+                token_adapter_versions=tuple(self._adapter_stamps[: len(self._tokens)]),
             )
             self._cond.notify_all()
 

@@ -207,6 +207,17 @@ def _is_op_module(module: torch.nn.Module) -> bool:
     )
 
 
+def _lora_base_layer(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The layer vLLM's LoRA wrapper (``BaseLayerWithLoRA``) wraps, or ``None`` for a module
+    that is not one (no LoRA, or vLLM not imported)."""
+    lora_layers = sys.modules.get("vllm.lora.layers")
+    wrapper = getattr(lora_layers, "BaseLayerWithLoRA", None)
+    if wrapper is None or not isinstance(module, wrapper):
+        return None
+    base = getattr(module, "base_layer", None)
+    return base if isinstance(base, torch.nn.Module) else None
+
+
 def build_probe_plan(
     model: torch.nn.Module,
     specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
@@ -263,6 +274,10 @@ def build_probe_plan(
         except AttributeError:
             plan.unverifiable[name] = f"no served module {target!r}"
             continue
+        base = _lora_base_layer(module)
+        if base is not None:
+            # With LoRA on, vLLM wraps the layer; the base weight lives in the wrapped one.
+            target, module = f"{target}.base_layer", base
         rows = shape[0] if shape else 1
         kind = "op" if param == "weight" and len(shape) == 2 and _is_op_module(module) else "param"
         probe = Probe(name, target, param, kind, offset, rows)
@@ -770,6 +785,73 @@ class RolloutSyncWorkerExtension:
             "write_ms": (written - start) / 1e6,
             "verify_ms": (time.monotonic_ns() - written) / 1e6,
         }
+
+    # -- LoRA adapters from memory (rollout_sync.backends.vllm.lora) ----------------------------
+
+    def _rollout_sync_lora(self) -> Any:
+        from .lora import WorkerLoRAState
+
+        state: WorkerLoRAState | None = getattr(self, "_rollout_sync_lora_state", None)
+        if state is None:
+            state = WorkerLoRAState()
+            self._rollout_sync_lora_state = state
+        return state
+
+    def rollout_sync_lora_describe(self) -> dict[str, Any]:
+        """The engine's LoRA settings, lora dtype and adaptable modules' ``(in, out)`` by
+        checkpoint module path (``{"error": ...}`` as data on failure). From here on every
+        adapter installed from memory is installed again after vLLM drops them all (a base
+        weight write)."""
+        from .lora import describe_lora
+
+        try:
+            return describe_lora(self, self._rollout_sync_lora())
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
+
+    def rollout_sync_lora_install(
+        self, lora_id: int, name: str, data: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Install adapter ``name`` (vLLM id ``lora_id``) from ``data``
+        (:func:`~rollout_sync.backends.vllm.lora.encode_adapter`) in place of the one of that
+        id, and read its slot back. The report as data, never raised (see
+        :meth:`rollout_sync_write`): ``refused`` (nothing changed), ``error`` or ``problems``
+        (the adapter is not served as sent)."""
+        from .lora import decode_adapter, timed_install
+
+        try:
+            adapter = decode_adapter(lora_id, name, data)
+        except Exception as exc:
+            return {"installed": False, "refused": [f"{type(exc).__name__}: {exc}"], "problems": []}
+        state = self._rollout_sync_state()
+        start = time.monotonic_ns()
+        try:
+            return timed_install(self, self._rollout_sync_lora(), adapter)
+        finally:
+            if state.hooks:
+                state.timeline.add_span(
+                    SpanKind.WEIGHT_WRITE, f"adapter install {name}", start, adapter=name
+                )
+
+    def rollout_sync_lora_read(self, lora_id: int) -> bytes | dict[str, Any]:
+        """The slot of adapter ``lora_id`` as the forward reads it (safetensors bytes:
+        ``<module>.lora_A`` ``[max_rank, in]``, ``<module>.lora_B`` ``[out, max_rank]`` with
+        ``B`` scaled by ``alpha / rank``), or ``{"error": ...}``."""
+        import safetensors.torch
+
+        from .lora import read_slot
+
+        try:
+            return bytes(safetensors.torch.save(read_slot(self, int(lora_id))))
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
+
+    def rollout_sync_lora_state(self) -> dict[str, Any]:
+        """``{"served": [ids], "lost": {name: why}}``: the adapters installed from memory, and
+        those that could not be installed again after vLLM dropped them (a base weight
+        write)."""
+        state = self._rollout_sync_lora()
+        return {"served": sorted(state.adapters), "lost": dict(state.lost)}
 
     def rollout_sync_trace(self, enabled: bool = True) -> bool:
         """Record a ``forward`` span per model forward (and per logits computation)."""
