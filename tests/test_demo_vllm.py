@@ -20,10 +20,11 @@ from rollout_sync.demos.cli import main  # noqa: E402
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
 
 
+@pytest.mark.parametrize("flags", [[], ["--staged"], ["--lora"]], ids=["sync", "staged", "lora"])
 def test_the_multi_process_vllm_demo_reports_a_clean_guarded_run(
-    capsys: pytest.CaptureFixture[str],
+    flags: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["demo", "--backend", "vllm", "--steps", "4", "--json"]) == 0
+    assert main(["demo", "--backend", "vllm", "--steps", "4", "--json", *flags]) == 0
     out = capsys.readouterr().out
     report = json.loads(out.strip().splitlines()[-1])
     assert (report["mode"], report["backend"], report["guarded"]) == (
@@ -45,3 +46,12 @@ def test_the_multi_process_vllm_demo_reports_a_clean_guarded_run(
     assert 0 < report["park_steps_p99"] < math.inf
     assert report["rollout_staleness_max"] >= report["rollout_staleness_p50"] >= 0
     assert "OK:" in out
+    assert report["sync_mode"] == ("staged" if flags == ["--staged"] else "sync")
+    if flags:
+        # Staged (the model's weights) or an adapter (always staged): generation is parked
+        # for the install into the engine only, not for the wire.
+        assert report["stall_ms_p50"] < report["sync_ms_p50"]
+    if flags == ["--lora"]:
+        # Only the adapter moved, and what every replica served of it is the trainer's.
+        assert report["lora"] and 0 < report["adapter_mb"] < report["model_mb"] / 4
+        assert report["bytes_per_sync"] == report["adapter_mb"] * 1e6

@@ -92,9 +92,12 @@ class RequestFeeder:
         streams: int,
         max_tokens: Callable[[int], int],
         timeout_s: float,
+        adapter: str | None = None,
     ) -> None:
         self.backend, self.ship = backend, ship
         self.streams, self.max_tokens, self.timeout_s = streams, max_tokens, timeout_s
+        self.adapter = adapter
+        """Every request runs on this LoRA adapter (``None``: on the base model)."""
         self.results: list[VLLMGeneration] = []
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -122,7 +125,8 @@ class RequestFeeder:
                     n += 1
                     params = greedy_params(self.max_tokens(n))
                     try:
-                        in_flight.append(self.backend.submit([1 + n % 97, 2 + n % 89, 3], params))
+                        prompt = [1 + n % 97, 2 + n % 89, 3]
+                        in_flight.append(self.backend.submit(prompt, params, adapter=self.adapter))
                     except TornWeightsError:
                         break
                 if not in_flight:
