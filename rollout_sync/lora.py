@@ -24,6 +24,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from .errors import WeightMismatchError
 from .weights import WeightSpec, check_weights_match, specs_of
 
 __all__ = [
@@ -82,11 +83,18 @@ class LoRAConfig:
 
         Raises:
             WeightMismatchError: every problem at once (a missing or unknown module, a wrong
-                rank, shape or dtype); nothing was written anywhere.
+                rank, shape or dtype, a ``lora_alpha`` other than this manifest's ``alpha``);
+                nothing was written anywhere.
         """
         check_weights_match(
             specs_of(incoming), _as_specs(adapter_specs(self, shapes)), context=context
         )
+        alpha = incoming.get(ALPHA_KEY)
+        if alpha is not None and alpha.device.type != "meta" and float(alpha) != self.alpha:
+            raise WeightMismatchError(
+                [f"{ALPHA_KEY}: {float(alpha)} is not the manifest's alpha {self.alpha}"],
+                context=context,
+            )
 
 
 def adapter_specs(
@@ -188,11 +196,19 @@ class SupportsLoRA(Protocol):
 
     def load_adapter(self, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
         """Write ``tensors`` (the whole set, checked first) into ``name``'s slot; call inside
-        the pause. Raises WeightMismatchError and writes nothing on a set that does not fit."""
+        the pause. Raises WeightMismatchError and writes nothing on a set that does not fit; a
+        failure part-way tears the adapter alone (:meth:`check_adapter_servable`), not the
+        model's weights, until a complete version of it commits."""
         ...
 
     def adapter_version(self, name: str) -> int:
         """The version of adapter ``name`` served now (0 before any landed)."""
+        ...
+
+    def check_adapter_servable(self, name: str) -> None:
+        """Raise :class:`~rollout_sync.errors.TornWeightsError` when adapter ``name`` is torn
+        (a load failed part-way, or the engine lost it) until a complete version of it lands;
+        the worker calls it before it sends the adapter R2R."""
         ...
 
     def commit_adapter_version(self, name: str, version: int) -> None:

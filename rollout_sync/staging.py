@@ -197,17 +197,31 @@ class StagingArea:
             if adapter is None:
                 rollout.load_weights(self.tensors, require_all=False)
             else:
+                # A failed load tears the adapter's slot alone (the engine's own bookkeeping:
+                # SupportsLoRA.check_adapter_servable); the model's weights serve on.
                 require_adapter(rollout, adapter).load_adapter(adapter, self.tensors)
-            if fence is not None:
-                fence()
         except BaseException as exc:
-            if not rollout.weights_torn and not isinstance(exc, WeightMismatchError):
+            changed_nothing = (
+                isinstance(exc, WeightMismatchError) or getattr(exc, "torn", None) is False
+            )
+            if adapter is None and not rollout.weights_torn and not changed_nothing:
                 rollout.mark_weights_torn(
                     f"installing staged version {version} of {what} failed part-way: "
                     f"{type(exc).__name__}: {exc}"
                 )
             self.discard()
             raise
+        if fence is not None:
+            try:
+                fence()
+            except BaseException as exc:
+                # The device did not finish the copy: what it holds is unknown.
+                rollout.mark_weights_torn(
+                    f"the install of staged version {version} of {what} did not complete on "
+                    f"the device: {type(exc).__name__}: {exc}"
+                )
+                self.discard()
+                raise
         if adapter is None:
             rollout.commit_weight_version(version)
         else:

@@ -292,8 +292,8 @@ class WorkerStatistics:
     """Sync brackets reported (P2R, R2R and re-seeds, failed ones too); the recent ones are in
     :attr:`RolloutWorker.sync_reports`."""
     staging_bytes: int = 0
-    """Memory held by the staging copy of the weights (``SyncMode.STAGED``; 0 until the first
-    sync, and always 0 in place)."""
+    """Memory held by staging copies: of the weights (``SyncMode.STAGED``, from the first
+    sync; none in place) and of each LoRA adapter synced (adapters are always staged)."""
     staged_discarded: int = 0
     """Staged versions thrown away: failed on this replica, or voted down by another."""
 
@@ -1054,6 +1054,7 @@ class RolloutWorker:
                 "(only the first replica of a group receives from the trainer)"
             )
         if command.adapter is not None:
+            self._refuse_async_adapter(command)
             return self._staged(self._stage_p2r, command)  # adapters: always staged
         return self._path.p2r(command)
 
@@ -1062,6 +1063,7 @@ class RolloutWorker:
             raise RolloutSyncError("R2R command on a worker that is not in an R2R group")
         # The role is read per command: use_groups() may have replaced the transfer.
         if command.adapter is not None:
+            self._refuse_async_adapter(command)
             send = self.r2r.is_source
             return self._staged(self._stage_r2r_send if send else self._stage_r2r_receive, command)
         if self.r2r.is_source:
@@ -1072,6 +1074,16 @@ class RolloutWorker:
         self._stopped = True
         if self.sync_thread is not None:
             self.sync_thread.stop(self.weight_sync_timeout)
+
+    def _refuse_async_adapter(self, command: P2R | R2R) -> None:
+        """An adapter sync runs on the loop thread; in an async mode the weight-sync thread
+        runs collectives on the same groups, so the two could interleave."""
+        if self.weight_sync_mode.is_async:
+            raise RolloutSyncError(
+                f"{type(command).__name__}(adapter={command.adapter!r}) on a worker in "
+                f"{self.weight_sync_mode.value} mode: adapter syncs run in the sync or staged "
+                "modes only (an async mode's weight-sync thread shares the groups)"
+            )
 
     def _receive_p2r(self, command: P2R) -> TransferStats:
         assert self.p2r is not None
@@ -1127,6 +1139,8 @@ class RolloutWorker:
         storage; refused while the weights are torn."""
         self.rollout.check_servable()
         if target.adapter is not None:
+            lora = require_adapter(self.rollout, target.adapter)
+            lora.check_adapter_servable(target.adapter)
             return target.served(self.rollout), target.version(self.rollout), None
         return (
             self.rollout.served_weights(),
@@ -1359,6 +1373,8 @@ class RolloutWorker:
                     self._torn_park.hold_if_torn(self.weight_sync_timeout)
                 raise
             self._committed_at = time.time()
+        if not self.rollout.weights_torn:
+            self._torn_park.release()  # a park an earlier failed install took
         self._start_engine()
 
     def _staging_for(self, target: _Target) -> StagingArea:

@@ -23,7 +23,7 @@ from rollout_sync.lora import (
     random_adapter,
     require_adapter,
 )
-from rollout_sync.testing import EventLog, RecordingRollout
+from rollout_sync.testing import EventLog, RecordingRollout, weights_digest
 from rollout_sync.trainer import BroadcastCommandChannel, CommandKind, WeightSyncCommand
 from rollout_sync.worker import P2R, R2R, RolloutWorker, WorkerCommandChannel
 
@@ -66,6 +66,9 @@ class LoRAEngine(RecordingRollout):
     def adapter_version(self, name: str) -> int:
         return self.versions[name]
 
+    def check_adapter_servable(self, name: str) -> None:
+        self.adapters[name]  # noqa: B018 - KeyError for an unknown name; never torn here
+
     def commit_adapter_version(self, name: str, version: int) -> None:
         self.versions[name] = version
 
@@ -100,6 +103,9 @@ def test_an_adapter_set_names_every_target_and_its_alpha_and_refuses_a_wrong_one
     for bad, problem in ((wrong_rank, "shape"), (missing, "missing")):
         with pytest.raises(WeightMismatchError, match=problem):
             CONFIG.check(bad, SHAPES)
+    other_alpha = {**weights, ALPHA_KEY: torch.tensor(float("nan"))}
+    with pytest.raises(WeightMismatchError, match="manifest's alpha"):
+        CONFIG.check(other_alpha, SHAPES)
     with pytest.raises(ValueError, match="not linear layers"):
         adapter_specs(LoRAConfig(2, 4.0, ("layer.9",)), SHAPES)
     with pytest.raises(ValueError, match="rank"):
@@ -126,7 +132,7 @@ def test_an_adapter_sync_lands_in_its_slot_staged_and_leaves_the_weights_alone()
     assert result.committed_at is not None and result.weight_version == 0
     assert engine.log.events.count("load policy") == 1
     assert "pause:enter" in engine.log.events, "the install ran parked"
-    assert seen[0][0] == 7 and seen[0][1] is not None
+    assert seen[0][0] == 7 and weights_digest(seen[0][1]) == weights_digest(_adapter(1))
     assert worker.statistics().staging_bytes == sum(
         t.numel() * t.element_size() for t in _adapter(1).values()
     )

@@ -210,6 +210,48 @@ def test_a_reseed_runs_in_place_and_the_next_staged_subset_builds_on_it() -> Non
     assert worker.statistics().staged_discarded == 0, "nothing staged was thrown away"
 
 
+class _BreaksOnce(RecordingRollout):
+    """A background engine whose first load of a staged version fails part-way (torn)."""
+
+    def __init__(self) -> None:
+        super().__init__(EventLog(), {"a": torch.zeros(4), "b": torch.zeros(3)})
+        self.loads = 0
+
+    def start(self) -> None:
+        self.log.add("start")
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.log.add("stop")
+
+    def load_weights(
+        self, weights: Mapping[str, torch.Tensor], *, require_all: bool = True
+    ) -> None:
+        self.loads += 1
+        if self.loads == 2:
+            self.served_weights()["a"].fill_(-1.0)
+            raise RuntimeError("the engine's loader died part-way")
+        super().load_weights(weights, require_all=require_all)
+
+
+@pytest.mark.timeout(30)
+def test_a_failed_install_parks_a_background_engine_until_a_version_installs() -> None:
+    """An install that tears the weights after the vote keeps a background engine parked (it
+    must not resume on torn weights); the next staged version that installs lets it go."""
+    rollout = _BreaksOnce()
+    worker = RolloutWorker(rollout, mode=SyncMode.STAGED)
+    _sync(worker, WireTransfer(1, _weights(1.0)))
+    with pytest.raises(RuntimeError, match="part-way"):
+        _sync(worker, WireTransfer(2, _weights(2.0)))
+    assert rollout.weights_torn
+    events = rollout.log.events
+    assert events.count("pause:enter") == events.count("pause:exit") + 1, "held parked"
+    _sync(worker, WireTransfer(3, _weights(3.0)))
+    assert not rollout.weights_torn and rollout.weight_version == 3
+    events = rollout.log.events
+    assert events.count("pause:enter") == events.count("pause:exit"), "let go"
+    worker.close(10)
+
+
 def test_the_staging_area_keeps_a_staged_version_as_the_base_of_the_next() -> None:
     served = _weights(0.0)
     area = StagingArea(served)

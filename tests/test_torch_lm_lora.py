@@ -6,12 +6,12 @@ the wire, a bad set is refused whole, and the same refresh without the guard tea
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
 from typing import Any
 
 import pytest
 import torch
 from conftest import wait_until
+from test_staged import WireTransfer as AdapterWire  # an in-process wire
 from torch_lm_helpers import (  # noqa: F401 - one_torch_thread is an autouse fixture
     Runner,
     greedy_continuation,
@@ -37,8 +37,6 @@ from rollout_sync.errors import (
 from rollout_sync.lora import ALPHA_KEY, LoRAConfig, SupportsLoRA, random_adapter
 from rollout_sync.scheduler import GenerationRequest
 from rollout_sync.trace import SpanKind, Timeline
-from rollout_sync.transfer import TransferStats
-from rollout_sync.weights import check_weights_match, specs_of
 from rollout_sync.worker import P2R, RolloutWorker
 
 CONFIG = tiny_config()
@@ -53,47 +51,6 @@ def adapter_of(version: int, config: LoRAConfig = LORA) -> dict[str, torch.Tenso
     """The set a trainer sends as ``version`` of an adapter of ``config`` (large enough a
     scale that every version changes the greedy tokens)."""
     return random_adapter(config, SHAPES, seed=100 + version, scale=0.2)
-
-
-class AdapterWire:
-    """An in-process P2R of a tensor set (an adapter's, or the weights'): checks it against
-    ``into`` as a real transfer checks its manifest (whole, unless ``allow_subset``), then copies
-    it tensor by tensor. ``midway`` runs when half of it is written (the wire is busy)."""
-
-    is_source = False
-    backend = "gloo"
-
-    def __init__(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        self.version = version
-        self.tensors = tensors
-        self.midway: Any = None
-        self.targets: list[Mapping[str, torch.Tensor]] = []
-
-    def receive(
-        self,
-        into: Mapping[str, torch.Tensor],
-        *,
-        allow_subset: bool = True,
-        write_kind: str = SpanKind.WEIGHT_WRITE,
-        storage: torch.Tensor | None = None,
-    ) -> TransferStats:
-        self.targets.append(into)
-        check_weights_match(specs_of(self.tensors), into, require_all=not allow_subset)
-        for i, (name, tensor) in enumerate(self.tensors.items()):
-            if i == len(self.tensors) // 2 and self.midway is not None:
-                self.midway()
-            into[name].copy_(tensor)
-        n = len(self.tensors)
-        return TransferStats("receive", self.version, n, 1, 0, 0.0, 0.0, 0.0, n)
-
-    def relay(self, *args: Any, **kwargs: Any) -> TransferStats:
-        raise NotImplementedError
-
-    def send(self, *args: Any, **kwargs: Any) -> TransferStats:
-        raise NotImplementedError
-
-    def abort(self, reason: str) -> None:
-        pass
 
 
 def _sync(worker: RolloutWorker, wire: AdapterWire, adapter: str | None = None) -> Any:
@@ -214,14 +171,16 @@ def test_a_load_that_fails_part_way_tears_the_adapter_until_a_complete_version()
     broken[name] = torch.empty(broken[name].shape, dtype=torch.float64, device="meta")
     with pytest.raises((RuntimeError, NotImplementedError)):
         backend.load_adapter("a", broken)
-    assert backend.weights_torn
+    # The adapter is torn; the model's weights serve on.
+    assert not backend.weights_torn
     with pytest.raises(ValueError, match="adapter 'a' is torn"):
         backend.validate_request(GenerationRequest((1,), 2, adapter="a"))
-    with pytest.raises(TornWeightsError):
-        backend.generate([[1, 2]], max_new_tokens=2)
+    with pytest.raises(TornWeightsError, match="adapter 'a'"):
+        backend.check_adapter_servable("a")
+    assert backend.generate([[1, 2]], max_new_tokens=2)[0].ok
     backend.load_adapter("a", adapter_of(2))
     backend.commit_adapter_version("a", 2)
-    assert not backend.weights_torn
+    backend.check_adapter_servable("a")
     assert backend.generate([[1, 2]], max_new_tokens=2, adapter="a")[0].ok
 
 

@@ -22,14 +22,20 @@ from vllm_helpers import greedy_params  # first: it sets the environment vLLM re
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
-from rollout_sync import WeightMismatchError
+from rollout_sync import TornWeightsError, WeightMismatchError
 from rollout_sync.backends.vllm import (
     VLLMAsyncBackend,
     VLLMEngineConfig,
     VLLMLoRASettings,
     vllm_lora_shapes,
 )
-from rollout_sync.backends.vllm.lora import expected_slot, save_peft_adapter
+from rollout_sync.backends.vllm import backend as backend_module
+from rollout_sync.backends.vllm.lora import (
+    adapter_slot_matches,
+    expected_slot,
+    save_peft_adapter,
+)
+from rollout_sync.errors import WeightsNotLandedError
 from rollout_sync.lora import LoRAConfig, random_adapter
 from rollout_sync.testing.tiny_llama import build_tiny_llama, find_sync_split
 
@@ -144,6 +150,8 @@ def test_guarded_refresh_mid_request_is_exact(world: LoRAWorld) -> None:
     slot = backend.read_adapter_slot("policy")
     want = expected_slot(world.config, world.versions[2])
     assert all(torch.equal(slot[k], want[k]) for k in want)
+    assert adapter_slot_matches(backend, "policy", world.versions[2])
+    assert not adapter_slot_matches(backend, "policy", world.versions[1])
     # A new request sharing the prefix gets no block of the old set (a new lora_path).
     prefix = PROMPT + tokens[:140]
     assert world.continuation("policy", prefix, 8) == world.continuation("ref_b", prefix, 8)
@@ -327,3 +335,101 @@ def test_a_base_request_batched_with_lora_requests_is_the_base_model(world: LoRA
     for request in with_adapters:
         request.result(timeout=30)
     assert mixed.result(timeout=30).token_ids == base
+
+
+def test_a_refused_set_changes_nothing_and_tears_nothing(
+    world: LoRAWorld, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine refuses a set (its alpha made non-finite on the way, past the host's check):
+    torn=False, the adapter still serves what it served, nothing is marked torn."""
+    backend = world.backend
+    world.install(1)
+    access: Any = backend._access
+    real = access.rpc_all
+
+    def rpc_all(method: str, *args: Any, timeout: float) -> list[Any]:
+        if method == "rollout_sync_lora_install":
+            lora_id, name, data = args
+            args = (lora_id, name, {**data, "alpha": float("nan")})
+        return list(real(method, *args, timeout=timeout))
+
+    monkeypatch.setattr(access, "rpc_all", rpc_all)
+    with backend.paused(), pytest.raises(WeightsNotLandedError, match="not finite") as info:
+        backend.load_adapter("policy", world.versions[2])
+    monkeypatch.undo()
+    assert info.value.torn is False and not backend.weights_torn
+    backend.check_adapter_servable("policy")
+    assert adapter_slot_matches(backend, "policy", world.versions[1])
+
+
+def test_a_failed_install_tears_the_adapter_alone(
+    world: LoRAWorld, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-back that differs (injected) tears the adapter, not the weights: its request in
+    flight is aborted, new ones and check_adapter_servable are refused, the base model and the
+    other adapters serve on; a base tear is not cleared by the adapter's next set, which
+    clears the adapter's own."""
+    backend = world.backend
+    world.install(1)
+    request = backend.submit(PROMPT, greedy_params(LONG), adapter="policy")
+    request.wait_for_tokens(4, timeout=30)
+    real = backend_module.merged_reports
+
+    def differs(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        return {**real(reports), "problems": ["injected: the slot holds other values"]}
+
+    monkeypatch.setattr(backend_module, "merged_reports", differs)
+    with backend.paused(), pytest.raises(WeightsNotLandedError, match="injected") as info:
+        backend.load_adapter("policy", world.versions[2])
+    monkeypatch.undo()
+    assert info.value.torn is True and not backend.weights_torn
+    result = request.result(timeout=30)
+    assert not result.ok and "injected" in str(result.error) and len(result.token_ids) < LONG
+    with pytest.raises(TornWeightsError, match="'policy'"):
+        backend.check_adapter_servable("policy")
+    with pytest.raises(TornWeightsError, match="'policy'"):
+        backend.submit(PROMPT, greedy_params(4), adapter="policy")
+    assert backend.requests_in_flight == 0
+    backend.check_adapter_servable("ref_a")
+    assert backend.generate([PROMPT], greedy_params(4))[0].ok
+    assert len(world.continuation("ref_a", PROMPT, 4)) == 4
+    backend.mark_weights_torn("a base write failed (test)")
+    world.install(2)
+    backend.check_adapter_servable("policy")
+    assert backend.weights_torn  # the adapter's set does not clear a base tear
+    backend.commit_weight_version(backend.weight_version)
+    assert not backend.weights_torn
+    assert world.continuation("policy", PROMPT, 12) == world.continuation("ref_b", PROMPT, 12)
+
+
+def test_an_adapter_lost_in_a_base_write_is_torn_not_the_weights(
+    world: LoRAWorld, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine side reports an adapter it could not install again after a base write
+    (injected): that adapter is torn, the base version commits; its next set brings it back."""
+    backend = world.backend
+    world.install(1)
+    access: Any = backend._access
+    real = access.rpc_all
+
+    def rpc_all(method: str, *args: Any, timeout: float) -> list[Any]:
+        answers = real(method, *args, timeout=timeout)
+        if method == "rollout_sync_lora_state":
+            return [
+                {**a, "lost": {**a["lost"], "policy": "injected: not installed"}} for a in answers
+            ]
+        return list(answers)
+
+    monkeypatch.setattr(access, "rpc_all", rpc_all)
+    version = backend.weight_version + 1
+    with backend.paused():
+        backend.load_weights(world.initial_weights)
+        backend.commit_weight_version(version)
+    monkeypatch.undo()
+    assert backend.weight_version == version and not backend.weights_torn
+    with pytest.raises(TornWeightsError, match="lost in a base weight write"):
+        backend.check_adapter_servable("policy")
+    backend.check_adapter_servable("ref_b")
+    world.install(2)
+    backend.check_adapter_servable("policy")
+    assert adapter_slot_matches(backend, "policy", world.versions[2])

@@ -697,10 +697,17 @@ def _replica_report(
 ) -> dict[str, Any]:
     """One replica's part of the report; ``lora``: its weights are the demo's adapter."""
     sent = sender.statistics() if sender is not None else None
+    slot_ok = True
     if lora:
         served = require_adapter(worker.rollout, DEMO_ADAPTER)
-        final_digest = weights_digest(served.served_adapter(DEMO_ADAPTER))
+        tensors = served.served_adapter(DEMO_ADAPTER)
+        final_digest = weights_digest(tensors)
         final_version = served.adapter_version(DEMO_ADAPTER)
+        if hasattr(served, "read_adapter_slot"):
+            # vLLM serves from its own slot, not from these host tensors: read it back.
+            from ..backends.vllm.lora import adapter_slot_matches
+
+            slot_ok = adapter_slot_matches(served, DEMO_ADAPTER, tensors)  # type: ignore[arg-type]
     else:
         final_digest = weights_digest(_received_weights(worker))
         final_version = worker.rollout.weight_version
@@ -710,6 +717,7 @@ def _replica_report(
         "digests": digests,
         "final_digest": final_digest,
         "final_version": final_version,
+        "engine_slot_matches": slot_ok,
         "weights_torn": worker.rollout.weights_torn,
         "counters": engine.counters(),
         "superseded": (
@@ -1115,7 +1123,10 @@ def _plain_checks(trainer: dict[str, Any], replicas: list[dict[str, Any]]) -> _C
     return _Checks(
         versions_checked=versions_checked,
         step_mismatches=step_mismatches,
-        final_identical=all(rep["final_digest"] == trainer["final_digest"] for rep in replicas),
+        final_identical=all(
+            rep["final_digest"] == trainer["final_digest"] and rep.get("engine_slot_matches", True)
+            for rep in replicas
+        ),
         final_versions=[rep["final_version"] for rep in replicas],
         syncs=sum(rep["syncs"] for rep in replicas),
         model_nbytes=trainer.get("base_nbytes", trainer["nbytes"]),

@@ -620,9 +620,10 @@ class TorchLMBackend(RolloutBase):
             KeyError: no adapter ``name`` is served.
             WeightMismatchError: a module is missing or unknown, or a rank, shape or dtype does
                 not fit; nothing was written.
-            Whatever the copy raises part-way: the adapter and the engine's weights are then
-                marked torn (the engine refuses to generate until a complete version of the
-                adapter, or of the weights, commits).
+            Whatever the copy raises part-way: the adapter is then torn (requests on it are
+                refused, sequences on it fail at their next step, an R2R send of it is refused:
+                :meth:`check_adapter_servable`) until a complete version of it commits. The
+                model's weights and the other adapters serve on.
         """
         slot = self._slot(name)
         slot.config.check(tensors, tiny_lm_lora_shapes(self.config), context=f"adapter {name!r}")
@@ -637,7 +638,6 @@ class TorchLMBackend(RolloutBase):
                             target.copy_(tensor)
             except BaseException as exc:
                 slot.torn = f"load_adapter({name!r}) failed part-way: {type(exc).__name__}: {exc}"
-                self.mark_weights_torn(slot.torn)
                 raise
             finally:
                 slot.seq += 1
@@ -661,17 +661,23 @@ class TorchLMBackend(RolloutBase):
     def commit_adapter_version(self, name: str, version: int) -> None:
         """Record that a complete ``version`` of adapter ``name`` landed. It moves the
         adapter's epoch too (a transfer that wrote :meth:`served_adapter` directly still
-        invalidates the caches of sequences on it) and clears a tear this adapter's own
-        :meth:`load_adapter` made. Raises KeyError for an unknown name."""
+        invalidates the caches of sequences on it) and clears the adapter's tear. Raises
+        KeyError for an unknown name."""
         slot = self._slot(name)
         with self._write_lock:
             slot.epoch += 1
             slot.version = version
-            tear, slot.torn = slot.torn, None
-            if tear is not None and self._torn_reason == tear:
-                # The engine is torn by this adapter alone: the base's commit (of the version
-                # served) clears it; any other tear stays until a complete weight sync.
-                RolloutBase.commit_weight_version(self, self.weight_version)
+            slot.torn = None
+
+    def check_adapter_servable(self, name: str) -> None:
+        """Raise :class:`~rollout_sync.errors.TornWeightsError` if adapter ``name`` is torn
+        (a load failed part-way and no complete version landed since), KeyError if unknown."""
+        slot = self._slot(name)
+        if slot.torn is not None:
+            raise TornWeightsError(
+                f"adapter {name!r} of {type(self).__name__} is torn ({slot.torn}); a complete "
+                "version of it must land first"
+            )
 
     def _slot(self, name: str) -> AdapterSlot:
         slot = self._adapters.get(name)

@@ -20,14 +20,26 @@ with no adapter served. Tensor parallelism is out of scope: the engine refuses a
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from ...lora import ALPHA_KEY, LoRAConfig, adapter_specs, iter_modules, lora_delta
 
-if TYPE_CHECKING:
-    from . import TinyLMConfig
+
+class ModelDims(Protocol):
+    """What :func:`tiny_lm_lora_shapes` reads of a :class:`~rollout_sync.backends.torch_lm.
+    TinyLMConfig` (named structurally: this module sits below the package that defines it)."""
+
+    @property
+    def d_model(self) -> int: ...
+
+    @property
+    def d_ff(self) -> int: ...
+
+    @property
+    def n_layers(self) -> int: ...
+
 
 __all__ = ["LORA_TARGETS", "AdapterSlot", "LoRABatch", "tiny_lm_lora_shapes"]
 
@@ -35,7 +47,7 @@ LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
 """The linear layers of each block an adapter may target (``"blocks.{i}.{name}"``)."""
 
 
-def tiny_lm_lora_shapes(config: TinyLMConfig) -> dict[str, tuple[int, int]]:
+def tiny_lm_lora_shapes(config: ModelDims) -> dict[str, tuple[int, int]]:
     """Every linear layer of ``config``'s model an adapter may target, by module path
     (``"blocks.0.qkv"``), as ``(in_features, out_features)``: what
     :func:`~rollout_sync.lora.adapter_specs` and :meth:`~rollout_sync.lora.LoRAConfig.check`

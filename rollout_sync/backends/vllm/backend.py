@@ -61,6 +61,7 @@ from ...errors import (
     EngineCallTimeout,
     GenerationTimeout,
     PauseTimeout,
+    TornWeightsError,
     WeightsNotLandedError,
 )
 from ...lora import LoRAConfig
@@ -201,9 +202,6 @@ class _VLLMBackendBase(RolloutBase, Generic[A]):
         self._lora_engine: dict[str, Any] | None = None
         """The engine's LoRA description (settings, lora dtype, shapes) once it runs."""
         self._lora_lock = threading.Lock()
-        self._torn_by_adapter: str | None = None
-        """The adapter whose failed install marked the weights torn (its next commit clears
-        it), or ``None``."""
 
     def __enter__(self) -> Self:
         """Start the engine (if it is not started yet); :meth:`shutdown` it when the block ends."""
@@ -315,6 +313,10 @@ class _VLLMBackendBase(RolloutBase, Generic[A]):
             WeightsNotLandedError: the engine refused the write (nothing written), or a tensor
                 did not land (weights now torn; generation stays parked until a good sync).
             EngineCallTimeout: the engine did not answer within ``rpc_timeout`` (torn).
+
+        vLLM drops every adapter after a base write; the engine side installs them again in
+        the same call. One it could not is marked torn (:meth:`check_adapters_kept`), not the
+        weights: they landed, and their version can commit.
         """
         served = self._served_model()
         access = self._started()
@@ -329,7 +331,7 @@ class _VLLMBackendBase(RolloutBase, Generic[A]):
         )
         self._mirror(weights)
         access.after_write(self.kv_cache_policy)
-        self._check_adapters_kept(access)
+        self.check_adapters_kept()
 
     def _mirror(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copy landed ``weights`` that are not the receive buffers themselves into them."""
@@ -430,10 +432,16 @@ class _VLLMBackendBase(RolloutBase, Generic[A]):
             WeightMismatchError: the set does not fit the manifest (a wrong rank, a missing or
                 unknown module, a wrong dtype); nothing was sent.
             WeightsNotLandedError: the engine refused the set (``torn=False``: nothing
-                changed) or the install failed part-way or its read-back differs
-                (``torn=True``: the weights are marked torn, generation stays parked until a
-                set of this adapter, or a weight sync, lands).
-            EngineCallTimeout: the engine did not answer within ``rpc_timeout`` (torn).
+                changed, nothing is marked torn; the adapter serves what it served), or the
+                install failed part-way or its read-back differs (``torn=True``: the adapter
+                alone is torn, see :meth:`check_adapter_servable`).
+            EngineCallTimeout: the engine did not answer within ``rpc_timeout`` (the adapter
+                is torn).
+
+        A torn adapter: its requests in flight are aborted (their results carry the reason),
+        new ones are refused (:class:`~rollout_sync.TornWeightsError`), and so is an R2R send
+        of it, until a set of its own lands here; the model's weights and the other adapters
+        serve on, and a weight sync does not bring it back.
         """
         table = self._adapter_table()
         adapter = table.get(name)
@@ -443,6 +451,7 @@ class _VLLMBackendBase(RolloutBase, Generic[A]):
             if access is not None:
                 access.check_write_allowed(type(self).__name__)
                 self._install(access, adapter, tensors, context=f"adapter {name!r}")
+                access.after_write(self.kv_cache_policy)
             with torch.no_grad():
                 for key, tensor in tensors.items():
                     mirror = adapter.tensors[key]
@@ -455,14 +464,27 @@ class _VLLMBackendBase(RolloutBase, Generic[A]):
 
     def commit_adapter_version(self, name: str, version: int) -> None:
         """Record that ``version`` of adapter ``name`` landed (results date their tokens by
-        it). A torn state its own failed install caused is cleared, and generation resumes
-        (outside a pause)."""
+        it). It touches neither the model's weights' state nor the adapter's tear (which only
+        a set of it that lands clears: :meth:`load_adapter`)."""
         adapter = self._adapter_table().get(name)
         adapter.version = version
         adapter.history.commit(version, time.monotonic())
-        if self._torn_by_adapter == name and self.weights_torn:
-            self._torn_by_adapter = None
-            self._recovered()
+
+    def check_adapter_servable(self, name: str) -> None:
+        """Raise :class:`~rollout_sync.TornWeightsError` while adapter ``name`` is torn: an
+        install of it failed part-way, or the engine lost it when a base weight write dropped
+        every adapter; until a set of its own lands (:meth:`load_adapter`). No engine call.
+
+        Raises:
+            KeyError: no adapter ``name``.
+            TornWeightsError: it is torn (the reason says why).
+        """
+        torn = self._adapter_table().get(name).torn
+        if torn is not None:
+            raise TornWeightsError(
+                f"{type(self).__name__} refuses adapter {name!r}: {torn}. A complete set of "
+                "it must land first (load_adapter); a weight sync does not bring it back."
+            )
 
     def read_adapter_slot(self, name: str) -> dict[str, torch.Tensor]:
         """What the engine computes adapter ``name`` with, read from its vLLM slot: for each
@@ -548,7 +570,7 @@ class _VLLMBackendBase(RolloutBase, Generic[A]):
                 timeout=self.rpc_timeout,
             )
         except BaseException as exc:
-            self._adapter_torn(adapter.name, f"the engine call failed: {type(exc).__name__}: {exc}")
+            self._adapter_torn(adapter, f"the engine call failed: {type(exc).__name__}: {exc}")
             raise
         report = merged_reports(reports)
         if report["refused"]:
@@ -557,44 +579,75 @@ class _VLLMBackendBase(RolloutBase, Generic[A]):
             )
         if report.get("error") or report["problems"]:
             why = [str(report["error"])] if report.get("error") else list(report["problems"])
-            self._adapter_torn(adapter.name, "; ".join(why[:3]))
+            self._adapter_torn(adapter, "; ".join(why[:3]))
             raise WeightsNotLandedError(
                 why,
                 torn=True,
-                context=f"{context}: the install did not land in the slot the engine computes with",
+                context=f"{context}: the install did not land in the slot the engine computes "
+                f"with; adapter {adapter.name!r} is torn (the model's weights are not)",
             )
         adapter.in_engine = True
+        adapter.torn = None  # its own complete set landed
         self._writer.last_write_ms = float(report.get("install_ms", math.nan))
         self._writer.last_verify_ms = float(report.get("verify_ms", math.nan))
 
-    def _adapter_torn(self, name: str, why: str) -> None:
-        self._torn_by_adapter = name
-        self.mark_weights_torn(f"adapter {name!r} did not land: {why}")
-
-    def _recovered(self) -> None:
-        """Clear a torn state (the adapter that caused it landed since) and let generation go
-        on; the async backend resumes its engine outside a pause."""
-        RolloutBase.commit_weight_version(self, self.weight_version)
-
-    def _check_adapters_kept(self, access: A) -> None:
-        """After a base weight write (vLLM drops every adapter, the engine side installs them
-        again): mark the weights torn if one could not be."""
-        table = self._adapters
-        if table is None or not any(a.in_engine for a in table):
+    def _adapter_torn(self, adapter: ServedAdapter, why: str) -> None:
+        """Mark ``adapter`` alone torn and abort its requests in flight: vLLM would load an
+        adapter it no longer holds from the request's ``lora_path``, which is no directory (an
+        error inside the engine's step). The model's weights are not marked."""
+        reason = f"adapter {adapter.name!r} is not served as sent: {why}"
+        with self._requests_lock:  # with _new_request's check: no request slips in between
+            adapter.torn = reason
+            doomed = [
+                r for r in self._in_flight.values() if r.adapter == adapter.name and not r.done
+            ]
+        if not doomed:
             return
-        states: list[dict[str, Any]] = access.rpc_all(
-            "rollout_sync_lora_state", timeout=self.rpc_timeout
-        )
-        lost = {n: why for state in states for n, why in state["lost"].items()}
-        if lost:
-            name, why = next(iter(lost.items()))
-            self._adapter_torn(name, f"not installed again after the weight write: {why}")
-            raise WeightsNotLandedError(
-                [f"adapter {n!r}: {w}" for n, w in lost.items()],
-                torn=True,
-                context="the weights landed, but vLLM dropped the adapters and one could not "
-                "be installed again",
+        try:
+            self._abort_requests(doomed, f"aborted: {reason}")
+        except Exception as exc:
+            # They would step on the lost adapter: keep the engine parked instead (until a
+            # complete weight sync; the adapter's own set does not clear this).
+            if not self.weights_torn:
+                self.mark_weights_torn(
+                    f"{reason}; {len(doomed)} request(s) on it could not be aborted: "
+                    f"{type(exc).__name__}: {exc}"
+                )
+
+    def _abort_requests(self, requests: Sequence[VLLMRequest], why: str) -> None:
+        """End ``requests`` with ``why`` as their error, then abort them in the engine."""
+        raise NotImplementedError
+
+    def check_adapters_kept(self) -> list[str]:
+        """After a base weight write (vLLM drops every adapter; the engine side installs them
+        again in the same call): mark torn each adapter that could not be installed again, and
+        return their names. The model's weights are not marked: they landed. If the engine
+        cannot say, every adapter it held is marked. :meth:`load_weights` calls it; so does
+        :class:`~.client.GuardedWeightSyncClient` after a native update, before it commits."""
+        table = self._adapters
+        access = self._access
+        if table is None or access is None:
+            return []
+        held = [a for a in table if a.in_engine and a.torn is None]
+        if not held:
+            return []
+        try:
+            states: list[dict[str, Any]] = access.rpc_all(
+                "rollout_sync_lora_state", timeout=self.rpc_timeout
             )
+            lost = {n: why for state in states for n, why in state["lost"].items()}
+        except Exception as exc:
+            lost = {
+                a.name: f"the engine did not say whether it kept it: {type(exc).__name__}: {exc}"
+                for a in held
+            }
+        marked = []
+        for adapter in held:
+            why = lost.get(adapter.name)
+            if why is not None:
+                self._adapter_torn(adapter, f"lost in a base weight write: {why}")
+                marked.append(adapter.name)
+        return marked
 
     def weight_sync_client(self, timeout_s: float | None = None) -> Any:
         """vLLM's weight-sync client protocol over this backend's engine (starting it if
@@ -669,9 +722,12 @@ class _VLLMBackendBase(RolloutBase, Generic[A]):
         request_id: str | None,
         adapter: str | None = None,
     ) -> tuple[VLLMRequest, Any]:
-        """A request and its ``LoRARequest`` (``None`` on the base model)."""
+        """A request and its ``LoRARequest`` (``None`` on the base model). Raises
+        :class:`~rollout_sync.TornWeightsError` on a torn adapter (never a request vLLM would
+        try to load it from disk for)."""
         lora: Any = None
         history: VersionHistory | None = None
+        served: ServedAdapter | None = None
         if adapter is not None:
             served = self._adapter_table().get(adapter)
             lora, history = self.lora_request(adapter), served.history
@@ -680,6 +736,8 @@ class _VLLMBackendBase(RolloutBase, Generic[A]):
             rid, prompt_token_ids, self._versions, adapter=adapter, adapter_versions=history
         )
         with self._requests_lock:
+            if served is not None and served.torn is not None:
+                self.check_adapter_servable(served.name)
             if rid in self._in_flight:
                 raise ValueError(f"request id {rid!r} is already in flight")
             self._in_flight[rid] = request
@@ -865,9 +923,9 @@ class VLLMAsyncBackend(_VLLMBackendBase[AsyncLLMAccess]):
         ``adapter``: run it on that LoRA adapter (vLLM's ``LoRARequest``, never
         ``load_inplace``); its result dates each token by the adapter's version too.
 
-        Raises :class:`~rollout_sync.TornWeightsError` while the weights are torn,
-        :class:`KeyError` for an adapter not served, and :class:`RuntimeError` before the
-        engine is started.
+        Raises :class:`~rollout_sync.TornWeightsError` while the weights or ``adapter`` are
+        torn (:meth:`check_adapter_servable`), :class:`KeyError` for an adapter not served,
+        and :class:`RuntimeError` before the engine is started.
         """
         access = self._started()
         engine, loop = access.engine, access.loop
@@ -921,6 +979,17 @@ class VLLMAsyncBackend(_VLLMBackendBase[AsyncLLMAccess]):
             await engine.abort(request.request_id)
 
         access.run(abort(), timeout, f"aborting request {request.request_id}")
+
+    def _abort_requests(self, requests: Sequence[VLLMRequest], why: str) -> None:
+        access = self._started()
+        engine, ids = access.engine, [r.request_id for r in requests]
+
+        async def abort() -> None:
+            await engine.abort(ids)
+
+        for request in requests:  # first: the abort's own final output must not end them
+            self._end_request(request, why)
+        access.run(abort(), self.rpc_timeout, f"aborting {len(ids)} request(s)")
 
     # -- the pause ---------------------------------------------------------------------------
 
@@ -1029,12 +1098,6 @@ class VLLMAsyncBackend(_VLLMBackendBase[AsyncLLMAccess]):
         with self._park_lock:
             self._park_locked(self.pause_timeout)
 
-    def _recovered(self) -> None:
-        super()._recovered()
-        with self._park_lock:
-            if self._pause_depth == 0:
-                self._unpark_locked(self.pause_timeout)
-
     @property
     def parked(self) -> bool:
         return self._parked
@@ -1139,6 +1202,8 @@ class VLLMBlockingBackend(_VLLMBackendBase[LLMAccess]):
         self.ensure_initialized()
         access = self._started()
         self.check_servable()
+        if adapter is not None:
+            self.check_adapter_servable(adapter)
         if not self._generate_lock.acquire(timeout=timeout):
             raise GenerationTimeout(
                 f"generate() waited {timeout:.1f} s for another generate() call "
@@ -1148,7 +1213,15 @@ class VLLMBlockingBackend(_VLLMBackendBase[LLMAccess]):
 
         engine = access.llm.llm_engine
         params = sampling_params if sampling_params is not None else greedy_params(64)
-        made = [self._new_request(p, None, adapter) for p in prompts]
+        made: list[tuple[VLLMRequest, Any]] = []
+        try:
+            for prompt in prompts:
+                made.append(self._new_request(prompt, None, adapter))
+        except BaseException as exc:
+            for request, _lora in made:
+                self._end_request(request, f"{type(exc).__name__}: {exc}")
+            self._generate_lock.release()
+            raise
         requests = [request for request, _lora in made]
         by_id = {r.request_id: r for r in requests}
         deadline = time.monotonic() + timeout
@@ -1190,6 +1263,12 @@ class VLLMBlockingBackend(_VLLMBackendBase[LLMAccess]):
         for request in requests:
             self._end_request(request, "the engine reported no end for this request")
         return [r.result(0) for r in requests]
+
+    def _abort_requests(self, requests: Sequence[VLLMRequest], why: str) -> None:
+        # On the generating thread (a step hook) or idle: check_write_allowed refused others.
+        for request in requests:
+            self._end_request(request, why)
+        self._started().llm.llm_engine.abort_request([r.request_id for r in requests])
 
     def statistics(self) -> VLLMBackendStatistics:
         return self._statistics(False, 0)

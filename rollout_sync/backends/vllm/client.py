@@ -39,7 +39,9 @@ What it pauses:
   :class:`~rollout_sync.backends.vllm.VLLMAsyncBackend` whose engine the client updates; its
   own ``paused()`` parks (its KV policy applies), ``mark_weights_torn`` and
   ``commit_weight_version`` keep its bookkeeping (results' versions, refusing requests while
-  torn) right;
+  torn) right; a backend serving LoRA adapters is asked, before the commit, whether vLLM's
+  drop of every adapter at the end of the update lost one (``check_adapters_kept``: that
+  adapter is marked torn, not the weights). Without ``rollout=`` nothing asks;
 * ``pauser=``: anything with ``pause_generation(mode=, clear_cache=)`` and
   ``resume_generation()``;
 * otherwise the inner client itself when it has those methods
@@ -764,6 +766,11 @@ class GuardedWeightSyncClient:
             self.fence(self.timeout)
         fenced = time.perf_counter()
         if self.rollout is not None:
+            # vLLM dropped every adapter at the end of the update and the engine side installed
+            # them again: one it could not is marked torn on the backend (not the weights).
+            kept = getattr(self.rollout, "check_adapters_kept", None)
+            if callable(kept):
+                kept()
             # Also clears torn weights left by an earlier failure (and so the backend resumes
             # when its pause ends).
             self.rollout.commit_weight_version(

@@ -37,7 +37,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -48,6 +48,7 @@ __all__ = [
     "ADAPTER_PATH_SCHEME",
     "AdapterTable",
     "ServedAdapter",
+    "adapter_slot_matches",
     "expected_slot",
     "peft_tensors",
     "save_peft_adapter",
@@ -174,6 +175,32 @@ def expected_slot(
     return out
 
 
+class AdapterSlotReader(Protocol):
+    """What :func:`adapter_slot_matches` reads: a vLLM backend serving adapters."""
+
+    def adapter_config(self, name: str) -> LoRAConfig: ...
+
+    def read_adapter_slot(self, name: str) -> dict[str, torch.Tensor]: ...
+
+
+def adapter_slot_matches(
+    backend: AdapterSlotReader, name: str, tensors: Mapping[str, torch.Tensor]
+) -> bool:
+    """Whether the vLLM slot of adapter ``name`` holds ``tensors`` (a whole adapter set, names
+    as :func:`~rollout_sync.lora.adapter_specs` gives them, any device) bit for bit:
+    ``backend.read_adapter_slot(name)`` equals :func:`expected_slot` of the adapter's config
+    and ``tensors``, the same names, shapes, dtypes and values. One engine call.
+
+    Raises:
+        KeyError: no adapter ``name`` (or ``tensors`` lacks a tensor of its config).
+    """
+    slot = backend.read_adapter_slot(name)
+    want = expected_slot(backend.adapter_config(name), tensors)
+    return slot.keys() == want.keys() and all(
+        slot[k].dtype == want[k].dtype and torch.equal(slot[k], want[k]) for k in want
+    )
+
+
 # -- the host side: which adapters a backend serves --------------------------------------------
 
 
@@ -193,6 +220,10 @@ class ServedAdapter:
     in_engine: bool = False
     """Whether the engine holds it (created at start, or when added to a started engine)."""
     history: VersionHistory = field(default_factory=VersionHistory)
+    torn: str | None = None
+    """Why requests on it are refused (``None``: servable): an install of it failed part-way,
+    or the engine lost it when a base weight write dropped every adapter. Only a set of its
+    own that lands clears it; a weight sync does not."""
 
     @property
     def lora_path(self) -> str:
