@@ -302,10 +302,9 @@ def _member(
             """Every command's outcome, for the controller's torn and mixed-version counts."""
             if not isinstance(result.command, (P2R, R2R)):
                 return
-            # committed_at is when this command committed a version; one made before the
-            # command started (a re-seed's, outside any command) is not this command's.
-            started = time.time() - result.elapsed_s
-            committed = result.committed_at is not None and result.committed_at >= started
+            # committed_at is set only by a commit inside this command (the worker resets it
+            # at each command's start: a re-seed's, outside any command, is not counted).
+            committed = result.committed_at is not None
             if committed:
                 # The served weights right after the commit: only this thread writes them.
                 digest = weights_digest(backend.served_weights())

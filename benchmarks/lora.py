@@ -14,7 +14,8 @@ are reported too: ``adapter_gap_ms``, ``base_gap_ms``).
 
 The last line is one JSON object: ``adapter_over_full_sync`` (median adapter sync time over
 median full sync time), ``adapter_stall_ms`` / ``base_stall_ms`` (medians),
-``adapter_sync_ms``, ``full_sync_ms``, ``adapter_install_ms`` (parked, medians),
+``adapter_sync_ms``, ``full_sync_ms``, ``adapter_install_ms``, ``full_install_ms`` (parked,
+medians), ``rounds``, ``rank`` (the adapter's),
 ``bit_identical`` (every adapter version read back from vLLM's slot equals the trainer's,
 bit for bit), ``adapter_mb``, ``full_mb``, ``decode_step_ms``.
 

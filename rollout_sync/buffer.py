@@ -55,8 +55,6 @@ __all__ = [
 
 T = TypeVar("T")
 
-_ASYNC_MODES = (SyncMode.ASYNC_PER_GENERATION, SyncMode.ASYNC_PER_FORWARD)
-
 
 @dataclass(frozen=True)
 class BufferStatistics:
@@ -118,7 +116,7 @@ class WeightBuffer:
         fence_timeout_s: float = 60.0,
         reverse_fence: bool = True,
     ) -> None:
-        if mode not in _ASYNC_MODES:
+        if not mode.is_async:
             raise ValueError(
                 f"a WeightBuffer serves an async mode, got {mode}; "
                 "SyncMode.SYNC writes the served tensors directly"

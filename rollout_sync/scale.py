@@ -162,6 +162,12 @@ class Topology(enum.Enum):
         """Whether the package runs this topology today (else the model alone speaks)."""
         return self is not Topology.SHARDED_PIPELINED
 
+    @classmethod
+    def _missing_(cls, value: object) -> Topology | None:
+        """``"sharded"``, the value :attr:`SHARDED` had before sharding landed (in the
+        ``topology`` of an older benchmark JSON), reads back as :attr:`SHARDED_PIPELINED`."""
+        return cls.SHARDED_PIPELINED if value == "sharded" else None
+
 
 @dataclass(frozen=True)
 class Scenario:

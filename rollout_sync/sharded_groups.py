@@ -198,6 +198,11 @@ class TreeRelay:
     def is_source(self) -> bool:
         return False
 
+    @property
+    def backend(self) -> str:
+        """Its groups' backend, for the NCCL rule (both hops run on it)."""
+        return self.incoming.backend
+
     def receive(
         self,
         into: Mapping[str, torch.Tensor],

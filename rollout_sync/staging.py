@@ -96,6 +96,11 @@ class StagingArea:
                     name: t.detach().to(device=device or t.device, copy=True)
                     for name, t in served.items()
                 }
+        self._nbytes = (
+            int(self.storage.numel() * self.storage.element_size())
+            if self.storage is not None
+            else sum(t.numel() * t.element_size() for t in self.tensors.values())
+        )
         self._state = StagingState.SERVED
         self._version: int | None = None
         self._receiving = False
@@ -121,10 +126,8 @@ class StagingArea:
 
     @property
     def nbytes(self) -> int:
-        """The memory the copy takes."""
-        if self.storage is not None:
-            return int(self.storage.numel() * self.storage.element_size())
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        """The memory the copy takes (fixed when it was made)."""
+        return self._nbytes
 
     @property
     def state(self) -> StagingState:

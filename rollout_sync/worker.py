@@ -1015,7 +1015,9 @@ class RolloutWorker:
     """A re-seed send from the served weights, guarded like an R2R send."""
 
     def statistics(self) -> WorkerStatistics:
-        """The running totals since construction, and the engine's state; constant time."""
+        """The running totals since construction, and the engine's state; constant time (and
+        one term per staging area: the weights' and each adapter's)."""
+        stagings = tuple(self._stagings.values())  # a snapshot: the loop thread may add one
         with self._lock:
             return WorkerStatistics(
                 commands=self._commands,
@@ -1027,8 +1029,8 @@ class RolloutWorker:
                 engine_started=self._engine_started,
                 failed_syncs=self._failed_syncs,
                 sync_reports_total=self._reports,
-                staging_bytes=sum(s.nbytes for s in self._stagings.values()),
-                staged_discarded=sum(s.discarded for s in self._stagings.values()),
+                staging_bytes=sum(s.nbytes for s in stagings),
+                staged_discarded=sum(s.discarded for s in stagings),
             )
 
     # -- guard hooks -------------------------------------------------------------------------
@@ -1077,13 +1079,24 @@ class RolloutWorker:
 
     def _refuse_async_adapter(self, command: P2R | R2R) -> None:
         """An adapter sync runs on the loop thread; in an async mode the weight-sync thread
-        runs collectives on the same groups, so the two could interleave."""
+        runs collectives on the same groups, so the two could interleave. And an adapter is
+        staged in every mode, so its receive runs beside the forwards: the NCCL rule applies
+        as to a staged sync, whatever the worker's mode."""
+        what = f"{type(command).__name__}(adapter={command.adapter!r})"
         if self.weight_sync_mode.is_async:
             raise RolloutSyncError(
-                f"{type(command).__name__}(adapter={command.adapter!r}) on a worker in "
-                f"{self.weight_sync_mode.value} mode: adapter syncs run in the sync or staged "
-                "modes only (an async mode's weight-sync thread shares the groups)"
+                f"{what} on a worker in {self.weight_sync_mode.value} mode: adapter syncs run "
+                "in the sync or staged modes only (an async mode's weight-sync thread shares "
+                "the groups)"
             )
+        check_two_communicators(
+            self.rollout,
+            (self.p2r, self.r2r),
+            SyncMode.STAGED,
+            what=what,
+            remedy="An adapter is always received beside generation: give the P2R and R2R "
+            "transfers a gloo group (RolloutWorker(staging_device='cpu'))",
+        )
 
     def _receive_p2r(self, command: P2R) -> TransferStats:
         assert self.p2r is not None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -153,3 +154,36 @@ def test_the_sharded_options_reach_the_job_and_its_report_names_the_layout(
         "2 trainer ranks (FSDP shards) -> 3 replicas x 2 tensor-parallel ranks (8 processes)" in out
     )
     assert json.loads(out.strip().splitlines()[-1])["tp"] == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "mode", "lora"),
+    [
+        (["--staged"], "staged", False),
+        (["--mode", "staged"], "staged", False),
+        (["--lora"], "sync", True),
+        (["--staged", "--lora", "--backend", "vllm"], "staged", True),
+    ],
+)
+def test_the_staged_and_lora_options_reach_the_job(
+    argv: list[str], mode: str, lora: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--staged` is `--mode staged` on the stream LM (the default engine) and on vLLM, and
+    `--lora` reaches the job as documented (docs/staged.md, docs/lora.md)."""
+    seen: list[cli.DistributedDemoConfig] = []
+
+    def run(config: cli.DistributedDemoConfig, timeline: object, **_: object) -> dict[str, Any]:
+        seen.append(config)
+        return {
+            "guarded": True,
+            "torn_reads": 0,
+            "egress_overlaps": 0,
+            "bit_identical": True,
+            "payloads_lost": 0,
+        }
+
+    monkeypatch.setattr(cli, "run_distributed_demo", run)
+    assert main(["demo", "--json", *argv]) == 0
+    (config,) = seen
+    assert (config.mode.value, config.lora) == (mode, lora)
+    assert config.backend == ("vllm" if "vllm" in argv else "torch_lm")

@@ -55,9 +55,10 @@ def _by_pid(timeline: Timeline, kind: str) -> dict[int, list[Span]]:
         (False, SyncMode.SYNC, False),
         (True, SyncMode.SYNC, False),
         (False, SyncMode.STAGED, False),
+        (True, SyncMode.STAGED, False),
         (False, SyncMode.SYNC, True),
     ],
-    ids=["p2r_then_r2r", "pipelined", "staged", "lora"],
+    ids=["p2r_then_r2r", "pipelined", "staged", "staged_pipelined", "lora"],
 )
 def test_the_default_demo_is_clean_bit_identical_and_loses_no_payload(
     pipelined_relay: bool, mode: SyncMode, lora: bool

@@ -13,7 +13,7 @@ import torch
 from test_staged import WireTransfer
 
 from rollout_sync import SyncMode
-from rollout_sync.errors import StagedCommitAborted, WeightMismatchError
+from rollout_sync.errors import StagedCommitAborted, TwoCommunicatorsRefused, WeightMismatchError
 from rollout_sync.lora import (
     ALPHA_KEY,
     LoRAConfig,
@@ -174,3 +174,21 @@ def test_the_trainer_announces_an_adapter_and_the_channel_makes_adapter_commands
     assert relay.commands_for(announcement)[0] == (1, P2R(step=3, relay=True, adapter="policy"))
     with pytest.raises(ValueError, match="WorkerCommandChannel"):
         BroadcastCommandChannel().announce(announcement, 1.0)
+
+
+def test_an_adapter_sync_keeps_the_nccl_rule_even_on_a_sync_mode_worker() -> None:
+    """An adapter is staged in every mode, so its receive runs beside the forwards: over NCCL
+    beside NCCL forwards it is refused, however the worker syncs the model."""
+
+    class NcclForwards(LoRAEngine):
+        def forward_collectives(self) -> frozenset[str]:
+            return frozenset({"nccl"})
+
+    engine = NcclForwards()
+    engine.add_adapter("policy", CONFIG)
+    nccl = WireTransfer(1, _adapter(1))
+    nccl.backend = "nccl"  # type: ignore[misc]
+    worker = RolloutWorker(engine, p2r=nccl)  # SYNC: the model's receive runs parked
+    with pytest.raises(TwoCommunicatorsRefused, match="gloo"):
+        _sync(worker, nccl, "policy")
+    assert engine.adapter_version("policy") == 0

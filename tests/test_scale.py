@@ -146,6 +146,7 @@ def test_the_sharded_two_hop_design_is_p2r_by_shards_then_r2r_per_gpu_in_series(
     assert pipelined.refit_s == pytest.approx(1.59)
     assert not pipelined.implemented and "not implemented" in str(pipelined)
     assert Topology.SHARDED is Topology.SHARDED_PIPELINED  # its name from before
+    assert Topology("sharded") is Topology.SHARDED_PIPELINED  # and its value from before
     # With one replica, P2R alone.
     assert estimate(Topology.SHARDED_TWO_HOP, _sharded(replicas=1)).refit_s == pytest.approx(p2r)
 

@@ -4,13 +4,14 @@ replica of a sync or on none; the NCCL rule; the staging area's memory."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import pytest
 import torch
-from conftest import wait_until
 from torch_lm_helpers import (  # noqa: F401 - one_torch_thread is an autouse fixture
+    ForwardCounter,
     greedy_continuation,
     one_torch_thread,
     tiny_config,
@@ -19,17 +20,18 @@ from torch_lm_helpers import (  # noqa: F401 - one_torch_thread is an autouse fi
 
 from rollout_sync import SyncMode
 from rollout_sync.backends.torch_lm import TorchLMStreamBackend
+from rollout_sync.demos.distributed import version_skew_ms_max
 from rollout_sync.errors import (
     ChecksumMismatchError,
-    RolloutSyncTimeout,
     StagedCommitAborted,
     TwoCommunicatorsRefused,
     WeightTransferError,
 )
+from rollout_sync.sharded_groups import TreeRelay
 from rollout_sync.staging import StagingArea, StagingState, check_two_communicators
 from rollout_sync.testing import EventLog, RecordingRollout, run_group, weights_digest
-from rollout_sync.trace import SpanKind, Timeline
-from rollout_sync.transfer import TransferConfig, TransferHooks, TransferStats
+from rollout_sync.trace import Span, SpanKind, Timeline, token_rates_in_windows
+from rollout_sync.transfer import ShardedTransfer, TransferConfig, TransferHooks, TransferStats
 from rollout_sync.weights import check_weights_match, specs_of
 from rollout_sync.worker import P2R, R2R, RolloutWorker, build_sync_groups
 
@@ -106,19 +108,19 @@ def test_staged_generation_runs_during_the_wire_and_the_tokens_are_exact(mode: S
     backend, worker = _stream_worker(mode)
     try:
         _sync(worker, WireTransfer(1, weights_of(config, 1)))  # starts the engine
+        forwards = ForwardCounter(backend)
         prompts = {
             backend.put(p, max_new_tokens=40): tuple(p) for p in ([1, 2, 3], [4, 5, 6, 7], [8])
         }
-        wait_until(lambda: backend.statistics().forwards >= 3, 20, "decoding to start")
+        assert forwards.wait_for(3, 20), "decoding did not start"
         during: list[int] = []
 
         def midway() -> None:
-            start = backend.statistics().forwards
-            try:
-                wait_until(lambda: backend.statistics().forwards >= start + 3, 2.0, "decoding")
-            except (AssertionError, RolloutSyncTimeout, TimeoutError):
-                pass  # parked (in place): counted as no progress below
-            during.append(backend.statistics().forwards - start)
+            start = forwards.count
+            # Staged, three forwards come at once; parked (in place) none can, so this wait
+            # runs out on purpose and counts what came.
+            forwards.wait_for(start + 3, 2.0)
+            during.append(forwards.count - start)
 
         wire = WireTransfer(2, weights_of(config, 2))
         wire.midway = midway
@@ -282,6 +284,8 @@ def test_a_staged_nccl_receive_beside_nccl_forwards_is_refused() -> None:
     assert "SyncMode.SYNC" in str(caught.value) and "gloo" in str(caught.value)
     with pytest.raises(TwoCommunicatorsRefused):
         check_two_communicators(rollout, [None, nccl], SyncMode.ASYNC_PER_FORWARD)
+    # Every transfer the worker drives says its backend, sharded ones and tree relays too.
+    assert all(hasattr(cls, "backend") for cls in (ShardedTransfer, TreeRelay))
     # Parked (SYNC), or over gloo, or beside forwards without NCCL collectives: allowed.
     RolloutWorker(rollout, mode=SyncMode.SYNC, p2r=nccl)
     RolloutWorker(rollout, mode=SyncMode.STAGED, p2r=WireTransfer(1, _weights(1.0)))
@@ -322,6 +326,7 @@ def _two_phase_job(rank: int) -> dict[str, Any]:
             p2r = worker.handle(P2R(step=version))
             assert p2r.ok, p2r.error
             assert rollout.weight_version == 0, "held until the R2R vote"
+            assert p2r.committed_at is None, "the P2R committed nothing: it holds the version"
         r2r = worker.handle(R2R(step=version))
         if not r2r.ok:
             assert r2r.exception is not None
@@ -353,3 +358,20 @@ def test_a_version_lands_on_every_replica_or_on_none() -> None:
     assert [second[r]["version"] for r in (1, 2, 3)] == [2, 2, 0]
     assert second[3]["errors"] == [ChecksumMismatchError.__name__]
     assert not any(r["torn"] for r in second.values())
+
+
+def test_version_skew_and_sync_window_token_rates_measure_what_the_report_says() -> None:
+    # Per version, the spread of the times the replicas first served it or a later one.
+    assert version_skew_ms_max([{1: 1.0, 2: 2.0}, {1: 1.004, 2: 2.010}]) == pytest.approx(10)
+    assert version_skew_ms_max([{1: 1.0, 3: 3.0}, {2: 2.0, 3: 3.001}]) == pytest.approx(1000)
+    assert version_skew_ms_max([{1: 5.0}]) == 0 and math.isnan(version_skew_ms_max([{}, {}]))
+    # One process: 4 steps of batch 2 in a 1 s window, 2 steps of batch 2 in 3 s outside it.
+    s = 1_000_000_000
+
+    def span(kind: str, start: float, end: float, **args: Any) -> Span:
+        return Span(kind, "x", int(start * s), int(end * s), 1, 1, args)
+
+    forwards = [span(SpanKind.FORWARD, t, t + 0.1, batch=2) for t in (0.0, 2.0, 2.2, 2.4, 2.6)]
+    forwards.append(span(SpanKind.FORWARD, 3.9, 4.0, batch=2))
+    inside, outside = token_rates_in_windows(forwards, [span(SpanKind.SYNC, 2.0, 3.0)])
+    assert inside == pytest.approx(8.0) and outside == pytest.approx(4 / 3)

@@ -13,6 +13,7 @@ import torch
 from conftest import wait_until
 from test_staged import WireTransfer as AdapterWire  # an in-process wire
 from torch_lm_helpers import (  # noqa: F401 - one_torch_thread is an autouse fixture
+    ForwardCounter,
     Runner,
     greedy_continuation,
     greedy_lora_continuation,
@@ -29,7 +30,6 @@ from rollout_sync.backends.torch_lm import (
 )
 from rollout_sync.backends.torch_lm.tensor_parallel import TensorParallel
 from rollout_sync.errors import (
-    RolloutSyncTimeout,
     StagedCommitAborted,
     TornWeightsError,
     WeightMismatchError,
@@ -205,17 +205,15 @@ def test_an_adapter_refresh_mid_request_gives_exact_tokens(mode: SyncMode) -> No
         _sync(worker, AdapterWire(1, base))  # starts the engine
         _sync(worker, AdapterWire(1, adapter_of(1)), adapter="a")
         _sync(worker, AdapterWire(1, adapter_of(1, ATTN_ONLY)), adapter="b")
+        forwards = ForwardCounter(backend)
         ids = {backend.put(p, max_new_tokens=n, adapter=a): a for a, p in prompts.items()}
-        wait_until(lambda: backend.statistics().forwards >= 3, 20, "decoding to start")
+        assert forwards.wait_for(3, 20), "decoding did not start"
         during: list[int] = []
 
         def midway() -> None:
-            start = backend.statistics().forwards
-            try:
-                wait_until(lambda: backend.statistics().forwards >= start + 3, 2.0, "decoding")
-            except (AssertionError, RolloutSyncTimeout, TimeoutError):
-                pass  # parked: counted as no progress below
-            during.append(backend.statistics().forwards - start)
+            start = forwards.count
+            forwards.wait_for(start + 3, 2.0)  # runs out (on purpose) only if generation parked
+            during.append(forwards.count - start)
 
         wire = AdapterWire(2, adapter_of(2))
         wire.midway = midway
@@ -280,9 +278,9 @@ def test_an_adapter_install_inside_a_forward_tears_it_unless_guarded(guarded: bo
     try:
         _sync(worker, AdapterWire(1, base))
         _sync(worker, AdapterWire(1, adapter_of(1)), adapter="a")
-        backend.layer_hook = hold_between_blocks
+        forwards = ForwardCounter(backend, inner=hold_between_blocks)
         rid = backend.put(prompt, max_new_tokens=n, adapter="a")
-        wait_until(lambda: backend.statistics().forwards >= 3, 20, "decoding to start")
+        assert forwards.wait_for(3, 20), "decoding did not start"
         armed.set()
         assert in_forward.wait(20)
         install = Runner(lambda: _sync(worker, AdapterWire(2, adapter_of(2)), adapter="a"))

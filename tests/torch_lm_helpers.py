@@ -164,3 +164,28 @@ def greedy_lora_continuation(
     (result,) = reference.generate([list(context)], max_new_tokens=n, adapter="reference")
     assert result.ok, result.error
     return result.tokens
+
+
+class ForwardCounter:
+    """A backend's ``layer_hook`` that counts its forwards (the hook runs before block 0 of
+    each) and wakes whoever waits for a count: an event to wait on, instead of polling the
+    backend's statistics. ``inner`` is another hook it passes every call on to."""
+
+    def __init__(self, backend: TorchLMBackend, inner: Callable[[int], None] | None = None) -> None:
+        self.count = 0
+        self.inner = inner
+        self._changed = threading.Condition()
+        backend.layer_hook = self
+
+    def __call__(self, index: int) -> None:
+        if index == 0:
+            with self._changed:
+                self.count += 1
+                self._changed.notify_all()
+        if self.inner is not None:
+            self.inner(index)
+
+    def wait_for(self, count: int, timeout: float) -> bool:
+        """Whether ``count`` forwards had started within ``timeout`` seconds."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self.count >= count, timeout)

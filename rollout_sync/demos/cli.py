@@ -110,8 +110,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "--lora",
         action="store_true",
         help="the trainer trains a LoRA adapter on the replicas' base model: every step ships "
-        "only the adapter (into its slot, under the guard), and half the generations use it; "
-        "the report adds adapter_mb and bytes_per_sync (torch_lm and vllm)",
+        "only the adapter (into its slot, under the guard); half the generations use it on "
+        "torch_lm, all of them on vllm; the report adds adapter_mb (torch_lm and vllm)",
     )
     demo.add_argument(
         "--model-mb",

@@ -634,21 +634,8 @@ def _replica(
     commands: StoreCommandQueue,
     timeline: Timeline,
 ) -> dict[str, Any]:
-    sender = PayloadSender(
-        payloads,
-        receiver_rank=groups.trainer,
-        capacity=config.payload_capacity,
-        timeline=timeline,
-        default_timeout=config.timeout_s,
-    )
-    digests: dict[int, str] = {}
-
-    def on_transfer(stats: TransferStats, tensors: Mapping[str, torch.Tensor]) -> None:
-        # The worker calls this before anything else writes these tensors: they hold exactly
-        # the version just received.
-        if config.check_every_step and stats.role in ("receive", "relay"):
-            digests[stats.version] = weights_digest(tensors)
-
+    sender = _payload_sender(config, payloads, groups.trainer, timeline)
+    digests, on_transfer = _version_digests(config)
     engine: DemoEngine | None = None
     try:
         try:
@@ -682,6 +669,34 @@ def _replica(
     finally:
         if engine is not None:
             engine.close()
+
+
+def _payload_sender(
+    config: DistributedDemoConfig, payloads: PayloadGroups, trainer: int, timeline: Timeline
+) -> PayloadSender:
+    """A replica's sender of its finished generations to the trainer (rank ``trainer``)."""
+    return PayloadSender(
+        payloads,
+        receiver_rank=trainer,
+        capacity=config.payload_capacity,
+        timeline=timeline,
+        default_timeout=config.timeout_s,
+    )
+
+
+def _version_digests(
+    config: DistributedDemoConfig,
+) -> tuple[dict[int, str], Callable[[TransferStats, Mapping[str, torch.Tensor]], None]]:
+    """A digest of every version this rank receives (with ``check_every_step``), and the
+    worker's ``on_transfer`` that takes them: the worker calls it before anything else writes
+    those tensors, so they hold exactly the version just received."""
+    digests: dict[int, str] = {}
+
+    def on_transfer(stats: TransferStats, tensors: Mapping[str, torch.Tensor]) -> None:
+        if config.check_every_step and stats.role in ("receive", "relay"):
+            digests[stats.version] = weights_digest(tensors)
+
+    return digests, on_transfer
 
 
 def _replica_report(
@@ -734,7 +749,12 @@ def _replica_report(
             {"handler": s.handler, "paused": s.paused, **s.to_metrics(prefix="")}
             for s in worker.sync_reports
         ],
-        "commits": {r.weight_version: r.committed_at for r in results if r.committed_at},
+        # By the version committed (the model's or, with --lora, the adapter's).
+        "commits": {
+            r.value.version: r.committed_at
+            for r in results
+            if r.committed_at is not None and isinstance(r.value, TransferStats)
+        },
         "spans": timeline.to_records(),
     }
 
@@ -860,24 +880,8 @@ def _sharded_replica(
     where = groups.position(rank)
     assert where is not None
     replica, position = where
-    sender = (
-        PayloadSender(
-            payloads,
-            receiver_rank=layout.trainer,
-            capacity=config.payload_capacity,
-            timeline=timeline,
-            default_timeout=config.timeout_s,
-        )
-        if position == 0
-        else None
-    )
-    digests: dict[int, str] = {}
-
-    def on_transfer(stats: TransferStats, tensors: Mapping[str, torch.Tensor]) -> None:
-        # This rank's slice, exactly as the version just received left it.
-        if config.check_every_step and stats.role in ("receive", "relay"):
-            digests[stats.version] = weights_digest(tensors)
-
+    sender = _payload_sender(config, payloads, layout.trainer, timeline) if position == 0 else None
+    digests, on_transfer = _version_digests(config)  # of this rank's slice
     engine: DemoEngine | None = None
     try:
         try:

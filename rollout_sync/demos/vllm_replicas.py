@@ -47,7 +47,7 @@ from ..backends.vllm import (
 from ..guard import SyncMode
 from ..lora import LoRAConfig
 from ..payload import PayloadSender
-from ..testing.tiny_llama import build_tiny_llama
+from ..testing.tiny_llama import TINY_LLAMA, build_tiny_llama
 from ..trace import SpanKind, Timeline
 from .job import (
     DEMO_ADAPTER,
@@ -186,9 +186,7 @@ def _vllm_engine(
 
 def _vllm_adapter(config: DistributedDemoConfig) -> tuple[LoRAConfig, dict[str, tuple[int, int]]]:
     """``--lora``: an adapter on every linear layer of the tiny Llama's decoder layers."""
-    with tempfile.TemporaryDirectory(prefix="rollout_sync_vllm_shapes_") as tmp:
-        build_tiny_llama(Path(tmp), seed=_REPLICA_MODEL_SEED)
-        shapes = vllm_lora_shapes(tmp)
+    shapes = vllm_lora_shapes(TINY_LLAMA)  # the replicas' checkpoint config
     rank = config.lora_rank
     return LoRAConfig(rank, 2.0 * rank, tuple(shapes), torch.float32), shapes
 

@@ -81,6 +81,7 @@ from ..guard import (
     SyncMode,
     SyncReport,
     WeightSyncBracket,
+    device_fence,
     holds_payload_egress,
     weight_sync_bracket,
     weight_sync_handler,
@@ -562,6 +563,8 @@ class FastLLMReceiver:
         with park:
             try:
                 yield
+                # The install's device work completes before generation resumes.
+                device_fence(self.weight_sync_timeout)
             except BaseException:
                 self._torn_park.hold_if_torn(self.weight_sync_timeout)
                 raise
@@ -755,7 +758,7 @@ class FastLLMReceiver:
     @property
     def _in_place(self) -> bool:
         """Whether the stream is received straight into the served tensors (never staged)."""
-        return not self.stage and self._mode is SyncMode.SYNC
+        return not self.stage  # STAGED with stage=False is refused at construction
 
     def _install_stream(
         self,

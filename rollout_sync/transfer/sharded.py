@@ -297,6 +297,12 @@ class ShardedTransfer:
         )
 
     @property
+    def backend(self) -> str:
+        """The group's backend (``"gloo"``, ``"nccl"``): what the NCCL rule reads
+        (:func:`~rollout_sync.staging.check_two_communicators`)."""
+        return str(self.collectives.backend)
+
+    @property
     def largest_bucket_bytes(self) -> int:
         """The largest bucket this rank sends or receives (at most ``bucket_bytes``)."""
         return max(self._largest.values(), default=0)
@@ -465,7 +471,7 @@ class ShardedTransfer:
             raise
         send: Callable[..., TransferStats] = getattr(forward, "send")  # noqa: B009
         try:
-            send(into, version=stats.version, storage=storage)
+            sent = send(into, version=stats.version, storage=storage)
         except WeightTransferError as exc:
             raise RelayForwardError(
                 f"received version {stats.version} whole, but passing it on failed: {exc}",
@@ -474,18 +480,12 @@ class ShardedTransfer:
                 tensors_written=stats.tensors_written,
                 cause=exc,
             ) from exc
-        return TransferStats(
-            "relay",
-            stats.version,
-            stats.tensors,
-            stats.buckets,
-            stats.nbytes,
-            stats.manifest_s,
-            stats.transfer_s,
-            stats.total_s,
-            stats.tensors_written,
-            stats.checksums_verified,
-            layout=stats.layout,
+        # Both hops, one after the other: the relay's time is the receive's and the send's.
+        return replace(
+            stats,
+            role="relay",
+            transfer_s=stats.transfer_s + sent.total_s,
+            total_s=stats.total_s + sent.total_s,
         )
 
     def _receive_buckets(

@@ -502,8 +502,9 @@ class _VLLMBackendBase(RolloutBase, Generic[A]):
         slot = safetensors.torch.load(answer)
         r = adapter.config.rank
         out: dict[str, torch.Tensor] = {}
+        shapes = self.lora_shapes()
         for module in adapter.config.target_modules:
-            fan_in, fan_out = self.lora_shapes()[module]
+            fan_in, fan_out = shapes[module]
             out[f"{module}.lora_A"] = slot[f"{module}.lora_A"][:r, :fan_in].clone()
             out[f"{module}.lora_B"] = slot[f"{module}.lora_B"][:fan_out, :r].clone()
         return out

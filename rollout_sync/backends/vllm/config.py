@@ -178,6 +178,15 @@ class VLLMEngineConfig:
                 f"VLLMEngineConfig: engine_kwargs['tensor_parallel_size']={given!r} conflicts "
                 f"with tensor_parallel_size={tp}: pass it once"
             )
+        if given is not None:
+            if isinstance(given, bool) or not isinstance(given, int) or given < 1:
+                raise ValueError(
+                    "VLLMEngineConfig: engine_kwargs['tensor_parallel_size'] must be an int "
+                    f">= 1, got {given!r}"
+                )
+            # One value for everything that reads the field (forward_collectives: the NCCL
+            # rule; the LoRA check), however it was given.
+            object.__setattr__(self, "tensor_parallel_size", given)
         if "weight_transfer_config" in self.engine_kwargs:
             raise ValueError(
                 "VLLMEngineConfig: engine_kwargs['weight_transfer_config'] conflicts with "
