@@ -732,3 +732,16 @@ def test_checkpoint_specs_read_the_safetensors_header(tmp_path: Path) -> None:
     assert specs == {"a.ids": ((4,), torch.int64), "b.weight": ((2, 3), torch.float32)}
     with pytest.raises(FileNotFoundError, match="safetensors"):
         checkpoint_specs(str(tmp_path / "nowhere"), torch.float32)
+
+
+def test_tensor_parallelism_given_in_engine_kwargs_reaches_the_nccl_rule(tmp_path: Path) -> None:
+    """`engine_kwargs={"tensor_parallel_size": 2}` is the same engine as the field: the
+    backend's forward collectives (which the staged NCCL rule reads) and the LoRA check see it."""
+    config = VLLMEngineConfig(tmp_path, engine_kwargs={"tensor_parallel_size": 2})
+    assert config.tensor_parallel_size == 2
+    assert VLLMAsyncBackend(config).forward_collectives() == {
+        "nccl" if torch.cuda.is_available() else "gloo"
+    }
+    assert VLLMAsyncBackend(VLLMEngineConfig(tmp_path)).forward_collectives() == frozenset()
+    with pytest.raises(ValueError, match="int >= 1"):
+        VLLMEngineConfig(tmp_path, engine_kwargs={"tensor_parallel_size": 0})
