@@ -17,7 +17,9 @@ out. The arithmetic of that lives here, once:
   :class:`~rollout_sync.errors.CollectiveError` (it failed before: typically a peer that died and
   closed its connection). Torch gives one type to both on gloo (``RuntimeError``), so the two are
   told apart by a network-error type where torch raises one and otherwise by *when* the wait
-  failed, never by the text of the message.
+  failed, never by the text of the message. Given the group's abort flag
+  (:class:`~rollout_sync._group_abort.GroupAbort`), a failed wait posts it and every other wait
+  of the group ends at it, so one rank's view of a dead peer reaches them all.
 
 Private: the public faces are :func:`rollout_sync.distributed.wait_work` and the timeouts each
 class documents.
@@ -27,17 +29,24 @@ from __future__ import annotations
 
 import datetime
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 
 from .errors import CollectiveError, CollectiveTimeout
 
+if TYPE_CHECKING:
+    from ._group_abort import GroupAbort
+
 DEVICE_POLL_S = 50e-6
 """How often a CUDA event is polled while waiting for device work."""
+
+ABORT_POLL_S = 0.02
+"""How often a wait on a gloo group reads the group's abort flag (one store ``check``)."""
 
 _DEADLINE_SLACK_S = 0.01
 """A collective that failed this close to its deadline is taken to have timed out."""
@@ -139,17 +148,22 @@ def wait_collective(
     operation: str,
     timeout_s: float,
     ranks: Sequence[int],
+    abort: GroupAbort | None = None,
 ) -> None:
     """Wait for ``works`` (``async_op=True`` handles) to complete, all within ``timeout_s``.
 
-    ``None`` entries (what torch returns to a rank outside the group) are skipped.
+    ``None`` entries (what torch returns to a rank outside the group) are skipped. With
+    ``abort`` (the group's flag, :class:`~rollout_sync._group_abort.GroupAbort`), a failure
+    here is posted to every rank of the group, and a failure another rank posted ends this wait
+    within :data:`ABORT_POLL_S` (gloo) or before it starts (NCCL).
 
     Raises:
         CollectiveTimeout: they did not complete within ``timeout_s`` (a peer hung, never
             reached the same collective, or is too slow for the limit).
         CollectiveError: the backend reported a failure before the limit (typically a peer that
-            died: its connection closed). Both name ``operation`` and the group's ``ranks``,
-            and say that the group should be considered broken afterwards.
+            died: its connection closed), or another rank of the group posted one. Both name
+            ``operation`` and the group's ``ranks``, and say that the group should be
+            considered broken afterwards.
     """
     start = time.monotonic()
     deadline = start + timeout_s
@@ -157,12 +171,78 @@ def wait_collective(
         if work is None:
             continue
         try:
-            # No limit for an infinite deadline (a timedelta cannot hold one).
-            completed = work.wait() if math.isinf(deadline) else work.wait(wait_timedelta(deadline))
+            completed = _wait_one(work, deadline, abort, operation, ranks, timeout_s, start)
+        except CollectiveError:  # another rank's abort: raised as it is
+            raise
         except Exception as exc:  # re-raised below as the package's typed error
-            raise collective_failure(exc, operation, ranks, timeout_s, start) from exc
+            error = collective_failure(exc, operation, ranks, timeout_s, start)
+            if abort is not None:
+                abort.post(f"{error}")
+            raise error from exc
         if completed is False:
-            raise _timeout(operation, ranks, timeout_s)
+            error = _timeout(operation, ranks, timeout_s)
+            if abort is not None:
+                abort.post(f"{error}")
+            raise error
+
+
+def _wait_one(
+    work: dist.Work,
+    deadline: float,
+    abort: GroupAbort | None,
+    operation: str,
+    ranks: Sequence[int],
+    timeout_s: float,
+    start: float,
+) -> bool | None:
+    """``work.wait`` within ``deadline``, ended early by ``abort``'s flag.
+
+    On gloo the wait runs on a thread of its own while this one polls the flag (gloo's
+    point-to-point work neither completes without a wait nor survives a wait that timed out,
+    so neither polling ``is_completed`` nor waiting in slices would do); a wait given up is
+    left to end at the group's own timeout. Elsewhere (NCCL: the wait orders the caller's CUDA
+    stream, so it must run on the caller's thread) the flag is read once, before the wait.
+    """
+    if abort is not None:
+        _raise_if_aborted(abort, operation, ranks, start)
+    if abort is None or abort.backend != "gloo" or work.is_completed():
+        # No limit for an infinite deadline (a timedelta cannot hold one).
+        return work.wait() if math.isinf(deadline) else work.wait(wait_timedelta(deadline))
+    outcome: list[Any] = []
+    done = threading.Event()
+
+    def wait() -> None:
+        try:
+            waited = work.wait() if math.isinf(deadline) else work.wait(wait_timedelta(deadline))
+            outcome.append((waited, None))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            outcome.append((None, exc))
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, name=f"rollout_sync wait: {operation}", daemon=True).start()
+    while not done.wait(ABORT_POLL_S):
+        _raise_if_aborted(abort, operation, ranks, start)
+    waited, error = outcome[0]
+    if error is not None:
+        raise error
+    return cast("bool | None", waited)
+
+
+def _raise_if_aborted(
+    abort: GroupAbort, operation: str, ranks: Sequence[int], start: float
+) -> None:
+    reason = abort.reason()
+    if reason is None:
+        return
+    elapsed = time.monotonic() - start
+    raise CollectiveError(
+        f"{operation} was abandoned after {elapsed:.2f} s on the group of ranks {list(ranks)}: "
+        f"another rank of the group saw it fail ({' '.join(reason.split())[:400]}). The group "
+        "is unusable now; re-create it.",
+        operation=operation,
+        group=ranks,
+    )
 
 
 def collective_failure(

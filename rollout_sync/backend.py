@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import abc
 import enum
+import functools
 import math
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -55,6 +57,30 @@ class KVCachePolicy(enum.Enum):
         return self is KVCachePolicy.RECOMPUTE
 
 
+def _once_per_instance(build: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``build`` (a subclass's ``initialize``), run once per instance: the outermost call
+    builds and marks the engine built; a call once built returns at once; a nested call (the
+    subclass's ``super().initialize()``) just runs its part."""
+
+    @functools.wraps(build)
+    def initialize(self: RolloutBase) -> None:
+        with self._init_lock:
+            if self._initialized:
+                return
+            if self._init_depth:
+                build(self)
+                return
+            self._init_depth = 1
+            try:
+                build(self)
+            finally:
+                self._init_depth = 0
+            self._initialized = True
+
+    initialize._runs_once = True  # type: ignore[attr-defined]
+    return initialize
+
+
 class RolloutBase(abc.ABC):
     """The base class of rollout backends.
 
@@ -81,7 +107,7 @@ class RolloutBase(abc.ABC):
         self._servable = threading.Event()
         self._servable.set()
         self._initialized = False
-        self._init_lock = threading.Lock()
+        self._init_lock = threading.RLock()
 
     # -- the pause -----------------------------------------------------------------------------
 
@@ -103,8 +129,22 @@ class RolloutBase(abc.ABC):
 
     # -- lifecycle -----------------------------------------------------------------------------
 
+    _init_depth = 0
+    """How deep this thread is in ``initialize`` calls (a subclass's ``super().initialize()``)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Make every ``initialize`` a subclass defines run once per instance, whoever calls
+        it: a backend built by hand (``b.initialize()``) and then handed to a worker (which
+        calls :meth:`ensure_initialized`) builds one engine, never two."""
+        super().__init_subclass__(**kwargs)
+        build = cls.__dict__.get("initialize")
+        if build is not None and not getattr(build, "_runs_once", False):
+            cls.initialize = _once_per_instance(build)  # type: ignore[method-assign,assignment]
+
     def initialize(self) -> None:
-        """Build the engine. Called at most once, by :meth:`ensure_initialized`."""
+        """Build the engine. Runs at most once per instance: a later call (by hand, or by
+        :meth:`ensure_initialized`) returns at once, whatever a subclass overrides; a call that
+        raised leaves the engine not built, so the next call tries again."""
 
     def ensure_initialized(self) -> None:
         """Run :meth:`initialize` once; later calls return at once."""

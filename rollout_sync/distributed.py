@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import socket
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import BroadcastOptions
 
 from ._deadline import group_timedelta, wait_collective
+from ._group_abort import GroupAbort
 from .errors import CollectiveError, CollectiveTimeout
 
 __all__ = [
@@ -185,6 +186,7 @@ def standalone_group(
     group._register_backend(device, backend_type, impl)
     # Keep the store alive with the group: rank 0's hosts the rendezvous.
     _GROUP_STORES[group] = store
+    GroupAbort.register_store(group, prefix_store)
     return adopt_group(group, timeout_s)
 
 
@@ -207,6 +209,23 @@ def is_standalone(group: dist.ProcessGroup | None) -> bool:
     return False
 
 
+class _FailedStart(dist.Work):
+    """The work of an operation that could not even start (a group a dead peer broke refuses
+    new work with gloo's raw ``RuntimeError``): complete at once, and its wait raises that
+    error, so it reaches the caller where every failure of the operation does, at its wait,
+    through the same translation into the package's errors."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+    def wait(self, timeout: Any = None) -> bool:
+        raise self.error
+
+    def is_completed(self) -> bool:
+        return True
+
+
 class GroupCollectives:
     """The collectives a transfer needs, on a registered or a standalone group.
 
@@ -215,7 +234,9 @@ class GroupCollectives:
     one (whose members need no default group at all, or are in a different one: inside a vLLM
     worker the default group is vLLM's own). ``rank`` is this process's rank in that numbering.
     Every operation starts the collective (or the point-to-point send or receive) and returns
-    its work handle (``async_op``).
+    its work handle (``async_op``). An operation that cannot start (the group is broken) does
+    not raise here: its work's wait raises the backend's error, so a caller handles every
+    failure in one place, its wait (:func:`wait_work`).
     """
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
@@ -236,39 +257,38 @@ class GroupCollectives:
             assert self.group is not None
             options = BroadcastOptions()
             options.rootRank = src
-            work: dist.Work = self.group.broadcast([tensor], options)
-            return work
-        launched: dist.Work | None = dist.broadcast(tensor, src, group=self.group, async_op=True)
-        assert launched is not None
-        return launched
+            return self._start(lambda: self.group.broadcast([tensor], options))  # type: ignore[union-attr]
+        return self._start(lambda: dist.broadcast(tensor, src, group=self.group, async_op=True))
 
     def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> dist.Work:
         """Start gathering every member's ``tensor`` into ``outputs`` (in rank order)."""
         if self.standalone:
             assert self.group is not None
-            gathered: dist.Work = self.group.allgather([outputs], [tensor])
-            return gathered
-        work: dist.Work | None = dist.all_gather(outputs, tensor, group=self.group, async_op=True)
-        assert work is not None
-        return work
+            return self._start(lambda: self.group.allgather([outputs], [tensor]))  # type: ignore[union-attr]
+        return self._start(
+            lambda: dist.all_gather(outputs, tensor, group=self.group, async_op=True)
+        )
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> dist.Work:
         """Start sending ``tensor`` to ``dst``, matched by the ``recv`` of the same ``tag``."""
         if self.standalone:
             assert self.group is not None
-            sent: dist.Work = self.group.send([tensor], dst, tag)
-            return sent
-        work: dist.Work | None = dist.isend(tensor, dst=dst, group=self.group, tag=tag)
-        assert work is not None
-        return work
+            return self._start(lambda: self.group.send([tensor], dst, tag))  # type: ignore[union-attr]
+        return self._start(lambda: dist.isend(tensor, dst=dst, group=self.group, tag=tag))
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int) -> dist.Work:
         """Start receiving into ``tensor`` what ``src`` sends with ``tag``."""
         if self.standalone:
             assert self.group is not None
-            received: dist.Work = self.group.recv([tensor], src, tag)
-            return received
-        work: dist.Work | None = dist.irecv(tensor, src=src, group=self.group, tag=tag)
+            return self._start(lambda: self.group.recv([tensor], src, tag))  # type: ignore[union-attr]
+        return self._start(lambda: dist.irecv(tensor, src=src, group=self.group, tag=tag))
+
+    @staticmethod
+    def _start(launch: Callable[[], dist.Work | None]) -> dist.Work:
+        try:
+            work = launch()
+        except RuntimeError as exc:  # a broken group refuses new work: raised at the wait
+            return _FailedStart(exc)
         assert work is not None
         return work
 
@@ -304,12 +324,16 @@ def wait_work(
     Raises:
         CollectiveTimeout: it did not complete in time (a peer hung or never joined).
         CollectiveError: the backend reported a failure before the limit (typically a peer that
-            died: its connection closed). Both name ``operation`` and the group; the group
-            should be considered broken afterwards.
+            died: its connection closed), or another rank of the group did and said so on the
+            group's abort flag (:mod:`rollout_sync._group_abort`: every rank of a group whose
+            store this process reaches fails within a poll of the first failure, not at its
+            limit). Both name ``operation`` and the group; the group should be considered
+            broken afterwards.
     """
     limit = timeout_s
     own = group_timeout_s(group)
     if own is not None and own < limit:
         limit = own
     members = ranks if ranks is not None else group_ranks(group)
-    wait_collective([work], operation=operation, timeout_s=limit, ranks=members)
+    abort = GroupAbort.of(group)
+    wait_collective([work], operation=operation, timeout_s=limit, ranks=members, abort=abort)

@@ -209,14 +209,21 @@ class WeightMismatchError(RolloutSyncError, ValueError):
         problems: one line per mismatch (unknown name, missing name, shape, dtype).
     """
 
-    def __init__(self, problems: list[str], *, context: str = "incoming weights") -> None:
+    ADVICE = (
+        "Check that trainer and rollout build the same model architecture and that the "
+        "trainer sends served (not training-only, e.g. optimizer or LoRA) parameter names."
+    )
+    """What the message advises unless the raiser knows better (``advice``)."""
+
+    def __init__(
+        self, problems: list[str], *, context: str = "incoming weights", advice: str | None = None
+    ) -> None:
         shown = "\n  ".join(problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         super().__init__(
             f"{context} do not match the served weights ({len(problems)} problem(s)); "
             f"no served tensor was written:\n  {shown}{more}\n"
-            "Check that trainer and rollout build the same model architecture and that the "
-            "trainer sends served (not training-only, e.g. optimizer or LoRA) parameter names."
+            + (advice if advice is not None else self.ADVICE)
         )
         self.problems = problems
 

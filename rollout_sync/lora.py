@@ -89,11 +89,28 @@ class LoRAConfig:
         check_weights_match(
             specs_of(incoming), _as_specs(adapter_specs(self, shapes)), context=context
         )
+        self.check_alpha(incoming, context=context)
+
+    def check_alpha(
+        self, incoming: Mapping[str, torch.Tensor], *, context: str = "adapter"
+    ) -> None:
+        """Refuse a set whose ``lora_alpha`` (data, not shape: readable only once received) is
+        not this manifest's ``alpha``. A replica runs it on the staged set before its commit
+        vote, so every replica refuses before the trainer is told of success.
+
+        Raises:
+            WeightMismatchError: the alpha differs; nothing was written anywhere.
+        """
         alpha = incoming.get(ALPHA_KEY)
         if alpha is not None and alpha.device.type != "meta" and float(alpha) != self.alpha:
             raise WeightMismatchError(
                 [f"{ALPHA_KEY}: {float(alpha)} is not the manifest's alpha {self.alpha}"],
                 context=context,
+                advice=(
+                    f"Send the adapter with the {ALPHA_KEY} of the LoRAConfig it was added with "
+                    f"(alpha {self.alpha}), or add it on the replicas with the trainer's "
+                    "LoRAConfig: both sides must build the adapter from the same LoRAConfig."
+                ),
             )
 
 

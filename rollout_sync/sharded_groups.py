@@ -23,7 +23,7 @@ one-source groups: ``p2r=groups.p2r_transfer(plan)``, ``r2r=groups.r2r_transfer(
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -210,6 +210,7 @@ class TreeRelay:
         allow_subset: bool = True,
         write_kind: str = SpanKind.WEIGHT_WRITE,
         storage: torch.Tensor | None = None,
+        verify: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
     ) -> TransferStats:
         """Receive from the parent into ``into`` and pass it on as it arrives; see
         :meth:`~rollout_sync.WeightTransfer.relay` (its errors, its ``role="relay"``)."""
@@ -219,6 +220,7 @@ class TreeRelay:
             allow_subset=allow_subset,
             write_kind=write_kind,
             storage=storage,
+            verify=verify,
         )
 
     def relay(self, *args: Any, **kwargs: Any) -> TransferStats:

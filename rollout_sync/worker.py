@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import inspect
 import queue
 import threading
 import time
@@ -63,10 +64,12 @@ from .distributed import DEFAULT_GROUP_TIMEOUT_S, new_group
 from .errors import (
     CommandTimeout,
     InstallTimeout,
+    ManifestError,
     RolloutSyncError,
     RunInterrupted,
     StagedCommitAborted,
     WeightBroadcastTimeout,
+    WeightMismatchError,
 )
 from .guard import (
     SyncMode,
@@ -235,6 +238,7 @@ class SupportsWeightTransfer(Protocol):
         allow_subset: bool = ...,
         write_kind: str = ...,
         storage: torch.Tensor | None = ...,
+        verify: Callable[[Mapping[str, torch.Tensor]], None] | None = ...,
     ) -> TransferStats: ...
 
     def relay(
@@ -245,6 +249,7 @@ class SupportsWeightTransfer(Protocol):
         allow_subset: bool = ...,
         write_kind: str = ...,
         storage: torch.Tensor | None = ...,
+        verify: Callable[[Mapping[str, torch.Tensor]], None] | None = ...,
     ) -> TransferStats: ...
 
     def send(
@@ -315,10 +320,12 @@ class _Target:
     adapter's slot."""
 
     adapter: str | None = None
+    step: int | None = field(default=None, compare=False)
+    """The command's step (for messages about a version whose number never arrived)."""
 
     @classmethod
     def of(cls, command: object) -> _Target:
-        return cls(getattr(command, "adapter", None))
+        return cls(getattr(command, "adapter", None), getattr(command, "step", None))
 
     def served(self, rollout: RolloutBase) -> Mapping[str, torch.Tensor]:
         if self.adapter is None:
@@ -329,6 +336,19 @@ class _Target:
         if self.adapter is None:
             return rollout.weight_version
         return require_adapter(rollout, self.adapter).adapter_version(self.adapter)
+
+    def verify_kwargs(
+        self, rollout: RolloutBase, transfer: SupportsWeightTransfer
+    ) -> dict[str, Any]:
+        """What a staged receive checks before its commit vote: an adapter's ``lora_alpha``
+        (data no manifest describes), so a set every replica would refuse at install is voted
+        down and the trainer never sees success for it. A transfer written before ``verify``
+        existed is not given it (the install still refuses the set, after the vote)."""
+        if self.adapter is None or "verify" not in inspect.signature(transfer.receive).parameters:
+            return {}
+        config = require_adapter(rollout, self.adapter).adapter_config(self.adapter)
+        context = f"adapter {self.adapter!r}"
+        return {"verify": lambda staged: config.check_alpha(staged, context=context)}
 
     def staging(self, rollout: RolloutBase, device: torch.device | str | None) -> StagingArea:
         if self.adapter is None:
@@ -419,22 +439,35 @@ def reload_received(rollout: RolloutBase, served: Mapping[str, torch.Tensor]) ->
 
 
 def settle_failed_receive(
-    rollout: RolloutBase, served: Mapping[str, torch.Tensor], exc: WeightTransferError
+    rollout: RolloutBase, served: Mapping[str, torch.Tensor], exc: BaseException
 ) -> bool:
-    """What an in-place receive into ``served`` that raised ``exc`` leaves behind.
+    """What an in-place receive into ``served`` that raised ``exc`` leaves behind (fail
+    closed: only the transfer's own word clears a write).
 
-    Every byte landed intact (the failure was another rank's): the version is whole, so it is
-    reloaded and committed, and True returned. Some tensors were written: the weights are
-    marked torn. Nothing was written: nothing changes. The caller raises ``exc`` either way.
+    Every byte landed intact (a :class:`~rollout_sync.errors.WeightTransferError` that is
+    ``complete``: the failure was another rank's): the version is whole, so it is reloaded and
+    committed, and True returned. The transfer says nothing was written (its error's
+    ``tensors_written`` is 0, or a :class:`~rollout_sync.errors.WeightMismatchError` or
+    :class:`~rollout_sync.errors.ManifestError`, which the checks before any write raise):
+    nothing changes. Anything else (tensors written, or an error
+    of a type the transfer does not raise on purpose, which proves nothing) marks the weights
+    torn. The caller raises ``exc`` either way.
     """
-    if exc.complete and exc.version is not None:
-        reload_received(rollout, served)
-        rollout.commit_weight_version(exc.version)
-        return True
-    if exc.targets_torn:
+    if isinstance(exc, WeightTransferError):
+        if exc.complete and exc.version is not None:
+            reload_received(rollout, served)
+            rollout.commit_weight_version(exc.version)
+            return True
+        if exc.targets_torn:
+            rollout.mark_weights_torn(
+                f"{exc.tensors_written} tensor(s) of version {exc.version} were written before "
+                f"the transfer failed: {type(exc).__name__}"
+            )
+        return False
+    if not isinstance(exc, (WeightMismatchError, ManifestError)):
         rollout.mark_weights_torn(
-            f"{exc.tensors_written} tensor(s) of version {exc.version} were written before "
-            f"the transfer failed: {type(exc).__name__}"
+            f"the receive failed with {type(exc).__name__} ({exc}), which does not say what "
+            "was written: taken as written part-way"
         )
     return False
 
@@ -1180,7 +1213,7 @@ class RolloutWorker:
             self.staging.discard()  # the served weights change under it: it mirrors them no more
         try:
             stats = self._take(transfer, forward, served, storage=storage)
-        except WeightTransferError as exc:
+        except BaseException as exc:
             if settle_failed_receive(self.rollout, served, exc):
                 self._committed_at = time.time()
                 self._torn_park.release()
@@ -1341,6 +1374,7 @@ class RolloutWorker:
                 storage=staging.storage,
                 write_kind=BUFFER_WRITE,
                 allow_subset=self.allow_subset and target.adapter is None,
+                **target.verify_kwargs(self.rollout, transfer),
             )
         except WeightTransferError as exc:
             if exc.complete and exc.version is not None and not self.all_or_none:
@@ -1402,15 +1436,22 @@ class RolloutWorker:
         self, exc: Exception, version: int | None, target: _Target
     ) -> StagedCommitAborted:
         failed = tuple(getattr(exc, "failed_ranks", ()))
-        first_line = (str(exc).splitlines() or [""])[0]
+        problems = exc.problems if isinstance(exc, WeightMismatchError) else None
+        first_line = "; ".join(problems[:3]) if problems else (str(exc).splitlines() or [""])[0]
         why = (
             f"rank(s) {list(failed)} voted no"
             if failed
             else f"the transfer failed: {type(exc).__name__}: {first_line}"
         )
         kept = target.version(self.rollout)
+        if version is not None:
+            what = f"version {version}"
+        elif target.step is not None:  # the manifest never arrived: name the step instead
+            what = f"the version of step {target.step}"
+        else:
+            what = "the version being synced"
         return StagedCommitAborted(
-            f"version {version} of {target} is installed on no replica of this sync (two-phase "
+            f"{what} of {target} is installed on no replica of this sync (two-phase "
             "commit): "
             f"{why}. This replica keeps serving version {kept}; its served weights were not "
             "touched",

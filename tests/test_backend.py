@@ -85,6 +85,44 @@ def test_lazy_initialization_runs_once() -> None:
     assert engine.is_initialized and calls == [1]
 
 
+def test_an_engine_initialized_by_hand_is_never_built_twice() -> None:
+    """``b.initialize()`` by hand, then a worker's ``ensure_initialized``: one engine, whatever
+    the subclass chain does (a subclass's ``super().initialize()`` runs its part once)."""
+    built: list[str] = []
+
+    class Engine(BlockingEngine):
+        def initialize(self) -> None:
+            built.append("engine")
+
+    class Tuned(Engine):
+        def initialize(self) -> None:
+            super().initialize()
+            built.append("tuned")
+
+    class Failing(BlockingEngine):
+        tries = 0
+
+        def initialize(self) -> None:
+            Failing.tries += 1
+            if Failing.tries == 1:
+                raise RuntimeError("no device yet")
+            built.append("failing")
+
+    engine = Tuned()
+    engine.initialize()
+    assert engine.is_initialized and built == ["engine", "tuned"]
+    engine.initialize()
+    engine.ensure_initialized()
+    assert built == ["engine", "tuned"]
+    failing = Failing()
+    with pytest.raises(RuntimeError, match="no device yet"):
+        failing.initialize()
+    assert not failing.is_initialized  # a failed build is not a build: the next one tries
+    failing.ensure_initialized()
+    failing.initialize()
+    assert failing.is_initialized and built[-1:] == ["failing"] and Failing.tries == 2
+
+
 def test_torn_weights_refuse_generation_until_a_commit() -> None:
     engine = BlockingEngine()
     engine.check_servable()

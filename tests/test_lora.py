@@ -13,7 +13,12 @@ import torch
 from test_staged import WireTransfer
 
 from rollout_sync import SyncMode
-from rollout_sync.errors import StagedCommitAborted, TwoCommunicatorsRefused, WeightMismatchError
+from rollout_sync.errors import (
+    StagedCommitAborted,
+    TwoCommunicatorsRefused,
+    WeightMismatchError,
+    WeightTransferError,
+)
 from rollout_sync.lora import (
     ALPHA_KEY,
     LoRAConfig,
@@ -23,8 +28,9 @@ from rollout_sync.lora import (
     random_adapter,
     require_adapter,
 )
-from rollout_sync.testing import EventLog, RecordingRollout, weights_digest
+from rollout_sync.testing import EventLog, RecordingRollout, run_group, weights_digest
 from rollout_sync.trainer import BroadcastCommandChannel, CommandKind, WeightSyncCommand
+from rollout_sync.transfer import TransferConfig, WeightTransfer
 from rollout_sync.worker import P2R, R2R, RolloutWorker, WorkerCommandChannel
 
 SHAPES = {"layer.0": (4, 6), "layer.1": (6, 4)}
@@ -192,3 +198,55 @@ def test_an_adapter_sync_keeps_the_nccl_rule_even_on_a_sync_mode_worker() -> Non
     with pytest.raises(TwoCommunicatorsRefused, match="gloo"):
         _sync(worker, nccl, "policy")
     assert engine.adapter_version("policy") == 0
+
+
+def _alpha_child(rank: int) -> dict[str, Any]:
+    """Rank 0 trains (a real WeightTransfer over gloo), rank 1 serves adapter 'policy'."""
+    transfer = WeightTransfer(None, 0, config=TransferConfig(timeout_s=20))
+    other_alpha = {**_adapter(2), ALPHA_KEY: torch.tensor(32.0)}
+    if rank == 0:
+        transfer.send(_adapter(1), version=1)
+        refused: BaseException | None = None
+        try:
+            transfer.send(other_alpha, version=2)
+        except WeightTransferError as exc:
+            refused = exc
+        transfer.send(_adapter(3), version=3)  # the group is still usable
+        return {"refused": refused}
+    engine = LoRAEngine()
+    engine.add_adapter("policy", CONFIG)
+    worker = RolloutWorker(engine, p2r=transfer, weight_sync_timeout=20)
+    try:
+        assert worker.handle(P2R(step=1, adapter="policy")).ok
+        aborted = worker.handle(P2R(step=2, adapter="policy")).exception
+        kept = engine.adapter_version("policy")
+        assert worker.handle(P2R(step=3, adapter="policy")).ok
+        cause = aborted.__cause__ if aborted is not None else None  # not pickled: read here
+        return {
+            "aborted": aborted,
+            "cause": (type(cause).__name__, str(cause)),
+            "kept": kept,
+            "final": engine.adapter_version("policy"),
+        }
+    finally:
+        worker.close(10)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_a_set_with_another_alpha_is_voted_down_so_the_trainer_never_sees_success() -> None:
+    results = run_group(_alpha_child, 2, timeout_s=60, group_timeout_s=20)
+    # The replica checks lora_alpha (data, not shape) on the staged set before its commit
+    # vote: the trainer's send fails instead of reporting a version no replica serves.
+    refused = results[0]["refused"]
+    assert isinstance(refused, WeightTransferError), refused
+    assert "lora_alpha" in str(refused)
+    aborted = results[1]["aborted"]
+    assert isinstance(aborted, StagedCommitAborted), aborted
+    assert "the version of step 2 of adapter 'policy'" in str(aborted), aborted
+    assert "None" not in str(aborted) and "lora_alpha: 32.0" in str(aborted)
+    cause_type, cause = results[1]["cause"]
+    assert cause_type == WeightMismatchError.__name__
+    assert "32.0 is not the manifest's alpha 4.0" in cause
+    assert "not training-only" not in cause and "same LoRAConfig" in cause, cause
+    assert results[1]["kept"] == 1 and results[1]["final"] == 3

@@ -374,6 +374,8 @@ def _killed_child(rank: int) -> dict[str, Any]:
         if rank == 1:
             assert worker.handle(P2R(step=1)).ok
             assert worker.handle(R2R(step=1)).ok
+            assert isinstance(worker.p2r, WeightTransfer)
+            worker.p2r.hooks = transfer_fault_hooks()  # after_receive k: the kill's signal
             started = time.monotonic()
             result = worker.handle(P2R(step=2))
             out["failed"] = SyncOutcome.of(result, backend, elapsed_s=time.monotonic() - started)
@@ -383,6 +385,8 @@ def _killed_child(rank: int) -> dict[str, Any]:
                 out["servable"] = True
             except TornWeightsError as exc:
                 out["servable"] = str(exc)
+            # A torn source never sends: its R2R aborts, and replica 2 hears it at once.
+            out["r2r_from_torn"] = SyncOutcome.of(worker.handle(R2R(step=2)), backend)
             # Recovery: replica 2 still holds version 1 whole; it broadcasts it back.
             assert worker.r2r is not None
             worker.r2r = WeightTransfer(worker.r2r.group, 2, config=config)
@@ -399,6 +403,9 @@ def _killed_child(rank: int) -> dict[str, Any]:
             )
         else:
             assert worker.handle(R2R(step=1)).ok
+            started = time.monotonic()
+            result = worker.handle(R2R(step=2))
+            out["r2r"] = SyncOutcome.of(result, backend, elapsed_s=time.monotonic() - started)
             worker.r2r = WeightTransfer(groups.r2r, 2, config=config)
             assert worker.handle(R2R(step=1)).ok
         out["digest"] = weights_digest(backend.served_weights())
@@ -416,7 +423,8 @@ def test_a_trainer_killed_mid_transfer_leaves_a_torn_replica_that_refuses_to_gen
         3,
         timeout_s=90,
         group_timeout_s=10,
-        faults=FaultSchedule(Kill(0, "after_pack", 4)),
+        # Between two buckets of the replica: it took bucket 2, bucket 5 never leaves.
+        faults=FaultSchedule(Kill(0, "after_pack", 4, after="after_receive:2")),
     )
     rep = results[1]
     failed = rep["failed"]
@@ -427,6 +435,10 @@ def test_a_trainer_killed_mid_transfer_leaves_a_torn_replica_that_refuses_to_gen
     assert failed.elapsed_s < 10.0, "the dead peer was not noticed within the timeout"
     assert failed.servable is False
     assert "refuses to generate" in rep["servable"]
+    assert rep["r2r_from_torn"].failed_with(TornWeightsError)
+    leaf = results[2]["r2r"]
+    assert leaf.failed_with(ManifestRejected) and leaf.elapsed_s < 5.0, leaf
+    assert leaf.servable is True and leaf.version == 1  # nothing written, nothing committed
     assert rep["forwards_while_torn"] == 0
     assert rep["recovered"] == (True, 1, False)
     assert rep["resumed"]

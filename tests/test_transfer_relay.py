@@ -314,7 +314,8 @@ def _killed_child(rank: int, victim: int, informed: bool = True) -> SyncOutcome:
     return outcome
 
 
-_TRAINER_DIES = Kill(0, "after_pack", 3)
+_TRAINER_DIES = Kill(0, "after_pack", 3, after="after_receive:1")
+"""The trainer dies between two buckets of the relay: it took bucket 1, bucket 3 never leaves."""
 _RELAY_DIES = Kill(1, "after_receive", 3)
 
 

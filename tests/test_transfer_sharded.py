@@ -6,6 +6,7 @@ replica rank serving torn weights."""
 
 from __future__ import annotations
 
+import datetime
 import time
 from typing import Any
 
@@ -27,6 +28,7 @@ from rollout_sync.testing import (
     IdleFlatRollout,
     Kill,
     SyncOutcome,
+    fault_point,
     run_group,
     transfer_fault_hooks,
 )
@@ -37,6 +39,7 @@ from rollout_sync.transfer import (
     TransferConfig,
     TransferHooks,
     TransferPlan,
+    WeightTransfer,
 )
 from rollout_sync.worker import P2R, R2R
 
@@ -200,60 +203,148 @@ def test_a_sharded_trainer_pushes_to_tensor_parallel_replicas_through_callback_a
         assert isinstance(results[rank]["corrupt"], WeightTransferError)
 
 
+KILLED_LIMIT_S = 15.0
+"""The killed-trainer test's transfer limit: every survivor must fail well inside it."""
+FAST_S = 5.0
+"""A failure seen "at once": a dead peer's closed connection, or a peer's abort flag."""
+
+
+def _large_model(version: int) -> dict[str, torch.Tensor]:
+    """Eight 256x256 fp32 tensors (2 MiB): buckets too large for a socket's buffers, so a send
+    waits for its receive, as on a real job."""
+    g = torch.Generator().manual_seed(version)
+    return {f"w{i}": torch.randn(256, 256, generator=g) for i in range(8)}
+
+
+def _killed_layouts() -> tuple[Layout, Layout]:
+    model = _large_model(0)
+    trainer = Layout.build(model, 2, shard=dict.fromkeys(model, 0))
+    replica = Layout.build(model, 2, shard=dict.fromkeys(model, 1))
+    return trainer, replica
+
+
 def _killed_child(rank: int) -> dict[str, Any]:
-    trainer_layout, replica_layout = _layouts()
+    """Trainers 0, 1; replica 0 = ranks 2, 3 (P2R, then the R2R source), replica 1 = 4, 5.
+
+    Version 2's P2R: trainer rank 1 dies between two buckets of a receiving rank (after some
+    replica rank took its first bucket, before its second leaves). Then the R2R of version 2,
+    then a re-seed of replica 0 from replica 1's whole version 1 over the R2R group."""
+    trainer_layout, replica_layout = _killed_layouts()
     plan = TransferPlan.between(trainer_layout, replica_layout)
-    groups = build_sharded_sync_groups(TRAINERS, [(2, 3)], timeout_s=8)
-    config = TransferConfig(bucket_bytes=512, timeout_s=8)
+    groups = build_sharded_sync_groups(TRAINERS, [(2, 3), (4, 5)], timeout_s=KILLED_LIMIT_S)
+    config = TransferConfig(bucket_bytes=64 * 1024, checksums=True, timeout_s=KILLED_LIMIT_S)
+    store = torch.distributed.distributed_c10d._get_default_store()
     if rank in TRAINERS:
         transfer = groups.p2r_transfer(plan, config=config)
         assert transfer is not None
-        transfer.send(trainer_layout.shard(_model(1), rank), version=1)
-        transfer.hooks = transfer_fault_hooks()  # trainer rank 1 dies after two buckets
+        transfer.send(trainer_layout.shard(_large_model(1), rank), version=1)
+        transfer.hooks = transfer_fault_hooks()  # trainer rank 1 dies mid-version 2
         started = time.monotonic()
-        error = _raised(lambda: transfer.send(trainer_layout.shard(_model(2), rank), version=2))
-        return {"error": error, "elapsed": time.monotonic() - started}
-    k = rank - 2
-    backend = IdleFlatRollout(replica_layout.shard(_model(0), k))
-    worker = RolloutWorker(
-        backend, p2r=groups.p2r_transfer(plan, config=config), weight_sync_timeout=8
-    )
-    try:
-        assert worker.handle(P2R(step=1)).ok
-        started = time.monotonic()
-        outcome = SyncOutcome.of(
-            worker.handle(P2R(step=2)), backend, elapsed_s=time.monotonic() - started
+        error = _raised(
+            lambda: transfer.send(trainer_layout.shard(_large_model(2), rank), version=2)
         )
-        try:
-            backend.check_servable()
-            servable: bool | str = True
-        except TornWeightsError as exc:
-            servable = str(exc)
-        whole_v1 = _equal(_served(backend), replica_layout.shard(_model(1), k))
-        return {"outcome": outcome, "servable": servable, "whole_v1": whole_v1}
+        elapsed = time.monotonic() - started
+        store.set("trainer_done", "1")
+        # Rank 0 hosts the job's store (the abort flag, the fault's signal): it stays up
+        # until the replicas are done.
+        store.wait([f"done/{r}" for r in (2, 3, 4, 5)], datetime.timedelta(seconds=60))
+        return {"error": error, "elapsed": elapsed}
+    j, k = groups.position(rank)  # type: ignore[misc]
+    backend = IdleFlatRollout(replica_layout.shard(_large_model(0), k))
+    worker = RolloutWorker(
+        backend,
+        p2r=groups.p2r_transfer(plan, config=config),
+        r2r=groups.r2r_transfer(config=config),
+        weight_sync_timeout=KILLED_LIMIT_S,
+    )
+    out: dict[str, Any] = {}
+    try:
+        if j == 0:
+            assert worker.handle(P2R(step=1)).ok
+        assert worker.handle(R2R(step=1)).ok
+        if j == 0:
+            assert isinstance(worker.p2r, ShardedTransfer)
+            worker.p2r.hooks = transfer_fault_hooks()  # after_receive k: the kill's signal
+            started = time.monotonic()
+            out["p2r"] = SyncOutcome.of(
+                worker.handle(P2R(step=2)), backend, elapsed_s=time.monotonic() - started
+            )
+            out["written"] = _written(backend, replica_layout, k)
+        started = time.monotonic()
+        out["r2r"] = SyncOutcome.of(
+            worker.handle(R2R(step=2)), backend, elapsed_s=time.monotonic() - started
+        )
+        out["servable"] = _servable(backend)
+        # Recovery: replica 0 is re-seeded from replica 1 (whole at version 1) over the R2R
+        # group, untouched by the dead trainer rank.
+        r2r = worker.r2r
+        assert isinstance(r2r, WeightTransfer)
+        reseed = WeightTransfer(r2r.group, groups.replicas[1][k], config=config)
+        stats = worker.reseed(reseed)
+        out["reseeded"] = (stats.version, backend.weight_version, _servable(backend))
+        out["whole_v1"] = _equal(_served(backend), replica_layout.shard(_large_model(1), k))
+        return out
     finally:
         worker.close(10)
+        # No replica rank leaves (closing its connections, which a waiting trainer rank would
+        # see at once) before the surviving trainer rank's send ended on its own.
+        store.wait(["trainer_done"], datetime.timedelta(seconds=60))
+        store.set(f"done/{rank}", "1")
 
 
-@pytest.mark.timeout(90)
-def test_a_trainer_rank_killed_mid_plan_leaves_no_replica_rank_serving_torn_weights() -> None:
+def _written(backend: IdleFlatRollout, layout: Layout, k: int) -> bool:
+    """Whether any element of this replica rank's tensors differs from version 1."""
+    return not _equal(_served(backend), layout.shard(_large_model(1), k))
+
+
+def _servable(backend: IdleFlatRollout) -> bool | str:
+    try:
+        backend.check_servable()
+    except TornWeightsError as exc:
+        return str(exc)
+    return True
+
+
+@pytest.mark.timeout(120)
+def test_a_trainer_rank_killed_between_two_buckets_fails_every_rank_fast_and_closed() -> None:
     results = run_group(
         _killed_child,
-        4,
-        timeout_s=90,
-        group_timeout_s=8,
-        faults=FaultSchedule(Kill(1, "after_pack", 2)),
+        6,
+        timeout_s=120,
+        group_timeout_s=KILLED_LIMIT_S,
+        faults=FaultSchedule(Kill(1, "after_pack", 1, after="after_receive:0")),
     )
+    # Item 1: every replica rank fails with the transfer's typed error, at once; one that
+    # wrote anything is torn and refuses to serve; one that wrote nothing serves version 1.
+    wrote = []
     for rank in (2, 3):
-        outcome = results[rank]["outcome"]
-        assert outcome.failed_with(WeightTransferError), (rank, outcome)
-        # A dead peer is seen at once (its connection closed), not at the 8 s limit.
-        assert outcome.elapsed_s < 4.0 and "peer most likely died" in outcome.error.message
-        if outcome.servable:  # untouched: it still serves version 1, whole
-            assert outcome.version == 1 and results[rank]["whole_v1"] is True
-        else:  # torn, and refusing to serve
+        p2r = results[rank]["p2r"]
+        assert p2r.failed_with(WeightTransferError), (rank, p2r)
+        assert p2r.elapsed_s < FAST_S, (rank, p2r)
+        if results[rank]["written"]:
+            wrote.append(rank)
+            assert p2r.servable is False, (rank, p2r)
             assert "refuses to generate" in results[rank]["servable"]
-    assert isinstance(results[0]["error"], WeightTransferError)
+            # A torn source never sends: its R2R aborts at once.
+            assert results[rank]["r2r"].failed_with(TornWeightsError), results[rank]["r2r"]
+        else:
+            assert p2r.servable is True and p2r.version == 1, (rank, p2r)
+    assert wrote, "the kill struck after a receiving rank's first bucket: something was written"
+    # Item 2: the surviving trainer rank learns of the death through the abort flag, at once.
+    assert isinstance(results[0]["error"], WeightTransferError), results[0]
+    assert results[0]["elapsed"] < FAST_S, results[0]
+    # The R2R receivers of a torn source hear its abort at once: nothing is written there.
+    for rank in (4, 5):
+        r2r = results[rank]["r2r"]
+        source = rank - 2
+        if source in wrote:
+            assert r2r.failed_with(ManifestRejected), (rank, r2r)
+            assert r2r.elapsed_s < FAST_S, (rank, r2r)
+        assert r2r.servable is True and r2r.version == 1, (rank, r2r)
+    # Nothing committed version 2 anywhere; the re-seed makes replica 0 whole again.
+    for rank in (2, 3):
+        assert results[rank]["reseeded"] == (1, 1, True), results[rank]
+    assert all(results[r]["whole_v1"] for r in (2, 3, 4, 5))
 
 
 def _chain_child(rank: int) -> dict[str, Any]:
@@ -295,6 +386,70 @@ def test_replicas_relay_rank_to_rank_along_a_chain() -> None:
         assert results[rank]["whole"] and results[rank]["version"] == 1, rank
     # The first and the middle replica pass their slices on; the last only receives.
     assert [results[r]["roles"] for r in range(2, 8)] == [["relay"]] * 4 + [["receive"]] * 2
+
+
+def _tree_killed_child(rank: int) -> dict[str, Any]:
+    """The chain of ``_chain_child`` with the large model; version 2's inner relay rank 4 dies
+    between two buckets of its leaf rank 6 (after rank 6 took bucket 1)."""
+    trainer_layout, replica_layout = _killed_layouts()
+    plan = TransferPlan.between(trainer_layout, replica_layout)
+    groups = build_sharded_sync_groups(TRAINERS, [(2, 3), (4, 5), (6, 7)], fanout=1)
+    config = TransferConfig(bucket_bytes=64 * 1024, checksums=True, timeout_s=KILLED_LIMIT_S)
+    store = torch.distributed.distributed_c10d._get_default_store()
+    if rank in TRAINERS:
+        transfer = groups.p2r_transfer(plan, config=config)
+        assert transfer is not None
+        for version in (1, 2):
+            transfer.send(trainer_layout.shard(_large_model(version), rank), version=version)
+        store.wait([f"done/{r}" for r in (2, 3, 5, 6, 7)], datetime.timedelta(seconds=60))
+        return {}
+    j, k = groups.position(rank)  # type: ignore[misc]
+    backend = IdleFlatRollout(replica_layout.shard(_large_model(0), k))
+    worker = RolloutWorker(
+        backend,
+        p2r=groups.p2r_transfer(plan, config=config),
+        r2r=groups.r2r_transfer(config=config),
+        weight_sync_timeout=KILLED_LIMIT_S,
+    )
+    try:
+        command = P2R if j == 0 else R2R
+        assert worker.handle(command(step=1, **({"relay": True} if j == 0 else {}))).ok
+        incoming = getattr(worker.r2r, "incoming", worker.r2r)
+        assert isinstance(incoming, WeightTransfer)
+        if rank == 4:  # the victim: its own bucket arrivals are its kill's fault point
+            incoming.hooks = transfer_fault_hooks()
+        if rank == 6:  # the leaf: each bucket it takes is announced to the victim
+            incoming.hooks = TransferHooks(after_receive=lambda k, b: fault_point("leaf", k))
+        started = time.monotonic()
+        result = worker.handle(command(step=2, **({"relay": True} if j == 0 else {})))
+        outcome = SyncOutcome.of(result, backend, elapsed_s=time.monotonic() - started)
+        written = not _equal(_served(backend), replica_layout.shard(_large_model(1), k))
+        return {"outcome": outcome, "written": written, "servable": _servable(backend)}
+    finally:
+        worker.close(10)
+        store.set(f"done/{rank}", "1")
+
+
+@pytest.mark.timeout(120)
+def test_an_inner_relay_killed_between_two_buckets_of_its_leaf_leaves_the_leaf_torn() -> None:
+    results = run_group(
+        _tree_killed_child,
+        8,
+        timeout_s=120,
+        group_timeout_s=KILLED_LIMIT_S,
+        faults=FaultSchedule(Kill(4, "after_receive", 3, after="leaf:1")),
+    )
+    leaf = results[6]["outcome"]
+    assert leaf.failed_with(WeightTransferError) and leaf.elapsed_s < FAST_S, leaf
+    assert results[6]["written"], "the leaf took buckets 0 and 1 before its relay died"
+    assert leaf.servable is False and leaf.version == 1, leaf
+    assert "refuses to generate" in results[6]["servable"]
+    # The root relay received version 2 whole from the trainers: its forward failed, so it
+    # commits and reports (RelayForwardError); the other position's chain is untouched.
+    assert results[2]["outcome"].failed_with(WeightTransferError)
+    assert results[2]["outcome"].version == 2 and results[2]["outcome"].servable is True
+    for rank in (3, 5, 7):
+        assert results[rank]["outcome"].error is None and results[rank]["outcome"].version == 2
 
 
 def test_a_relay_tree_of_fanout_two_is_a_heap_and_fanout_none_one_broadcast() -> None:

@@ -585,7 +585,7 @@ class FastLLMReceiver:
                     allow_subset=self.allow_subset,
                     storage=self.rollout.flat_weight_storage(),
                 )
-            except WeightTransferError as exc:
+            except BaseException as exc:  # fail closed: only the transfer's word clears a write
                 settle_failed_receive(self.rollout, served, exc)
                 raise
 

@@ -12,12 +12,14 @@ Modelled on torchft's fault injector: the schedule is data, the test reads as it
 
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from ..transfer import TransferHooks
 
@@ -25,6 +27,11 @@ __all__ = ["FaultSchedule", "Kill", "fault_point", "transfer_fault_hooks"]
 
 KILLED_EXIT_CODE = 17
 """The exit code a :class:`Kill` uses unless it names one."""
+
+AFTER_LIMIT_S = 30.0
+"""How long a :class:`Kill` with ``after`` waits for that pass before it fails loudly."""
+
+_PASSED_KEY = "rollout_sync/testing/fault_passed/"
 
 
 @dataclass(frozen=True)
@@ -36,20 +43,33 @@ class Kill:
     ``step`` is that index: the first pass with it strikes. For a point passed without one, it
     is how many times this process passed the point before (0: the first time).
 
+    ``after`` (``"point:step"``) orders the death after another process's pass of that fault
+    point: the dying process waits there, at most :data:`AFTER_LIMIT_S`, until some other
+    process of the job passed ``point`` at ``step`` (told through the job's default store, so
+    only in a :func:`~rollout_sync.testing.run_group` child). ``Kill(1, "after_pack", 1,
+    after="after_receive:0")`` kills a sender between two buckets of its receiver: the
+    receiver took bucket 0, bucket 1 never comes. A race no more.
+
     Raises:
-        ValueError: a negative rank or step, an empty point, or exit code 0 (a clean exit).
+        ValueError: a negative rank or step, an empty point, exit code 0 (a clean exit), or an
+            ``after`` not of the form ``"point:step"``.
     """
 
     rank: int
     point: str
     step: int = 0
     exit_code: int = KILLED_EXIT_CODE
+    after: str | None = None
 
     def __post_init__(self) -> None:
         if self.rank < 0 or self.step < 0 or not self.point:
             raise ValueError(f"{self}: needs a rank >= 0, a step >= 0 and a named point")
         if self.exit_code == 0:
             raise ValueError(f"{self}: exit code 0 is a clean exit, not a death")
+        if self.after is not None:
+            point, _, step = self.after.rpartition(":")
+            if not point or not step.isdigit():
+                raise ValueError(f"{self}: after must be 'point:step', got {self.after!r}")
 
 
 class FaultSchedule:
@@ -77,14 +97,18 @@ class FaultSchedule:
 # -- inside a child ------------------------------------------------------------------------------
 
 _kill_here: Kill | None = None
+_awaited: frozenset[str] = frozenset()
+"""The ``after`` passes some process's kill waits for: this process announces them."""
 _passes: Counter[str] = Counter()
 
 
 def install(schedule: FaultSchedule | None, rank: int) -> None:
     """Arm this process's kill, if the schedule has one for ``rank`` (the harness calls this
     in each child before the target runs)."""
-    global _kill_here
+    global _kill_here, _awaited
     _kill_here = schedule.for_rank(rank) if schedule is not None else None
+    kills = schedule.kills if schedule is not None else ()
+    _awaited = frozenset(k.after for k in kills if k.after is not None and k.rank != rank)
     _passes.clear()
 
 
@@ -95,15 +119,24 @@ def fault_point(point: str, step: int | None = None) -> None:
     its passes. A no-op in a process the harness did not arm.
     """
     kill = _kill_here
-    if kill is None or kill.point != point:
+    if kill is None and not _awaited:
         return
     if step is None:
         step = _passes[point]
         _passes[point] += 1
-    if step == kill.step:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(kill.exit_code)
+    if f"{point}:{step}" in _awaited:
+        try:
+            dist.distributed_c10d._get_default_store().set(f"{_PASSED_KEY}{point}:{step}", "1")
+        except RuntimeError:  # DistNetworkError too: the store's host is the process that
+            pass  # waited for this and died before it answered; its kill is the point anyway
+    if kill is None or kill.point != point or step != kill.step:
+        return
+    if kill.after is not None:
+        store = dist.distributed_c10d._get_default_store()
+        store.wait([f"{_PASSED_KEY}{kill.after}"], datetime.timedelta(seconds=AFTER_LIMIT_S))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(kill.exit_code)
 
 
 def transfer_fault_hooks() -> TransferHooks:

@@ -63,21 +63,11 @@ class _InFlight:
         self.version = version
         self.pending: deque[_Launched] = deque()
 
-    def launch(
-        self, tensor: torch.Tensor, bucket: int, what: str = "bucket", written: int = 0
-    ) -> None:
-        """Start one broadcast; ``written``: target tensors written so far (for the error)."""
+    def launch(self, tensor: torch.Tensor, bucket: int, what: str = "bucket") -> None:
+        """Start one broadcast (one that cannot start fails at its wait)."""
         start_ns = time.monotonic_ns()
-        try:
-            work = self.transfer.collectives.broadcast(tensor, self.transfer.src)
-        except RuntimeError as exc:  # a group already broken by a dead peer refuses new work
-            raise WeightTransferError(
-                f"{self.op}: {what} {bucket + 1}/{self.buckets} could not be started: {exc}",
-                operation=self.op,
-                version=self.version,
-                tensors_written=written,
-            ) from exc
-        assert work is not None
+        # A group already broken by a dead peer refuses new work: that fails at the wait.
+        work = self.transfer.collectives.broadcast(tensor, self.transfer.src)
         self.pending.append(_Launched(work, bucket, what, start_ns))
 
     def finish_through(self, bucket: int, written: int = 0) -> None:

@@ -188,6 +188,8 @@ class _Progress:
     failed_buckets: list[tuple[int, int, int]] = field(default_factory=list)
     """The first corrupted bucket: (its place among this rank's receives, its number from its
     source, the source's global rank); nothing is written from it on."""
+    refusal: BaseException | None = None
+    """This rank's ``verify`` refused what landed intact (voted no, raised after the vote)."""
     checksums_verified: int = 0
     buckets: int = 0
     nbytes: int = 0
@@ -413,12 +415,15 @@ class ShardedTransfer:
         allow_subset: bool = False,
         write_kind: str = SpanKind.WEIGHT_WRITE,
         storage: torch.Tensor | None = None,
+        verify: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
     ) -> TransferStats:
         """Receive this target rank's part of the next version into ``into``, its local tensors
         (written in place, region by region, each bucket only once its checksum matched).
 
         ``allow_subset``: ``into`` may hold tensors the layout does not (left untouched);
-        otherwise they must be exactly the layout's. ``storage`` is not used.
+        otherwise they must be exactly the layout's. ``storage`` is not used. ``verify``: as for
+        :meth:`~rollout_sync.WeightTransfer.receive` (run on this rank's part once it landed
+        intact; a refusal is this rank's no in the commit vote, raised after it).
 
         Raises:
             WeightMismatchError: ``into`` does not match this rank's layout (nothing written,
@@ -441,6 +446,11 @@ class ShardedTransfer:
             self._receive_buckets(into, version, progress, write_kind)
         except WeightTransferError as exc:
             failure = exc
+        if failure is None and not progress.failed_buckets and verify is not None:
+            try:
+                verify(into)
+            except Exception as exc:  # noqa: BLE001 - this rank's refusal: voted, then raised
+                progress.refusal = exc
         self._commit_vote(version, progress, failure, receiving=True)
         end = time.perf_counter()
         return self._stats("receive", version, progress, start, voted, end)
@@ -453,6 +463,7 @@ class ShardedTransfer:
         allow_subset: bool = False,
         write_kind: str = SpanKind.WEIGHT_WRITE,
         storage: torch.Tensor | None = None,
+        verify: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
     ) -> TransferStats:
         """Receive as :meth:`receive` does, then send what arrived through ``forward`` (an R2R
         :class:`~rollout_sync.WeightTransfer` between this rank and the same rank of the other
@@ -462,7 +473,9 @@ class ShardedTransfer:
             RelayForwardError: the receive completed (``complete``), passing it on failed.
         """
         try:
-            stats = self.receive(into, allow_subset=allow_subset, write_kind=write_kind)
+            stats = self.receive(
+                into, allow_subset=allow_subset, write_kind=write_kind, verify=verify
+            )
         except (WeightTransferError, WeightMismatchError) as exc:
             abort = getattr(forward, "abort", None)
             if abort is not None:  # the downstream replicas fail now, not at their limit
@@ -650,13 +663,16 @@ class ShardedTransfer:
             # A collective failed: the group may be broken; do not wait on it again.
             raise failure
         corrupt = progress.failed_buckets
-        mine = torch.tensor([_NO if corrupt else _YES], dtype=torch.int64, device=self.device)
+        no = corrupt or progress.refusal is not None
+        mine = torch.tensor([_NO if no else _YES], dtype=torch.int64, device=self.device)
         rows = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in self.ranks]
         with self._span(op):
             work = self.collectives.all_gather(rows, mine)
             self._wait(work, op, version, written)
         votes = torch.cat(rows).tolist()
         failed = [rank for rank, v in zip(self.ranks, votes, strict=True) if v != _YES]
+        if progress.refusal is not None:
+            raise progress.refusal
         if corrupt:
             raise ChecksumMismatchError(
                 f"bucket {corrupt[0][1]} of version {version} from rank {corrupt[0][2]} arrived "

@@ -96,6 +96,20 @@ from .manifest import OriginChecksums, WeightManifest, bucket_checksum
 __all__ = ["WeightTransfer", "wait_transfer_work"]
 
 
+def _verify_landed(
+    verify: Callable[[Mapping[str, torch.Tensor]], None] | None,
+    into: Mapping[str, torch.Tensor],
+    outcome: _Outcome,
+) -> None:
+    """Run a receiver's ``verify`` on what landed whole; its refusal is this rank's no."""
+    if verify is None or outcome.failure is not None:
+        return
+    try:
+        verify(into)
+    except Exception as exc:  # noqa: BLE001 - this rank's refusal: voted, then raised
+        outcome.refusal = exc
+
+
 def wait_transfer_work(
     work: dist.Work | None,
     op: str,
@@ -140,6 +154,8 @@ class _Outcome:
     failure: str | None = None
     cause: BaseException | None = None
     """The exception behind ``failure`` when a consumer of the bytes raised (a stream's load)."""
+    refusal: BaseException | None = None
+    """This rank's ``verify`` refused what landed whole (voted no, raised after the vote)."""
     checksums_verified: int = 0
     source_checksums: list[tuple[int, int]] = field(default_factory=list)
     zero_copy_buckets: int = 0
@@ -271,8 +287,9 @@ class WeightTransfer:
         failed = self._vote_ranks(ok=True, op=f"{op}: commit vote", version=version, written=0)
         if failed:
             raise ChecksumMismatchError(
-                f"{op}: ranks {failed} reported a failure after receiving (a checksum mismatch "
-                "or a failed write); their weights are torn until the next complete sync",
+                f"{op}: ranks {failed} reported a failure after receiving (a checksum mismatch, "
+                "a failed write, or a refusal of what landed, such as a LoRA set's lora_alpha); "
+                "no replica of the sync commits this version",
                 operation=op,
                 version=version,
                 tensors_written=0,
@@ -411,6 +428,7 @@ class WeightTransfer:
         allow_subset: bool = True,
         write_kind: str = SpanKind.WEIGHT_WRITE,
         storage: torch.Tensor | None = None,
+        verify: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
     ) -> TransferStats:
         """Receive one broadcast into ``into`` (this rank must not be the source), in place.
 
@@ -429,6 +447,11 @@ class WeightTransfer:
                 bucket is still staged and verified first. A storage that is not a contiguous
                 1-D ``uint8`` tensor on this transfer's device is this rank's objection in the
                 manifest vote: ``ValueError`` here, ``ManifestRejected`` on the others.
+            verify: checks what landed, once every bucket arrived intact, before the commit
+                vote: values no manifest can describe (a LoRA set's ``lora_alpha``). Raising
+                makes this rank vote no (the source's ``send`` fails) and is raised here after
+                the vote; ``into`` then holds the refused bytes, so pass it with a staging
+                copy, not served tensors.
 
         Raises:
             WeightMismatchError: this rank rejected the manifest; ``into`` is untouched.
@@ -453,6 +476,7 @@ class WeightTransfer:
         manifest_done = time.perf_counter()
         outcome = _Outcome()
         self._receive_buckets(manifest, into, storage, op, version, outcome, write_kind, None)
+        _verify_landed(verify, into, outcome)
         return self._commit("receive", op, version, manifest, outcome, start, manifest_done)
 
     def stream(
@@ -524,6 +548,7 @@ class WeightTransfer:
         allow_subset: bool = True,
         write_kind: str = SpanKind.WEIGHT_WRITE,
         storage: torch.Tensor | None = None,
+        verify: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
     ) -> TransferStats:
         """Receive one broadcast into ``into`` and pass it on through ``forward`` as it arrives.
 
@@ -540,7 +565,8 @@ class WeightTransfer:
         its downstream receivers at once (the abort header).
 
         Args:
-            into, allow_subset, write_kind, storage: as for :meth:`receive`.
+            into, allow_subset, write_kind, storage, verify: as for :meth:`receive` (a
+                refusal by ``verify`` is this relay's no in both commit votes).
             forward: the R2R transfer; this rank must be its source, on the same device.
 
         Returns:
@@ -612,8 +638,9 @@ class WeightTransfer:
             self._receive_buckets(
                 manifest, into, storage, op, version, outcome, write_kind, forwarding
             )
+            _verify_landed(verify, into, outcome)
             failed = self._vote_ranks(
-                ok=outcome.failure is None,
+                ok=outcome.failure is None and outcome.refusal is None,
                 op=f"{op}: commit vote",
                 version=version,
                 written=outcome.tensors_written,
@@ -626,7 +653,7 @@ class WeightTransfer:
                 forwarding.close(ok=False)
             raise
         if forwarding is not None:
-            forwarding.close(ok=outcome.failure is None)
+            forwarding.close(ok=outcome.failure is None and outcome.refusal is None)
             forward_error = forwarding.error
             if forward_error is None and forwarding.failed_ranks:
                 forward_error = ChecksumMismatchError(
@@ -672,7 +699,7 @@ class WeightTransfer:
     ) -> TransferStats:
         """A receiver's commit vote on ``outcome``; raise any rank's failure, else its stats."""
         failed = self._vote_ranks(
-            ok=outcome.failure is None,
+            ok=outcome.failure is None and outcome.refusal is None,
             op=f"{op}: commit vote",
             version=version,
             written=outcome.tensors_written,
@@ -682,6 +709,8 @@ class WeightTransfer:
 
     def _raise_failures(self, op: str, version: int, outcome: _Outcome, failed: list[int]) -> None:
         """After the commit vote: raise for this rank's own failure or another rank's."""
+        if outcome.refusal is not None:
+            raise outcome.refusal
         if outcome.cause is not None:
             raise WeightTransferError(
                 f"{op}: {outcome.failure}; {outcome.tensors_written} tensor(s) were handed to "
@@ -869,9 +898,9 @@ class WeightTransfer:
                 # The collective itself writes the targets (zero-copy).
                 outcome.tensors_written += len(manifest.buckets[k])
                 write_starts[k] = time.monotonic_ns()
-            in_flight.launch(flats[k], k, written=outcome.tensors_written)  # type: ignore[arg-type]
+            in_flight.launch(flats[k], k)  # type: ignore[arg-type]
             if sent_checksums is not None:
-                in_flight.launch(sent_checksums[k], k, "checksum", outcome.tensors_written)
+                in_flight.launch(sent_checksums[k], k, "checksum")
 
         post(0)
         with torch.no_grad():
