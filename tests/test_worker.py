@@ -22,6 +22,7 @@ from rollout_sync.errors import (
     ChecksumMismatchError,
     RunInterrupted,
     TornWeightsError,
+    WeightMismatchError,
     WeightTransferError,
     WeightTransferTimeout,
 )
@@ -57,6 +58,8 @@ class FakeTransfer:
         self.is_source = is_source
         self.log = log
         self.fail_after: int | None = None
+        self.fail_with: BaseException | None = None
+        """Raised in place of the WeightTransferError of ``fail_after`` (an error of another type)."""
         self.complete_but_failed = False
         self.sent: list[int] = []
 
@@ -74,6 +77,8 @@ class FakeTransfer:
         check_weights_match(specs_of(weights), into)
         for i, (name, tensor) in enumerate(weights.items()):
             if self.fail_after is not None and i == self.fail_after:
+                if self.fail_with is not None:
+                    raise self.fail_with
                 raise WeightTransferError(
                     "peer died", operation="fake receive", version=version, tensors_written=i
                 )
@@ -120,6 +125,41 @@ class FakeTransfer:
     def abort(self, reason: str, *, version: int | None = None) -> None:
         if self.log is not None:
             self.log.add("abort")
+
+
+@pytest.mark.parametrize(
+    ("error", "written", "torn"),
+    [
+        (RuntimeError("Connection closed by peer"), 1, True),  # raw: proves nothing
+        (RuntimeError("Connection closed by peer"), 0, True),  # even before any write
+        (WeightTransferError("died", operation="x", tensors_written=0), 0, False),
+        (WeightMismatchError(["w: shape"]), 0, False),  # the check before any write
+    ],
+)
+def test_a_failed_receive_is_torn_unless_the_transfer_proves_nothing_was_written(
+    error: BaseException, written: int, torn: bool
+) -> None:
+    """Fail closed: only the transfer's own word (its typed error's ``tensors_written``, or
+    the refusal before any write) clears a write; an error of any other type counts as one."""
+    weights = {"a": torch.ones(2), "b": torch.ones(2)}
+    rollout = RecordingRollout(EventLog(), {"a": torch.zeros(2), "b": torch.zeros(2)})
+    transfer = FakeTransfer(lambda: (1, weights))
+    transfer.fail_after, transfer.fail_with = written, error
+    log = EventLog()
+    r2r = FakeTransfer(lambda: (1, weights), is_source=True, log=log)
+    worker = RolloutWorker(rollout, p2r=transfer, r2r=r2r)
+    result = worker.handle(P2R(step=1))
+    assert not result.ok and result.exception is error
+    assert rollout.weights_torn is torn and rollout.weight_version == 0
+    sent = worker.handle(R2R(step=1))
+    if torn:
+        if not isinstance(error, WeightTransferError):
+            with pytest.raises(TornWeightsError, match="does not say what was written"):
+                rollout.check_servable()
+        # A torn source never sends: it aborts, so its receivers fail at once.
+        assert isinstance(sent.exception, TornWeightsError) and log.events == ["abort"]
+    else:
+        assert sent.ok and r2r.sent == [0]
 
 
 def _stamped(model: VersionStampedModel, version: int) -> tuple[int, dict[str, torch.Tensor]]:
