@@ -59,7 +59,7 @@ class FakeTransfer:
         self.log = log
         self.fail_after: int | None = None
         self.fail_with: BaseException | None = None
-        """Raised in place of the WeightTransferError of ``fail_after`` (an error of another type)."""
+        """Raised in place of ``fail_after``'s WeightTransferError (an error of another type)."""
         self.complete_but_failed = False
         self.sent: list[int] = []
 
