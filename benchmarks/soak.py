@@ -163,8 +163,15 @@ class _LoopbackTransfer:
             )
         nbytes = sum(int(flat.numel()) for _, flat in buckets)
         elapsed = time.perf_counter() - start
-        return TransferStats(
-            "send", version, len(specs), len(buckets), nbytes, 0.0, elapsed, elapsed
+        return TransferStats.build(
+            role="send",
+            version=version,
+            tensors=len(specs),
+            buckets=len(buckets),
+            nbytes=nbytes,
+            manifest_s=0.0,
+            transfer_s=elapsed,
+            total_s=elapsed,
         )
 
     def abort(self, reason: str) -> None:
@@ -217,8 +224,16 @@ class _LoopbackTransfer:
                 tensors_written=written,
             )
         elapsed = time.perf_counter() - start
-        return TransferStats(
-            "receive", version, len(specs), num_buckets, nbytes, 0.0, elapsed, elapsed, written
+        return TransferStats.build(
+            role="receive",
+            version=version,
+            tensors=len(specs),
+            buckets=num_buckets,
+            nbytes=nbytes,
+            manifest_s=0.0,
+            transfer_s=elapsed,
+            total_s=elapsed,
+            tensors_written=written,
         )
 
     def relay(

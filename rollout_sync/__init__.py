@@ -40,9 +40,6 @@ from .errors import WeightMismatchError as WeightMismatchError
 from .errors import WeightTransferError as WeightTransferError
 from .errors import WorkerContractError as WorkerContractError
 from .gate import Gate as Gate
-
-# Frameworks: the guard on their handlers.
-from .guard import SyncMode as SyncMode
 from .guard import SyncReport as SyncReport
 from .guard import WeightSyncWorker as WeightSyncWorker
 from .guard import holds_payload_egress as holds_payload_egress
@@ -59,6 +56,9 @@ from .scheduler import GenerationRequest as GenerationRequest
 from .scheduler import GenerationResult as GenerationResult
 from .scheduler import RolloutTaskScheduler as RolloutTaskScheduler
 from .scheduler import SamplingParams as SamplingParams
+
+# Frameworks: the guard on their handlers.
+from .sync.mode import SyncMode as SyncMode
 
 # Seeing what happened.
 from .trace import SpanKind as SpanKind

@@ -40,7 +40,8 @@ import torch
 from ._deadline import deadline_after, limit_of, wait_arg, wait_device_event
 from .backend import RolloutBase
 from .errors import FenceTimeout, WeightSyncThreadError
-from .guard import SyncMode, device_fence
+from .guard import device_fence
+from .sync.mode import SyncMode
 from .trace import SpanKind, Timeline
 
 __all__ = [

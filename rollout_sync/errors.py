@@ -11,28 +11,38 @@ The families, in the order a weight sync meets them:
   :class:`GateTimeout` and its kinds (:class:`PauseTimeout`, :class:`EgressHoldTimeout`,
   :class:`IngressHoldTimeout`), :class:`FenceTimeout`, :class:`PausedContractViolation` (a
   backend's ``paused()`` failed the contract suite);
-* the weights: :class:`WeightMismatchError` (validation before any write),
+* the weights: :class:`WeightMismatchError` (validation before any write; ``WriteRefused``,
+  a vLLM engine's refusal of an in-place write, is the same class),
   :class:`TornWeightsError` (generation refused), :class:`WeightTransferError` and its kinds
   (:class:`P2RBarrierMismatch`: only one side of a P2R takes the barrier),
   :class:`ManifestError`, :class:`WeightsNotLandedError` (vLLM);
 * processes and collectives: :class:`CollectiveError`, :class:`CollectiveTimeout`,
-  :class:`GroupProcessError`;
+  :class:`GroupProcessError` (with its :class:`ChildFailure` records, defined beside it in
+  ``_failures``: a record, not an exception);
 * the payload transport: :class:`PayloadTransportError`, :class:`PayloadTimeout` and kinds;
 * the trainer side: :class:`WeightBroadcastError`, :class:`MetricKeyCollisionError`,
   :class:`HarvestTimeout`;
-* engines and threads: :class:`SchedulerTimeout`, :class:`GenerationTimeout`,
+* engines and threads: :class:`GenerationTimeout` (``SchedulerTimeout`` is the same class),
   :class:`EngineCallTimeout`, :class:`CommandTimeout`, :class:`RunInterrupted`,
-  :class:`InstallTimeout`,
-  :class:`ShutdownTimeout`, :class:`WeightSyncThreadError`, :class:`VLLMUnavailableError`,
-  :class:`RayUnavailableError`;
-* seeing what happened: :class:`MatplotlibUnavailableError` (the picture of a timeline).
+  :class:`InstallTimeout`, :class:`ShutdownTimeout`, :class:`WeightSyncThreadError`;
+* an optional dependency that is missing (vLLM, Ray, Redis, matplotlib, cosmos-rl):
+  :class:`MissingDependencyError`, under every old name (``VLLMUnavailableError``,
+  ``RayUnavailableError``, ``RedisUnavailableError``, ``MatplotlibUnavailableError``,
+  ``CosmosRLVersionError``).
+
+Some old names are aliases of the class that took their place (``X = Y``): each raised exactly
+what it names, and no caller catches the merged classes apart. ``except`` with the old name
+catches what it caught before; it now also catches what it was merged with (``except
+SchedulerTimeout`` a vLLM generation's timeout, ``except VLLMUnavailableError`` any missing
+dependency), and the class name in a traceback is the surviving one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
+
+from ._failures import ChildFailure as ChildFailure
 
 __all__ = [
     "ChecksumMismatchError",
@@ -57,6 +67,7 @@ __all__ = [
     "ManifestRejected",
     "MatplotlibUnavailableError",
     "MetricKeyCollisionError",
+    "MissingDependencyError",
     "P2RBarrierMismatch",
     "PauseTimeout",
     "PausedContractViolation",
@@ -469,16 +480,10 @@ class WeightsNotLandedError(RolloutSyncError):
         self.torn = torn
 
 
-class WriteRefused(RolloutSyncError):
-    """Inside a vLLM engine: a write was refused before any served tensor was touched.
-
-    Attributes:
-        problems: why, one line each.
-    """
-
-    def __init__(self, problems: list[str]) -> None:
-        super().__init__("; ".join(problems))
-        self.problems = problems
+WriteRefused = WeightMismatchError
+"""Inside a vLLM engine, a write refused before any served tensor was touched (a parameter
+repacked by the platform): what :class:`WeightMismatchError` says, nothing written, the
+reasons in ``problems``."""
 
 
 # -- processes and collectives -----------------------------------------------------------------
@@ -510,30 +515,6 @@ class CollectiveTimeout(CollectiveError, RolloutSyncTimeout):
     ) -> None:
         super().__init__(message, operation=operation, group=group)
         self.timeout = timeout
-
-
-@dataclass(frozen=True)
-class ChildFailure:
-    """How one process of a group failed (carried by :class:`GroupProcessError`)."""
-
-    rank: int
-    exitcode: int | None
-    """``None``: still running when it was killed for overstaying (or not a local process)."""
-    error: str
-    """The process's formatted traceback, or what its launcher observed."""
-
-    @classmethod
-    def overstayed(
-        cls, rank: int, *, past_limit: bool, limit_s: float, grace_s: float, group: str
-    ) -> ChildFailure:
-        """A process killed while still running: past the ``group``'s limit, or ``grace_s``
-        after another process failed."""
-        why = (
-            f"killed after the {group}'s limit of {limit_s:.1f} s"
-            if past_limit
-            else f"killed {grace_s:.1f} s after another rank failed"
-        )
-        return cls(rank, None, f"still running: {why}")
 
 
 class GroupProcessError(RolloutSyncError, ChildProcessError):
@@ -671,15 +652,71 @@ class HarvestTimeout(RolloutSyncTimeout):
         self.pending = pending
 
 
+# -- optional dependencies ------------------------------------------------------------------
+
+
+class MissingDependencyError(RolloutSyncError, ImportError):
+    """An optional dependency is missing: not installed, failing to import, or not the version
+    the module that needs it was written against. Raised before anything started.
+
+    The message names what needs it and how to install it: ``pip install 'rollout-sync[extra]'``
+    where an extra of this package installs it (added to the message when the raiser's words
+    do not say it already), otherwise what to install (a system package, a pinned version).
+    An :class:`ImportError` too. Every old name of a missing dependency is this class:
+    ``VLLMUnavailableError``, ``RayUnavailableError``, ``RedisUnavailableError``,
+    ``MatplotlibUnavailableError``, ``CosmosRLVersionError``; tell them apart by ``package``.
+
+    Attributes:
+        package: what is missing, as one installs it (``"vllm"``, ``"ray"``, ``"redis"``,
+            ``"matplotlib"``, ``"cosmos-rl"``; ``"redis-server"``, the system's executable).
+        extra: the extra of ``rollout-sync`` that installs it (``"vllm"``, ``"ray"``,
+            ``"fast-llm"``, ``"plot"``), or ``None`` where none does.
+    """
+
+    def __init__(self, message: str, *, package: str, extra: str | None = None) -> None:
+        if extra is not None and f"pip install 'rollout-sync[{extra}]'" not in message:
+            message = f"{message}; pip install 'rollout-sync[{extra}]'"
+        super().__init__(message)
+        self.package = package
+        self.extra = extra
+
+
+VLLMUnavailableError = MissingDependencyError
+"""vLLM is not installed (or fails to import); ``package="vllm"``, ``extra="vllm"``."""
+
+RayUnavailableError = MissingDependencyError
+"""Ray is not installed (or fails to import); ``package="ray"``, ``extra="ray"``."""
+
+RedisUnavailableError = MissingDependencyError
+"""No ``redis-server`` executable (``package="redis-server"``: a system package), or no
+``redis`` Python client (``package="redis"``, ``extra="fast-llm"``): the Fast-LLM receiver's
+tests and demo start the system's redis-server."""
+
+MatplotlibUnavailableError = MissingDependencyError
+"""matplotlib, which draws the picture of a timeline (:mod:`rollout_sync.trace_plot`), is not
+installed (or fails to import); ``package="matplotlib"``, ``extra="plot"``."""
+
+CosmosRLVersionError = MissingDependencyError
+"""cosmos-rl is not installed, or not the version :mod:`rollout_sync.integrations.cosmos_rl` was
+written against (it patches cosmos's internals, so it refuses any other): ``package="cosmos-rl"``,
+no extra (the message names the version to install)."""
+
+
 # -- engines, workers and their threads --------------------------------------------------------
 
 
-class SchedulerTimeout(RolloutSyncTimeout):
-    """A scheduler wait (for a result, for idleness, for the thread to stop) ran past its limit."""
-
-
 class GenerationTimeout(RolloutSyncTimeout):
-    """A generation request did not produce its tokens, or finish, within its limit."""
+    """A wait on a generation engine ran past its limit: a request's tokens or result, a
+    ``generate()`` call, the engine's scheduler becoming idle or its thread stopping.
+
+    One class for every engine (the scheduler of :class:`~rollout_sync.RolloutTaskScheduler`,
+    the vLLM backends), so code that generates catches one name whichever engine serves it.
+    """
+
+
+SchedulerTimeout = GenerationTimeout
+"""A :class:`~rollout_sync.RolloutTaskScheduler` wait (for a result, for idleness, for the
+thread to stop) ran past its limit: a :class:`GenerationTimeout`."""
 
 
 class EngineCallTimeout(RolloutSyncTimeout):
@@ -727,29 +764,11 @@ class WeightSyncThreadError(RolloutSyncError):
     """The weight-sync thread failed, or did not stop within its limit."""
 
 
-class RayUnavailableError(RolloutSyncError, ImportError):
-    """Ray is not installed (or fails to import); the message says how to install it."""
-
-
-class RedisUnavailableError(RolloutSyncError, ImportError):
-    """No ``redis-server`` executable, or no ``redis`` Python client (the Fast-LLM receiver's
-    tests and demo start the system's redis-server)."""
-
-
 class EngineOutOfStepError(RolloutSyncError, RuntimeError):
     """A vLLM engine with several workers answered a call with a stale answer: after one
     worker failed an all-worker call, vLLM's multiprocess executor reads the others' answers one
     call late (vLLM issue #49972). It can no longer be updated or checked: restart the engine.
     Also a :class:`RuntimeError`."""
-
-
-class VLLMUnavailableError(RolloutSyncError, ImportError):
-    """vLLM is not installed (or fails to import); the message says how to install it."""
-
-
-class MatplotlibUnavailableError(RolloutSyncError, ImportError):
-    """matplotlib, which draws the picture of a timeline (:mod:`rollout_sync.trace_plot`), is
-    not installed (or fails to import); the message names the extra that installs it."""
 
 
 class FastLLMProtocolError(RolloutSyncError):
@@ -765,8 +784,3 @@ class UnsafeHeaderError(FastLLMProtocolError):
     """A Fast-LLM tensor header held something other than the protocol's types (str, tuple,
     ``torch.Size``, ``torch.dtype``, None) or was longer than the receiver accepts: it was not
     unpickled further."""
-
-
-class CosmosRLVersionError(RolloutSyncError, ImportError):
-    """cosmos-rl is not installed, or not the version :mod:`rollout_sync.integrations.cosmos_rl`
-    was written against (it patches cosmos's internals, so it refuses any other)."""

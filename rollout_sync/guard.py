@@ -34,7 +34,6 @@ only what the outer bracket does not already hold, and produce no report of thei
 
 from __future__ import annotations
 
-import enum
 import functools
 import threading
 import time
@@ -45,6 +44,7 @@ from types import TracebackType
 from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar, runtime_checkable
 
 from ._deadline import deadline_after, limit_of, wait_device_idle
+from ._moved import resolve_moved
 from .egress import (
     EgressHoldReport,
     SupportsFlushPendingSends,
@@ -52,17 +52,18 @@ from .egress import (
     payload_egress_held,
 )
 from .errors import FenceTimeout, WorkerContractError
+from .sync.mode import SyncMode as _SyncMode
 from .trace import SpanKind, Timeline
 
 __all__ = [
     "SupportsPause",
-    "SyncMode",
     "SyncReport",
     "WeightSyncBracket",
     "WeightSyncWorker",
     "device_fence",
     "holds_payload_egress",
     "pauses_generation",
+    "reported_bracket",
     "weight_sync_bracket",
     "weight_sync_handler",
 ]
@@ -74,39 +75,12 @@ W = TypeVar("W")
 DEFAULT_SYNC_TIMEOUT_S = 60.0
 
 
-class SyncMode(enum.Enum):
-    """How a sync reaches the served weights."""
-
-    SYNC = "sync"
-    """Write the served tensors in place: generation is paused for the sync."""
-    ASYNC_PER_GENERATION = "async_per_generation"
-    """Write a buffer clone; it is installed before each generation call. No pause."""
-    ASYNC_PER_FORWARD = "async_per_forward"
-    """Write a buffer clone; it is installed before each policy forward. No pause."""
-    STAGED = "staged"
-    """Stage, then swap: a :class:`~rollout_sync.RolloutWorker` receives into a staging copy
-    of the served weights while generation goes on (payload egress held), and pauses only to
-    install it and commit the version; every replica of a sync installs or none does
-    (:mod:`rollout_sync.staging`). A handler decorated with :func:`weight_sync_handler` on a
-    worker in this mode is paused throughout, as in ``SYNC``: it may write the served tensors."""
-
-    @property
-    def pauses_generation(self) -> bool:
-        """Whether the guard's decorators pause generation for a handler in this mode."""
-        return self in (SyncMode.SYNC, SyncMode.STAGED)
-
-    @property
-    def is_async(self) -> bool:
-        """An async mode: a weight buffer installed at the backend's own safe points."""
-        return self in (SyncMode.ASYNC_PER_GENERATION, SyncMode.ASYNC_PER_FORWARD)
-
-
 @dataclass(frozen=True)
 class SyncReport:
     """Where the time of one guarded sync went. All times in seconds."""
 
     handler: str
-    mode: SyncMode
+    mode: _SyncMode
     paused: bool
     egress_held: int
     egress_flushed: int
@@ -168,7 +142,7 @@ class WeightSyncBracket:
         egress_components: Sequence[object],
         *,
         name: str,
-        mode: SyncMode,
+        mode: _SyncMode,
         pause: bool,
         hold: bool,
         timeout: float | None,
@@ -304,7 +278,7 @@ def weight_sync_bracket(
     egress_components: Sequence[object] = (),
     *,
     name: str = "weight sync",
-    mode: SyncMode = SyncMode.SYNC,
+    mode: _SyncMode = _SyncMode.SYNC,
     pause: bool | None = None,
     hold: bool = True,
     timeout: float | None = None,
@@ -408,7 +382,7 @@ class _WorkerSettings:
     """What the guard read from a worker for one sync, checked."""
 
     rollout: SupportsPause | None
-    mode: SyncMode
+    mode: _SyncMode
     timeout: float | None
     timeline: Timeline | None
     fence: Callable[[float | None], None] | None
@@ -470,8 +444,8 @@ def _read_worker(worker: object, method: str, *, needs_rollout: bool) -> _Worker
             f"it is a {type(rollout).__name__}, which has no paused() to park generation with "
             "(subclass rollout_sync.RolloutBase)",
         )
-    mode = getattr(worker, "weight_sync_mode", SyncMode.SYNC)
-    if not isinstance(mode, SyncMode):
+    mode = getattr(worker, "weight_sync_mode", _SyncMode.SYNC)
+    if not isinstance(mode, _SyncMode):
         raise _refuse(
             worker,
             "weight_sync_mode",
@@ -530,6 +504,49 @@ def _active_on_thread() -> set[tuple[int, str]]:
     return found
 
 
+@contextmanager
+def reported_bracket(
+    worker: object,
+    name: str,
+    *,
+    pause: bool,
+    hold: bool,
+    mode: _SyncMode | None = None,
+) -> Iterator[WeightSyncBracket]:
+    """The bracket of one sync of ``worker`` (read as the decorators read it:
+    :class:`WeightSyncWorker`), its report delivered to the worker (``last_weight_sync_report``,
+    ``on_weight_sync_report``) however the body ends: the one way every receiver brackets a
+    sync, decorated handler or not. ``mode``: the report's (default the worker's).
+
+    Raises:
+        WorkerContractError: the worker breaks its contract; and whatever the bracket raises.
+    """
+    settings = _read_worker(worker, name, needs_rollout=pause)
+    bracket = weight_sync_bracket(
+        settings.rollout,
+        _egress_components_of(worker) if hold else (),
+        name=name,
+        mode=settings.mode if mode is None else mode,
+        pause=pause,
+        hold=hold,
+        timeout=settings.timeout,
+        fence=settings.fence,
+        timeline=settings.timeline,
+    )
+    active = _active_on_thread()
+    keys = {(id(worker), "pause")} if pause else set()
+    keys |= {(id(worker), "hold")} if hold else set()
+    taken = keys - active  # a decorated handler called inside takes only what is not held
+    active |= taken
+    try:
+        with bracket:
+            yield bracket
+    finally:
+        active -= taken
+        if bracket.report is not None:
+            _deliver_report(worker, bracket.report)
+
+
 def _guarded(
     method: Callable[Concatenate[W, P], R], *, pause: bool | None, hold: bool
 ) -> Callable[Concatenate[W, P], R]:
@@ -545,26 +562,8 @@ def _guarded(
         do_hold = hold and hold_key not in active
         if not do_pause and not do_hold:
             return method(self, *args, **kwargs)
-        taken = {k for k, on in ((pause_key, do_pause), (hold_key, do_hold)) if on}
-        active |= taken
-        bracket = weight_sync_bracket(
-            settings.rollout,
-            _egress_components_of(self) if do_hold else (),
-            name=method.__name__,
-            mode=settings.mode,
-            pause=do_pause,
-            hold=do_hold,
-            timeout=settings.timeout,
-            fence=settings.fence,
-            timeline=settings.timeline,
-        )
-        try:
-            with bracket:
-                return method(self, *args, **kwargs)
-        finally:
-            active -= taken
-            if bracket.report is not None:
-                _deliver_report(self, bracket.report)
+        with reported_bracket(self, method.__name__, pause=do_pause, hold=do_hold):
+            return method(self, *args, **kwargs)
 
     return wrapper
 
@@ -593,3 +592,9 @@ def pauses_generation(method: Callable[Concatenate[W, P], R]) -> Callable[Concat
 def holds_payload_egress(method: Callable[Concatenate[W, P], R]) -> Callable[Concatenate[W, P], R]:
     """Decorate a method so that it runs with payload egress held (and nothing else)."""
     return _guarded(method, pause=False, hold=True)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SyncMode":  # moved to rollout_sync.sync in 0.2.0
+        return resolve_moved(__name__, "rollout_sync.sync", name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -35,7 +35,13 @@ from .distributed import DEFAULT_GROUP_TIMEOUT_S, GroupCollectives, new_group, w
 from .errors import ManifestRejected, RolloutSyncError
 from .trace import SpanKind
 from .trainer import WeightSyncCommand
-from .transfer import ShardedTransfer, TransferPlan, TransferStats, WeightTransfer
+from .transfer import (
+    OriginChecksums,
+    ShardedTransfer,
+    TransferPlan,
+    TransferStats,
+    WeightTransfer,
+)
 from .worker import CommandSink, WorkerCommandChannel
 
 __all__ = [
@@ -223,10 +229,29 @@ class TreeRelay:
             verify=verify,
         )
 
-    def relay(self, *args: Any, **kwargs: Any) -> TransferStats:
+    def relay(
+        self,
+        into: Mapping[str, torch.Tensor],
+        forward: TreeRelay,
+        *,
+        allow_subset: bool = True,
+        write_kind: str = SpanKind.WEIGHT_WRITE,
+        storage: torch.Tensor | None = None,
+        verify: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
+    ) -> TransferStats:
+        """Refused: a tree relay relays on :meth:`receive` (drive it with ``R2R``)."""
         raise RolloutSyncError("a tree relay relays on receive; use R2R, not P2R(relay=True)")
 
-    def send(self, *args: Any, **kwargs: Any) -> TransferStats:
+    def send(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        *,
+        version: int,
+        require_all: bool = True,
+        origin: OriginChecksums | None = None,
+        storage: torch.Tensor | None = None,
+    ) -> TransferStats:
+        """Refused: a tree relay is not an R2R source (its tree's root is)."""
         raise RolloutSyncError("a tree relay is not an R2R source; its tree's root is")
 
     def abort(self, reason: str, *, version: int | None = None) -> None:

@@ -37,8 +37,8 @@ import torch
 from .backend import RolloutBase
 from .errors import TwoCommunicatorsRefused, WeightMismatchError
 from .flat import FlatWeights
-from .guard import SyncMode
 from .lora import require_adapter
+from .sync.mode import SyncMode
 
 __all__ = [
     "StagingArea",

@@ -37,12 +37,12 @@ Colours are the Okabe-Ito palette, safe for colour-blind readers, each kind also
 its row and hatching in a grey print; vermillion (red) is for overlaps and torn reads only.
 
 matplotlib is imported on first use and draws with its Agg backend on a figure of its own (no
-display, no pyplot state); without it :class:`~rollout_sync.errors.MatplotlibUnavailableError`
-names the extra that installs it. The artists carry ``gid`` s, so code (a test) can read the
-picture without its pixels: ``"<style>|<lane>"`` for one style's spans in one lane (a
-collection, one rectangle per span; the styles are :data:`STYLES`' keys), ``"overlap|<lane>"``
-(one rectangle per overlap), ``"torn|<lane>"`` (one marker per torn forward) and ``"zoom"``
-(the zoomed window, outlined on the whole run).
+display, no pyplot state); without it :class:`~rollout_sync.errors.MissingDependencyError`
+(``MatplotlibUnavailableError``) names the extra that installs it. The artists carry
+``gid`` s, so code (a test) can read the picture without its pixels: ``"<style>|<lane>"`` for
+one style's spans in one lane (a collection, one rectangle per span; the styles are
+:data:`STYLES`' keys), ``"overlap|<lane>"`` (one rectangle per overlap), ``"torn|<lane>"``
+(one marker per torn forward) and ``"zoom"`` (the zoomed window, outlined on the whole run).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from .errors import MatplotlibUnavailableError
+from .errors import MissingDependencyError
 from .metrics import percentile
 from .trace import Overlap, Span, SpanKind, Timeline, torn_forwards
 
@@ -135,13 +135,16 @@ _SYNC_KINDS = (SpanKind.PAUSE, SpanKind.SYNC, SpanKind.WEIGHT_COLLECTIVE, SpanKi
 
 def require_matplotlib() -> ModuleType:
     """Import and return matplotlib, or raise
-    :class:`~rollout_sync.errors.MatplotlibUnavailableError` naming the extra."""
+    :class:`~rollout_sync.errors.MissingDependencyError` (``MatplotlibUnavailableError``)
+    naming the extra."""
     try:
         import matplotlib
         import matplotlib.backends.backend_agg  # noqa: F401  (the canvas every figure here uses)
     except ImportError as exc:
-        raise MatplotlibUnavailableError(
-            f"drawing a timeline needs matplotlib, which is not importable ({exc}); {INSTALL_HINT}"
+        raise MissingDependencyError(
+            f"drawing a timeline needs matplotlib, which is not importable ({exc}); {INSTALL_HINT}",
+            package="matplotlib",
+            extra="plot",
         ) from exc
     module: ModuleType = matplotlib
     return module
@@ -321,7 +324,7 @@ def plot_timeline(
     figures head the picture.
 
     Raises:
-        MatplotlibUnavailableError: matplotlib is not installed (the ``plot`` extra).
+        MissingDependencyError: matplotlib is not installed (the ``plot`` extra).
         ValueError: the timeline has no span to draw.
     """
     require_matplotlib()

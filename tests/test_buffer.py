@@ -15,7 +15,8 @@ from conftest import wait_until
 from rollout_sync.backend import RolloutBase
 from rollout_sync.buffer import WeightBuffer, WeightSyncThread, install_inference_sync
 from rollout_sync.errors import FenceTimeout, WeightSyncThreadError
-from rollout_sync.guard import SyncMode, weight_sync_bracket
+from rollout_sync.guard import weight_sync_bracket
+from rollout_sync.sync import SyncMode
 from rollout_sync.testing import AsyncTornReadBackend, RecordingPacker, VersionStampedModel
 from rollout_sync.trace import SpanKind, Timeline
 

@@ -14,7 +14,7 @@ import pytest
 
 from rollout_sync.demos.cli import main
 from rollout_sync.demos.distributed import DistributedDemoConfig, run_distributed_demo
-from rollout_sync.guard import SyncMode
+from rollout_sync.sync import SyncMode
 from rollout_sync.trace import (
     REPORT_METADATA_KEY,
     Span,

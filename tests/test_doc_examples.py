@@ -137,6 +137,7 @@ EXAMPLES: dict[str, Example] = {
     "using_it.py": Example(60),
     # -- docs/backends.md -------------------------------------------------------------------------
     "paused_contract.py": Example(90),
+    "engine_registry.py": Example(60),
     "metrics_logger.py": Example(60),
     "flat_weights.py": Example(90, (pytest.mark.multiprocess,)),
     "pipelined_relay.py": Example(90, (pytest.mark.multiprocess,)),

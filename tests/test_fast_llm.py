@@ -46,7 +46,6 @@ from rollout_sync.errors import (  # noqa: E402
     WouldBlock,
 )
 from rollout_sync.gate import Gate  # noqa: E402
-from rollout_sync.guard import SyncMode  # noqa: E402
 from rollout_sync.integrations.fast_llm import (  # noqa: E402
     FastLLMReceiver,
     FastLLMRolloutSender,
@@ -61,6 +60,7 @@ from rollout_sync.integrations.fast_llm_wire import (  # noqa: E402
     decode_rollout,
     parse_event,
 )
+from rollout_sync.sync import SyncMode  # noqa: E402
 from rollout_sync.testing import (  # noqa: E402
     FaultSchedule,
     Kill,

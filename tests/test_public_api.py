@@ -13,8 +13,11 @@ import importlib
 import importlib.metadata
 import importlib.util
 import inspect
+import pickle
 import pkgutil
 import re
+import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -206,6 +209,62 @@ def test_every_error_is_a_rollout_sync_error_and_every_timeout_a_rollout_sync_ti
     assert issubclass(errors.WeightTransferTimeout, errors.WeightTransferError)
     assert issubclass(errors.CollectiveTimeout, errors.CollectiveError)
     assert issubclass(errors.PauseTimeout, errors.GateTimeout)
+
+
+def test_one_class_for_a_missing_dependency_under_every_old_name() -> None:
+    errors = rollout_sync.errors
+    old = [
+        errors.VLLMUnavailableError,
+        errors.RayUnavailableError,
+        errors.RedisUnavailableError,
+        errors.MatplotlibUnavailableError,
+        errors.CosmosRLVersionError,
+    ]
+    assert all(cls is errors.MissingDependencyError for cls in old)
+    assert issubclass(errors.MissingDependencyError, ImportError)
+    added = errors.MissingDependencyError("RayJob needs Ray", package="ray", extra="ray")
+    assert str(added) == "RayJob needs Ray; pip install 'rollout-sync[ray]'"
+    said = errors.MissingDependencyError(
+        "x: pip install 'rollout-sync[plot]'", package="m", extra="plot"
+    )
+    assert str(said).count("pip install") == 1
+    plain = errors.MissingDependencyError("apt-get install -y redis-server", package="redis-server")
+    assert (plain.package, plain.extra, str(plain)) == (
+        "redis-server",
+        None,
+        "apt-get install -y redis-server",
+    )
+    copy = pickle.loads(pickle.dumps(added))
+    assert (type(copy), copy.package, copy.extra, str(copy)) == (
+        errors.MissingDependencyError,
+        "ray",
+        "ray",
+        str(added),
+    )
+
+
+def test_a_missing_redis_client_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rollout_sync.testing.redis_server import require_redis_server
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("no redis-server: the executable is checked first")
+    monkeypatch.setitem(sys.modules, "redis", None)  # import redis raises ImportError
+    with pytest.raises(rollout_sync.errors.RedisUnavailableError) as caught:
+        require_redis_server()
+    assert (caught.value.package, caught.value.extra) == ("redis", "fast-llm")
+    assert "pip install 'rollout-sync[fast-llm]'" in str(caught.value)
+
+
+def test_merged_errors_are_caught_by_every_old_name() -> None:
+    """An old name that became an alias catches what it caught (and what it merged with)."""
+    errors = rollout_sync.errors
+    with pytest.raises(errors.SchedulerTimeout):
+        raise errors.GenerationTimeout("request 3 did not finish within 1.0 s")
+    with pytest.raises(errors.WriteRefused, match="repacked"):
+        raise errors.WeightMismatchError(["qkv.weight: repacked"], context="weights copied")
+    assert errors.ChildFailure(0, 1, "boom") == pickle.loads(
+        pickle.dumps(errors.ChildFailure(0, 1, "boom"))
+    )
 
 
 def _raised_names(path: Path) -> list[str]:

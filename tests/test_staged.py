@@ -71,7 +71,17 @@ class WireTransfer:
                 self.midway()
             into[name].copy_(tensor)
         n = len(self.weights)
-        return TransferStats("receive", self.version, n, 1, 0, 0.0, 0.0, 0.0, n)
+        return TransferStats.build(
+            role="receive",
+            version=self.version,
+            tensors=n,
+            buckets=1,
+            nbytes=0,
+            manifest_s=0.0,
+            transfer_s=0.0,
+            total_s=0.0,
+            tensors_written=n,
+        )
 
     def relay(self, *args: Any, **kwargs: Any) -> TransferStats:
         raise NotImplementedError

@@ -337,7 +337,16 @@ class _SourceTransfer:
 
     def send(self, weights: Mapping[str, torch.Tensor], *, version: int) -> TransferStats:
         self.log.add(f"send:v{version}")
-        return TransferStats("send", version, len(weights), 1, 0, 0.0, 0.0, 0.0)
+        return TransferStats.build(
+            role="send",
+            version=version,
+            tensors=len(weights),
+            buckets=1,
+            nbytes=0,
+            manifest_s=0.0,
+            transfer_s=0.0,
+            total_s=0.0,
+        )
 
 
 class _HoldingReceiver:

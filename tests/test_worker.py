@@ -26,7 +26,7 @@ from rollout_sync.errors import (
     WeightTransferError,
     WeightTransferTimeout,
 )
-from rollout_sync.guard import SyncMode
+from rollout_sync.sync import SyncMode
 from rollout_sync.testing import (
     AsyncTornReadBackend,
     EventLog,
@@ -93,7 +93,17 @@ class FakeTransfer:
                 failed_ranks=(9,),
                 complete=True,
             )
-        return TransferStats("receive", version, len(weights), 1, 0, 0.0, 0.0, 0.0, len(weights))
+        return TransferStats.build(
+            role="receive",
+            version=version,
+            tensors=len(weights),
+            buckets=1,
+            nbytes=0,
+            manifest_s=0.0,
+            transfer_s=0.0,
+            total_s=0.0,
+            tensors_written=len(weights),
+        )
 
     def send(
         self,
@@ -107,7 +117,16 @@ class FakeTransfer:
         if self.log is not None:
             self.log.add("send")
         self.sent.append(version)
-        return TransferStats("send", version, len(weights), 1, 0, 0.0, 0.0, 0.0)
+        return TransferStats.build(
+            role="send",
+            version=version,
+            tensors=len(weights),
+            buckets=1,
+            nbytes=0,
+            manifest_s=0.0,
+            transfer_s=0.0,
+            total_s=0.0,
+        )
 
     def relay(
         self,

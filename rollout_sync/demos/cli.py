@@ -15,11 +15,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..backends import InProcessRequest, RegisteredEngine, registered_engine, registered_engines
 from ..errors import MatplotlibUnavailableError
-from ..guard import SyncMode
+from ..sync.mode import SyncMode
 from ..trace import REPORT_METADATA_KEY, Timeline, read_chrome_trace
 from .distributed import (
-    DEMO_BACKENDS,
     LAUNCHED_AT_ENV,
     LAUNCHERS,
     DistributedDemoConfig,
@@ -29,8 +29,6 @@ from .distributed import (
     run_demo_under_torchrun,
     run_distributed_demo,
 )
-from .in_process import InProcessDemoConfig, run_in_process_demo
-from .stream import StreamDemoConfig, run_stream_demo
 
 __all__ = ["main"]
 
@@ -264,8 +262,7 @@ def _distributed_config(args: argparse.Namespace, mode: SyncMode) -> Distributed
     """The multi-process demo's config from the command line, checked
     (:func:`~rollout_sync.demos.distributed.check_demo_config`); a bad one exits."""
     numel = max(1, int(args.model_mb * (1 << 20) / 4 / DistributedDemoConfig().num_tensors))
-    backend = DEMO_BACKENDS.get(args.backend)
-    start_s = backend.start_s if backend is not None else 0.0
+    start_s = _engine(args.backend).start_s
     config = DistributedDemoConfig(
         replicas=args.replicas,
         steps=args.steps,
@@ -287,13 +284,41 @@ def _distributed_config(args: argparse.Namespace, mode: SyncMode) -> Distributed
         check_demo_config(config)
     except KeyError:
         raise SystemExit(
-            f"unknown --backend {args.backend!r}; known: {sorted(DEMO_BACKENDS)}"
+            f"unknown --backend {args.backend!r}; known: {list(registered_engines())}"
         ) from None
     except ValueError as exc:
         if config.sharded:
             raise SystemExit(f"{exc} (--trainer-ranks, --tp)") from None
         raise SystemExit(f"{exc} (--replicas, --steps, --backend, --mode, --lora)") from None
     return config
+
+
+def _engine(name: str) -> RegisteredEngine:
+    """The engine registered as ``--backend name``; an unknown name exits, listing the known."""
+    try:
+        return registered_engine(name)
+    except KeyError:
+        raise SystemExit(
+            f"unknown --backend {name!r}; known: {list(registered_engines())}"
+        ) from None
+
+
+def _default_engine(mode: SyncMode, in_process: bool) -> str:
+    """The engine without ``--backend``: the stream LM, unless it cannot run the options."""
+    stream_lm = mode in (SyncMode.SYNC, SyncMode.STAGED) and not in_process
+    return "torch_lm" if stream_lm else "torn_read"
+
+
+def _refuse_launcher(launcher: str, engine: RegisteredEngine) -> None:
+    """Exit when ``launcher`` cannot place ``engine``'s replicas, saying which can."""
+    if engine.runs_under(launcher):
+        return
+    why = "whose replicas start engine processes of their own: " if engine.starts_processes else ""
+    can = " or ".join(engine.launchers or ())
+    raise SystemExit(
+        f"--launcher {launcher} places the multi-process demo's processes; it does not run "
+        f"with --backend {engine.name} ({why}{can} only)"
+    )
 
 
 def _refuse_sharded_combinations(args: argparse.Namespace, mode: SyncMode) -> None:
@@ -388,28 +413,18 @@ def _verdict(report: dict[str, Any]) -> str:
     )
 
 
-def _run_vllm_demo(
-    args: argparse.Namespace, mode: SyncMode, timeline: Timeline
-) -> dict[str, Any] | None:
-    """The demo on vLLM: replica processes (or, with ``--in-process``, one engine in this
-    process); ``None`` (with the install hint on stderr) when vLLM is missing."""
-    from ..backends.vllm import require_vllm
-    from ..errors import VLLMUnavailableError
-
-    try:
-        require_vllm()
-        if args.in_process:
-            from .vllm import VLLMDemoConfig, run_vllm_demo
-
-            if args.syncs < 1:
-                raise SystemExit("--syncs must be at least 1")
-            return run_vllm_demo(
-                VLLMDemoConfig(syncs=args.syncs, guarded=not args.unguarded), timeline
-            )
-        return run_distributed_demo(_distributed_config(args, mode), timeline)
-    except VLLMUnavailableError as exc:
-        print(f"rollout-sync demo --backend vllm: {exc}", file=sys.stderr)
-        return None
+def _run_in_process(args: argparse.Namespace, timeline: Timeline) -> dict[str, Any]:
+    """``--in-process``: the engine's one-process demo (an engine without one exits)."""
+    if args.syncs < 1:
+        raise SystemExit("--syncs must be at least 1")
+    run = _engine(args.backend).in_process
+    if run is None:
+        have = [n for n in registered_engines() if registered_engine(n).in_process is not None]
+        raise SystemExit(
+            f"--backend {args.backend} has no one-process demo: drop --in-process (--in-process "
+            f"runs {have})"
+        )
+    return run(InProcessRequest(args.syncs, not args.unguarded, timeline, stream=args.stream))
 
 
 def _run_fast_llm_demo(
@@ -502,15 +517,17 @@ def _run_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
             "--lora runs the multi-process demo with this package's trainer: drop "
             + ("--in-process" if args.in_process else f"--trainer {args.trainer}")
         )
-    if args.launcher != "local" and (args.in_process or args.backend == "vllm"):
+    if args.launcher != "local" and args.in_process:
         raise SystemExit(
             f"--launcher {args.launcher} places the multi-process demo's processes; it does not "
-            "run with --in-process or --backend vllm (whose replicas start engine processes "
-            "of their own: local only)"
+            "run with --in-process"
         )
+    if args.backend is not None:
+        _refuse_launcher(args.launcher, _engine(args.backend))
     _refuse_sharded_combinations(args, mode)
     if args.replicas is None:
-        args.replicas = 2 if args.backend == "vllm" else 3
+        chosen = args.backend or _default_engine(mode, args.in_process)
+        args.replicas = _engine(chosen).default_replicas
     if args.trainer == "fast-llm":
         if args.launcher != "local" or args.in_process or args.backend not in (None, "torch_lm"):
             raise SystemExit(
@@ -522,35 +539,24 @@ def _run_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.ray_address is not None and args.launcher != "ray":
         raise SystemExit("--ray-address needs --launcher ray")
     if args.backend is None:
-        stream_lm = mode in (SyncMode.SYNC, SyncMode.STAGED) and not args.in_process
-        args.backend = "torch_lm" if stream_lm else "torn_read"
+        args.backend = _default_engine(mode, args.in_process)
+    if args.stream and not (args.in_process and args.backend == "torch_lm"):
+        raise SystemExit("--stream needs --backend torch_lm (with --in-process)")
+    try:
+        _engine(args.backend).check_available()
+    except ImportError as exc:  # what the engine needs is not installed: the hint, no run
+        print(f"rollout-sync demo --backend {args.backend}: {exc}", file=sys.stderr)
+        return 2
     if args.launcher == "torchrun" and not _under_torchrun():
         _distributed_config(args, mode)  # refuse a bad config before starting torchrun
         return _start_torchrun(args, argv)
-    if args.stream and not (args.in_process and args.backend == "torch_lm"):
-        raise SystemExit("--stream needs --backend torch_lm (with --in-process)")
     if args.trainer == "fast-llm":
         fast_llm_report = _run_fast_llm_demo(args, mode, timeline)
         if fast_llm_report is None:
             return 2
         report = fast_llm_report
-    elif args.backend == "vllm":
-        vllm_report = _run_vllm_demo(args, mode, timeline)
-        if vllm_report is None:
-            return 2
-        report = vllm_report
     elif args.in_process:
-        if args.syncs < 1:
-            raise SystemExit("--syncs must be at least 1")
-        if args.backend == "torch_lm":
-            report = run_stream_demo(
-                StreamDemoConfig(syncs=args.syncs, guarded=not args.unguarded, stream=args.stream),
-                timeline,
-            )
-        else:
-            report = run_in_process_demo(
-                InProcessDemoConfig(syncs=args.syncs, guarded=not args.unguarded), timeline
-            )
+        report = _run_in_process(args, timeline)
     else:
         config = _distributed_config(args, mode)
         if args.launcher == "torchrun":

@@ -44,10 +44,11 @@ with them), then the first replica's ``k``-th rank sends its slice to every othe
 ``k``-th rank. The checks are the same, per rank: every replica rank's slice, and every trainer
 rank's shards, against the trainer's whole model replayed from its seed.
 
-The engine is chosen by name from :data:`~rollout_sync.demos.job.DEMO_BACKENDS` (see
-:func:`~rollout_sync.demos.job.register_demo_backend`; both re-exported here):
-``torch_lm`` (the default) and ``torn_read``, a fake model whose every tensor carries its
-version (it also runs the async modes).
+The engine is chosen by name from the engines registered in :mod:`rollout_sync.backends`
+(:func:`~rollout_sync.backends.register_engine`). This module registers three: ``torch_lm``
+(the default), ``torn_read``, a fake model whose every tensor carries its version (it also runs
+the async modes), and ``vllm`` (:mod:`rollout_sync.demos.vllm_replicas`, imported only when a
+``vllm`` replica or trainer is built, so importing the demo imports neither it nor vLLM).
 """
 
 from __future__ import annotations
@@ -64,11 +65,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..backends import (
+    EngineHandle,
+    EngineRequest,
+    InProcessRequest,
+    register_engine,
+    registered_engine,
+    registered_engines,
+)
 from ..backends.torch_lm import TinyCausalLM, TorchLMStreamBackend, tiny_lm_lora_shapes
 from ..backends.torch_lm.tensor_parallel import TensorParallel
+from ..backends.vllm import require_vllm
 from ..distributed import new_group
 from ..errors import PayloadTimeout, ShutdownTimeout
-from ..guard import SyncMode
 from ..launch import (
     JobContext,
     JobLayout,
@@ -93,6 +102,7 @@ from ..scheduler import (
     SchedulerTimeout,
 )
 from ..sharded_groups import ShardedSyncGroups, build_sharded_sync_groups
+from ..sync.mode import SyncMode
 from ..testing import (
     AsyncTornReadBackend,
     TornReadBackend,
@@ -123,17 +133,17 @@ from ..worker import (
     WorkerCommandChannel,
     build_sync_groups,
 )
-from . import vllm_replicas as _vllm_replicas  # noqa: F401  (registers --backend vllm)
+from .in_process import InProcessDemoConfig, run_in_process_demo
 from .job import (
     DEMO_ADAPTER,
-    DEMO_BACKENDS,
-    DemoBackend,
-    DemoEngine,
+    VLLM_START_S,
     DistributedDemoConfig,
+    build_engine,
     drift_each_step,
     drift_shards_each_step,
     register_demo_backend,
     trainer_adapter,
+    trainer_model,
 )
 from .sharded import (
     check_sharded_config,
@@ -142,13 +152,11 @@ from .sharded import (
     replica_layout,
     trainer_layout,
 )
+from .stream import StreamDemoConfig, run_stream_demo
 
 __all__ = [
-    "DEMO_BACKENDS",
     "LAUNCHED_AT_ENV",
     "LAUNCHERS",
-    "DemoBackend",
-    "DemoEngine",
     "DistributedDemoConfig",
     "add_process_spans",
     "check_demo_config",
@@ -292,12 +300,19 @@ class _StreamingLM(TorchLMStreamBackend):
             self.results["results_straddled_sync"] += result.straddled_sync
 
 
-def _torch_lm_engine(
+def _torch_lm_engine(request: EngineRequest) -> EngineHandle:
+    """The ``torch_lm`` engine's factory: the stream LM, kept fed, shipping to the trainer."""
+    return _streaming_lm(request.config, request.timeline, request.sender)
+
+
+def _streaming_lm(
     config: DistributedDemoConfig,
     timeline: Timeline,
     sender: PayloadSender | None,
     tp: TensorParallel | None = None,
-) -> DemoEngine:
+) -> EngineHandle:
+    """The stream LM of a replica (``tp``: of one rank of a tensor-parallel replica; a
+    follower rank ships nothing and has no ``sender``)."""
     engine = _StreamingLM(
         config, timeline, sender, seed=config.seed * 1009 + dist.get_rank(), tp=tp
     )
@@ -318,7 +333,7 @@ def _torch_lm_engine(
             out["tp_steps_mirrored"] = engine.lockstep.steps_mirrored
         return out
 
-    return DemoEngine(engine, counters)
+    return EngineHandle(engine, counters)
 
 
 _TRAINER_SEED = 1
@@ -365,11 +380,13 @@ class _SenderPacker:
         )
 
 
-def _torn_read_engine(
-    config: DistributedDemoConfig, timeline: Timeline, sender: PayloadSender
-) -> DemoEngine:
+def _torn_read_engine(request: EngineRequest) -> EngineHandle:
+    """The ``torn_read`` engine's factory: the version-stamped fake model, one payload a
+    forward."""
+    config: DistributedDemoConfig = request.config
+    timeline = request.timeline
     model = VersionStampedModel(config.num_tensors, config.numel, timeline=timeline)
-    packer = _SenderPacker(sender)
+    packer = _SenderPacker(request.sender)
     backend: TornReadBackend
     if config.mode is SyncMode.SYNC:
         backend = TornReadBackend(
@@ -388,7 +405,7 @@ def _torn_read_engine(
             "installs": len(backend.installs) if isinstance(backend, AsyncTornReadBackend) else 0,
         }
 
-    return DemoEngine(backend, counters)
+    return EngineHandle(backend, counters)
 
 
 def _torn_read_trainer(
@@ -419,14 +436,78 @@ def _torch_lm_adapter(
     return LoRAConfig(rank, 2.0 * rank, tuple(shapes), config.model.dtype), shapes
 
 
-register_demo_backend(
+def _stream_demo(request: InProcessRequest) -> dict[str, Any]:
+    """``--in-process --backend torch_lm``: the stream demo."""
+    config = StreamDemoConfig(syncs=request.syncs, guarded=request.guarded, stream=request.stream)
+    return run_stream_demo(config, request.timeline)
+
+
+def _torn_read_demo(request: InProcessRequest) -> dict[str, Any]:
+    """``--in-process --backend torn_read``: the threads-only demo."""
+    config = InProcessDemoConfig(syncs=request.syncs, guarded=request.guarded)
+    return run_in_process_demo(config, request.timeline)
+
+
+# vllm: each callable imports its module when called (vLLM itself only when an engine starts).
+
+
+def _vllm_engine(request: EngineRequest) -> EngineHandle:
+    from .vllm_replicas import vllm_replica_engine
+
+    return vllm_replica_engine(request)
+
+
+def _vllm_trainer(
+    config: DistributedDemoConfig,
+) -> tuple[dict[str, torch.Tensor], Callable[[int], None]]:
+    from .vllm_replicas import vllm_trainer_model
+
+    return vllm_trainer_model(config)
+
+
+def _vllm_adapter(config: DistributedDemoConfig) -> tuple[LoRAConfig, dict[str, tuple[int, int]]]:
+    from .vllm_replicas import vllm_adapter_model
+
+    return vllm_adapter_model(config)
+
+
+def _vllm_demo(request: InProcessRequest) -> dict[str, Any]:
+    """``--in-process --backend vllm``: one engine in this process."""
+    from .vllm import VLLMDemoConfig, run_vllm_demo
+
+    return run_vllm_demo(
+        VLLMDemoConfig(syncs=request.syncs, guarded=request.guarded), request.timeline
+    )
+
+
+register_engine(
     "torch_lm",
     _torch_lm_engine,
-    _torch_lm_trainer,
+    trainer_model=_torch_lm_trainer,
     modes=(SyncMode.SYNC, SyncMode.STAGED),
     adapter=_torch_lm_adapter,
+    in_process=_stream_demo,
 )
-register_demo_backend("torn_read", _torn_read_engine, _torn_read_trainer, modes=SyncMode)
+register_engine(
+    "torn_read",
+    _torn_read_engine,
+    trainer_model=_torn_read_trainer,
+    modes=SyncMode,
+    in_process=_torn_read_demo,
+)
+register_engine(
+    "vllm",
+    _vllm_engine,
+    trainer_model=_vllm_trainer,
+    modes=(SyncMode.SYNC, SyncMode.STAGED),
+    start_s=VLLM_START_S,
+    starts_processes=True,
+    default_replicas=2,
+    launchers=("local",),
+    adapter=_vllm_adapter,
+    requires=require_vllm,
+    in_process=_vllm_demo,
+)
 
 
 # -- the processes -----------------------------------------------------------------------------
@@ -534,7 +615,7 @@ def _trainer(
     queues: Mapping[int, StoreCommandQueue],
     timeline: Timeline,
 ) -> dict[str, Any]:
-    weights, advance = DEMO_BACKENDS[config.backend].trainer_model(config)
+    weights, advance = trainer_model(config)
     base_nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     if config.lora:  # the replicas serve their own base model: only the adapter moves
         weights, advance = trainer_adapter(config)
@@ -636,10 +717,10 @@ def _replica(
 ) -> dict[str, Any]:
     sender = _payload_sender(config, payloads, groups.trainer, timeline)
     digests, on_transfer = _version_digests(config)
-    engine: DemoEngine | None = None
+    engine: EngineHandle | None = None
     try:
         try:
-            engine = DEMO_BACKENDS[config.backend].engine(config, timeline, sender)
+            engine = build_engine(config, timeline, sender)
             transfer_config = _transfer_config(config)
             worker = RolloutWorker(
                 engine.rollout,
@@ -702,7 +783,7 @@ def _version_digests(
 def _replica_report(
     rank: int,
     worker: RolloutWorker,
-    engine: DemoEngine,
+    engine: EngineHandle,
     sender: PayloadSender | None,
     results: Sequence[CommandResult],
     digests: Mapping[int, str],
@@ -882,10 +963,10 @@ def _sharded_replica(
     replica, position = where
     sender = _payload_sender(config, payloads, layout.trainer, timeline) if position == 0 else None
     digests, on_transfer = _version_digests(config)  # of this rank's slice
-    engine: DemoEngine | None = None
+    engine: EngineHandle | None = None
     try:
         try:
-            engine = _torch_lm_engine(config, timeline, sender, tp)
+            engine = _streaming_lm(config, timeline, sender, tp)
             transfer_config = _transfer_config(config)
             worker = RolloutWorker(
                 engine.rollout,
@@ -931,29 +1012,36 @@ def check_demo_config(config: DistributedDemoConfig) -> None:
     """Refuse, before anything starts, a config the demo cannot run.
 
     Raises:
-        KeyError: ``config.backend`` is not a registered demo backend.
-        ValueError: no replica or step, or a sync mode the backend does not support; ``lora``
-            on an engine that serves no adapter, sharded or in an async mode; sharded
+        KeyError: ``config.backend`` is not a registered engine (the message lists those that
+            are).
+        ValueError: no replica or step, an engine registered without a trainer model, or a
+            sync mode the engine does not run; ``lora`` on an engine that serves no adapter,
+            sharded or in an async mode; sharded
             (:func:`~rollout_sync.demos.sharded.check_sharded_config`): ``trainer_ranks`` or
             ``tp`` below 1, an engine other than torch_lm or a mode other than sync, a ``tp``
             that does not divide the model.
     """
     if config.replicas < 1 or config.steps < 1:
         raise ValueError("the demo needs at least one replica and one step")
-    if config.backend not in DEMO_BACKENDS:
-        raise KeyError(f"unknown demo backend {config.backend!r}; known: {sorted(DEMO_BACKENDS)}")
+    engine = registered_engine(config.backend)
     check_sharded_config(config)
-    modes = DEMO_BACKENDS[config.backend].modes
-    if config.mode not in modes:
+    if engine.trainer_model is None:
         raise ValueError(
-            f"demo backend {config.backend!r} runs the sync modes "
-            f"{sorted(m.value for m in modes)}, not {config.mode.value!r}"
+            f"engine {config.backend!r} was registered without a trainer_model: the demo's "
+            "trainer needs one (register_engine(..., trainer_model=...))"
+        )
+    if config.mode not in engine.modes:
+        raise ValueError(
+            f"engine {config.backend!r} runs the sync modes "
+            f"{sorted(m.value for m in engine.modes)}, not {config.mode.value!r}"
         )
     if config.lora:
-        if DEMO_BACKENDS[config.backend].adapter is None:
-            lora_engines = sorted(n for n, b in DEMO_BACKENDS.items() if b.adapter is not None)
+        if engine.adapter is None:
+            lora_engines = [
+                n for n in registered_engines() if registered_engine(n).adapter is not None
+            ]
             raise ValueError(
-                f"demo backend {config.backend!r} serves no LoRA adapter (lora: {lora_engines})"
+                f"engine {config.backend!r} serves no LoRA adapter (lora: {lora_engines})"
             )
         if config.sharded or config.mode.is_async:
             raise ValueError("the LoRA demo runs the plain job in sync or staged mode")
@@ -966,10 +1054,10 @@ def park_steps(park_ms: float, decode_step_ms: float) -> float:
 
 def demo_limit_s(config: DistributedDemoConfig) -> float:
     """The limit of a whole run: spawning (a few seconds each on a busy machine), starting the
-    engines (the backend's ``start_s``) and steps; a sharded job's processes beyond the plain
-    job's (``replicas + 1``) add to both."""
-    backend = DEMO_BACKENDS.get(config.backend)
-    start_s = backend.start_s if backend is not None else 0.0
+    engines (the engine's registered ``start_s``; 0 for a name not registered) and steps; a
+    sharded job's processes beyond the plain job's (``replicas + 1``) add to both."""
+    registered = config.backend in registered_engines()
+    start_s = registered_engine(config.backend).start_s if registered else 0.0
     extra = max(0, demo_layout(config).world_size - (config.replicas + 1))
     step_s = config.step_interval_s + 2.0 + 0.5 * extra
     return 60.0 + 5.0 * extra + start_s + config.steps * step_s
@@ -1013,7 +1101,7 @@ def run_distributed_demo(
             timeout_s=demo_limit_s(config),
             what="rollout-sync demo",
             intra_op_threads=1,
-            daemon=not DEMO_BACKENDS[config.backend].starts_processes,
+            daemon=not registered_engine(config.backend).starts_processes,
         )
     else:
         from ..launch.ray import RayJob

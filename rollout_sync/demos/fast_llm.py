@@ -37,10 +37,10 @@ import torch
 
 from ..distributed import standalone_group
 from ..errors import ShutdownTimeout
-from ..guard import SyncMode
 from ..integrations.fast_llm import FastLLMReceiver, FastLLMRolloutSender, ReceivedVersion
 from ..integrations.fast_llm_wire import ROLLOUTS_GROUP, ROLLOUTS_STREAM, decode_rollout
 from ..metrics import percentile
+from ..sync.mode import SyncMode
 from ..testing import find_free_port, run_processes, weights_digest
 from ..testing.fast_llm_trainer import FastLLMTrainerStandIn
 from ..testing.redis_server import RedisServer

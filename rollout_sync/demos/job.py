@@ -1,40 +1,46 @@
-"""The main job's configuration, and the engines its replicas can run, by name.
+"""The main job's configuration, and how it builds the engines its replicas run, by name.
 
 :class:`DistributedDemoConfig` is every knob of the multi-process demo
-(:mod:`rollout_sync.demos.distributed`). An engine is registered under a name with
-:func:`register_demo_backend` (``--backend name``): the replicas' side (:data:`EngineFactory`,
-returning a :class:`DemoEngine`) and the trainer's weights (:data:`TrainerModel`). Modules that
-register engines build on this one and the job imports them; this module imports neither.
+(:mod:`rollout_sync.demos.distributed`). Engines are registered by name in
+:mod:`rollout_sync.backends` (:func:`~rollout_sync.backends.register_engine`; ``--backend
+name``); :func:`build_engine` and :func:`trainer_model` are how the job reaches the one its
+config names. Modules that register engines build on this one and the job imports them; this
+module imports neither.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from ..backend import RolloutBase
+from ..backends import (
+    AdapterModel,
+    EngineHandle,
+    EngineRequest,
+    TrainerModel,
+    register_engine,
+    registered_engine,
+)
 from ..backends.torch_lm import TinyLMConfig
-from ..guard import SyncMode
-from ..lora import ALPHA_KEY, LoRAConfig, random_adapter
+from ..lora import ALPHA_KEY, random_adapter
 from ..payload import PayloadSender
+from ..sync.mode import SyncMode
 from ..trace import Timeline
 from ..transfer.layout import Layout, region_of
 
 __all__ = [
     "DEMO_ADAPTER",
-    "DEMO_BACKENDS",
-    "AdapterModel",
-    "DemoBackend",
-    "DemoEngine",
+    "VLLM_START_S",
     "DistributedDemoConfig",
-    "EngineFactory",
-    "TrainerModel",
+    "build_engine",
     "drift_each_step",
     "drift_shards_each_step",
     "register_demo_backend",
     "trainer_adapter",
+    "trainer_model",
 ]
 
 
@@ -52,7 +58,8 @@ class DistributedDemoConfig:
     ``trainer_ranks`` or ``tp`` above 1 the job is sharded (torch_lm, sync mode only); with both
     at 1 it is the plain job."""
     backend: str = "torch_lm"
-    """A key of :data:`DEMO_BACKENDS`."""
+    """The engine, by the name it is registered under
+    (:func:`~rollout_sync.backends.registered_engines`)."""
     mode: SyncMode = SyncMode.SYNC
     guarded: bool = True
     model: TinyLMConfig = field(default_factory=TinyLMConfig)
@@ -85,7 +92,7 @@ class DistributedDemoConfig:
     """The trainer trains a LoRA adapter (:data:`DEMO_ADAPTER`) on the replicas' own base
     model: every step ships only the adapter, which the replicas receive into its slot
     (``P2R(adapter=...)``), and half the generations run on it. Needs an engine registered
-    with an ``adapter`` model."""
+    with an ``adapter``."""
     lora_rank: int = 8
     """``lora``: the adapter's rank (its alpha is twice the rank)."""
 
@@ -95,60 +102,48 @@ class DistributedDemoConfig:
         return self.trainer_ranks > 1 or self.tp > 1
 
 
-@dataclass
-class DemoEngine:
-    """What a demo engine factory returns: the engine, and how to read its counters."""
-
-    rollout: RolloutBase
-    """A :class:`~rollout_sync.worker.BackgroundEngine`: the worker starts it inside the first
-    sync and stops it on close; it ships its results through the sender it was given."""
-    counters: Callable[[], dict[str, int]]
-    """``forwards``, ``torn_forwards`` (what the engine's own detector saw),
-    ``generation_pauses`` and ``installs``; engine-specific extras are reported as they are."""
-    close: Callable[[], None] = lambda: None
-    """Release what the engine holds (an engine process), after the replica's report is taken."""
-
-
-EngineFactory = Callable[[DistributedDemoConfig, Timeline, PayloadSender], DemoEngine]
-"""Builds a replica's engine (not started) that ships payloads through the sender."""
-
-TrainerModel = Callable[
-    [DistributedDemoConfig], tuple[dict[str, torch.Tensor], Callable[[int], None]]
-]
-"""The trainer's weights (named like the engine's served tensors) and ``advance(step)``, which
-moves them in place to the version of that step."""
-
-AdapterModel = Callable[[DistributedDemoConfig], tuple[LoRAConfig, dict[str, tuple[int, int]]]]
-"""``--lora``: the adapter's manifest on this engine and the (in, out) of its target modules."""
-
 DEMO_ADAPTER = "policy"
 """The name of the adapter the ``--lora`` demo trains and serves."""
 
-
-@dataclass(frozen=True)
-class DemoBackend:
-    """An engine the demo can run: the replicas' side and the trainer's weights."""
-
-    engine: EngineFactory
-    trainer_model: TrainerModel
-    modes: frozenset[SyncMode]
-    """The sync modes the engine supports (async modes need a weight-buffer backend)."""
-    start_s: float = 0.0
-    """How long starting the engine may take (inside the first sync): added to the run's
-    limit, and to the ``timeout_s`` the command line gives the run."""
-    starts_processes: bool = False
-    """The engine starts processes of its own: the replicas must not be daemonic."""
-    adapter: AdapterModel | None = None
-    """``--lora``: what adapter the engine serves (``None``: it serves none)."""
+VLLM_START_S = 150.0
+"""Allowance for starting the vLLM replicas' engines (inside the first sync) on a busy machine:
+the ``vllm`` engine's ``start_s``."""
 
 
-DEMO_BACKENDS: dict[str, DemoBackend] = {}
-"""Engines the demo can run, by name."""
+def build_engine(
+    config: DistributedDemoConfig, timeline: Timeline, sender: PayloadSender
+) -> EngineHandle:
+    """A replica's engine (not started): the factory registered as ``config.backend``, called
+    with the config, the replica's timeline and its payload sender.
+
+    Raises:
+        KeyError: no engine is registered under that name (the message lists those that are).
+    """
+    return registered_engine(config.backend).factory(EngineRequest(config, timeline, sender))
+
+
+def trainer_model(
+    config: DistributedDemoConfig,
+) -> tuple[dict[str, torch.Tensor], Callable[[int], None]]:
+    """The trainer's weights for ``config.backend`` (named like its served tensors) and the
+    ``advance(step)`` that moves them.
+
+    Raises:
+        KeyError: no engine is registered under that name.
+        ValueError: the engine was registered without a ``trainer_model``.
+    """
+    model = registered_engine(config.backend).trainer_model
+    if model is None:
+        raise ValueError(
+            f"engine {config.backend!r} was registered without a trainer_model: the demo's "
+            "trainer needs one (register_engine(..., trainer_model=...))"
+        )
+    return model(config)
 
 
 def register_demo_backend(
     name: str,
-    engine: EngineFactory,
+    engine: Callable[[DistributedDemoConfig, Timeline, PayloadSender], EngineHandle],
     trainer_model: TrainerModel,
     *,
     modes: Iterable[SyncMode] = (SyncMode.SYNC,),
@@ -156,14 +151,29 @@ def register_demo_backend(
     starts_processes: bool = False,
     adapter: AdapterModel | None = None,
 ) -> None:
-    """Make an engine available as ``--backend name``.
+    """Deprecated: :func:`rollout_sync.backends.register_engine` (whose factory takes one
+    :class:`~rollout_sync.backends.EngineRequest`). Registers ``engine(config, timeline,
+    sender)`` under ``name``, replacing an engine of that name, as it always did."""
+    warnings.warn(
+        "rollout_sync.demos.job.register_demo_backend is deprecated: register with "
+        "rollout_sync.backends.register_engine(name, factory, trainer_model=..., ...), whose "
+        "factory takes one EngineRequest (request.config, request.timeline, request.sender)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
 
-    Register at import time of a module that the demo imports, since the processes are
-    spawned and look the backend up by name. ``start_s``, ``starts_processes`` and
-    ``adapter``: see :class:`DemoBackend`.
-    """
-    DEMO_BACKENDS[name] = DemoBackend(
-        engine, trainer_model, frozenset(modes), start_s, starts_processes, adapter
+    def factory(request: EngineRequest) -> EngineHandle:
+        return engine(request.config, request.timeline, request.sender)
+
+    register_engine(
+        name,
+        factory,
+        trainer_model=trainer_model,
+        modes=modes,
+        start_s=start_s,
+        starts_processes=starts_processes,
+        adapter=adapter,
+        replace=True,
     )
 
 
@@ -172,9 +182,9 @@ def trainer_adapter(
 ) -> tuple[dict[str, torch.Tensor], Callable[[int], None]]:
     """``--lora``: the trainer's adapter on the engine's target modules (drawn from the
     config's seed) and an ``advance`` that moves its ``A`` and ``B`` every step (alpha stays)."""
-    adapter_model = DEMO_BACKENDS[config.backend].adapter
+    adapter_model = registered_engine(config.backend).adapter
     if adapter_model is None:
-        raise ValueError(f"demo backend {config.backend!r} serves no LoRA adapter")
+        raise ValueError(f"engine {config.backend!r} serves no LoRA adapter")
     lora, shapes = adapter_model(config)
     weights = random_adapter(lora, shapes, seed=config.seed + 3)
     trained = {n: t for n, t in weights.items() if n != ALPHA_KEY}

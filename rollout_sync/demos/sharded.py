@@ -30,12 +30,12 @@ import torch
 
 from ..backends.torch_lm import tiny_lm_weights
 from ..backends.torch_lm.tensor_parallel import tiny_lm_layout
-from ..guard import SyncMode
 from ..launch import JobLayout
+from ..sync.mode import SyncMode
 from ..testing import weights_digest
 from ..transfer import Layout
 from ..weights import WeightSpec, specs_of
-from .job import DEMO_BACKENDS, DistributedDemoConfig
+from .job import DistributedDemoConfig, trainer_model
 
 __all__ = [
     "SHARDED_BACKEND",
@@ -130,10 +130,10 @@ class ExpectedDigests:
 
 
 def expected_digests(config: DistributedDemoConfig) -> ExpectedDigests:
-    """Replay the trainer's whole model (the backend's trainer model, seeded, advanced step by
+    """Replay the trainer's whole model (the engine's trainer model, seeded, advanced step by
     step) and cut, at every version ``1 .. steps``, each trainer rank's shards
     (:func:`trainer_layout`) and each replica rank's slice (:func:`replica_layout`)."""
-    weights, advance = DEMO_BACKENDS[config.backend].trainer_model(config)
+    weights, advance = trainer_model(config)
     trainers = trainer_layout(weights, config.trainer_ranks)
     replicas = replica_layout(config)
     trainer: dict[int, tuple[str, ...]] = {}

@@ -1,11 +1,12 @@
 """vLLM replicas for the multi-process demo: ``rollout-sync demo --backend vllm``.
 
-Registers the demo backend ``vllm`` (:func:`~rollout_sync.demos.job.register_demo_backend`).
-Each replica process serves a tiny random Llama (built locally, the same checkpoint on every
-replica) on vLLM's ``AsyncLLM`` (:class:`~rollout_sync.backends.vllm.VLLMAsyncBackend`, whose
-engine core is a process of its own) and keeps requests of mixed length decoding throughout;
-every finished request goes to the trainer over the payload transport with the weight version
-of each of its tokens.
+The engine ``vllm``: :mod:`rollout_sync.demos.distributed` registers it by name and imports
+this module only when a replica or the trainer first needs it (:func:`vllm_replica_engine`,
+:func:`vllm_trainer_model`, :func:`vllm_adapter_model`). Each replica process serves a tiny
+random Llama (built locally, the same checkpoint on every replica) on vLLM's ``AsyncLLM``
+(:class:`~rollout_sync.backends.vllm.VLLMAsyncBackend`, whose engine core is a process of its
+own) and keeps requests of mixed length decoding throughout; every finished request goes to the
+trainer over the payload transport with the weight version of each of its tokens.
 
 Weights: the trainer's P2R lands in the first replica's receive buffers, and the replica loads
 them into its engine through vLLM's native weight-transfer API (``init_weight_transfer_engine``
@@ -37,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..backends import EngineHandle, EngineRequest
 from ..backends.vllm import (
     VLLMAsyncBackend,
     VLLMEngineConfig,
@@ -44,24 +46,20 @@ from ..backends.vllm import (
     VLLMLoRASettings,
     vllm_lora_shapes,
 )
-from ..guard import SyncMode
 from ..lora import LoRAConfig
 from ..payload import PayloadSender
 from ..testing.tiny_llama import TINY_LLAMA, build_tiny_llama
 from ..trace import SpanKind, Timeline
-from .job import (
-    DEMO_ADAPTER,
-    DemoEngine,
-    DistributedDemoConfig,
-    drift_each_step,
-    register_demo_backend,
-)
+from .job import DEMO_ADAPTER, VLLM_START_S, DistributedDemoConfig, drift_each_step
 from .vllm import RequestFeeder
 
-__all__ = ["VLLM_START_S", "VLLMReplica"]
-
-VLLM_START_S = 150.0
-"""Allowance for starting the replicas' engines (inside the first sync) on a busy machine."""
+__all__ = [
+    "VLLM_START_S",
+    "VLLMReplica",
+    "vllm_adapter_model",
+    "vllm_replica_engine",
+    "vllm_trainer_model",
+]
 
 _REPLICA_MODEL_SEED = 0
 _TRAINER_MODEL_SEED = 1
@@ -96,7 +94,7 @@ class VLLMReplica(VLLMAsyncBackend):
             rpc_timeout=demo.timeout_s,
         )
         if demo.lora:
-            adapter, _ = _vllm_adapter(demo)
+            adapter, _ = vllm_adapter_model(demo)
             self.add_adapter(DEMO_ADAPTER, adapter)
         rng = random.Random(seed)
         lengths = [rng.randint(demo.min_new_tokens, demo.max_new_tokens) for _ in range(4096)]
@@ -151,16 +149,18 @@ def _ship_to(sender: PayloadSender, timeout_s: float) -> Callable[[VLLMGeneratio
     return ship
 
 
-def _vllm_engine(
-    config: DistributedDemoConfig, timeline: Timeline, sender: PayloadSender
-) -> DemoEngine:
+def vllm_replica_engine(request: EngineRequest) -> EngineHandle:
+    """The ``vllm`` engine's factory: a :class:`VLLMReplica` shipping through the request's
+    sender, its counters, and its ``shutdown`` as the handle's ``close``."""
+    config: DistributedDemoConfig = request.config
+    timeline = request.timeline
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     # One intra-op thread per engine: the replicas' engines share the machine's cores, and
     # OpenMP pools that spin-wait against each other slow every decode step many times over.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     replica = VLLMReplica(
         config,
-        _ship_to(sender, config.timeout_s),
+        _ship_to(request.sender, config.timeout_s),
         timeline,
         seed=config.seed * 1009 + dist.get_rank(),
     )
@@ -181,31 +181,22 @@ def _vllm_engine(
             "results_failed": sum(not r.ok for r in results),
         }
 
-    return DemoEngine(replica, counters, close=replica.shutdown)
+    return EngineHandle(replica, counters, close=replica.shutdown)
 
 
-def _vllm_adapter(config: DistributedDemoConfig) -> tuple[LoRAConfig, dict[str, tuple[int, int]]]:
+def vllm_adapter_model(
+    config: DistributedDemoConfig,
+) -> tuple[LoRAConfig, dict[str, tuple[int, int]]]:
     """``--lora``: an adapter on every linear layer of the tiny Llama's decoder layers."""
     shapes = vllm_lora_shapes(TINY_LLAMA)  # the replicas' checkpoint config
     rank = config.lora_rank
     return LoRAConfig(rank, 2.0 * rank, tuple(shapes), torch.float32), shapes
 
 
-def _vllm_trainer(
+def vllm_trainer_model(
     config: DistributedDemoConfig,
 ) -> tuple[dict[str, torch.Tensor], Callable[[int], None]]:
     """The trainer's tiny Llama (another seed than the replicas' version 0), moved every step."""
     with tempfile.TemporaryDirectory(prefix="rollout_sync_vllm_trainer_") as tmp:
         weights = dict(sorted(build_tiny_llama(Path(tmp), seed=_TRAINER_MODEL_SEED).items()))
     return weights, drift_each_step(weights, seed=config.seed + 2)
-
-
-register_demo_backend(
-    "vllm",
-    _vllm_engine,
-    _vllm_trainer,
-    modes=(SyncMode.SYNC, SyncMode.STAGED),
-    start_s=VLLM_START_S,
-    starts_processes=True,
-    adapter=_vllm_adapter,
-)

@@ -64,7 +64,8 @@ import torch
 
 from .._deadline import deadline_after, limit_of, wait_device_event
 from ..errors import CosmosRLVersionError, FenceTimeout, PauseTimeout
-from ..guard import SyncMode, SyncReport, _deliver_report, weight_sync_bracket
+from ..guard import SyncReport, _deliver_report, weight_sync_bracket
+from ..sync.mode import SyncMode
 
 __all__ = [
     "SUPPORTED_VERSION",
@@ -96,14 +97,16 @@ def check_cosmos_rl_version() -> str:
     except importlib.metadata.PackageNotFoundError:
         raise CosmosRLVersionError(
             f"cosmos-rl is not installed; rollout_sync.integrations.cosmos_rl needs "
-            f"cosmos-rl=={SUPPORTED_VERSION}"
+            f"cosmos-rl=={SUPPORTED_VERSION}",
+            package="cosmos-rl",
         ) from None
     if found != SUPPORTED_VERSION:
         raise CosmosRLVersionError(
             f"rollout_sync.integrations.cosmos_rl supports cosmos-rl {SUPPORTED_VERSION} only "
             f"(it wraps cosmos's command registry, scheduler, weight-sync thread and payload "
             f"producer, whose internals change between releases); found {found}. Install "
-            f"cosmos-rl=={SUPPORTED_VERSION}."
+            f"cosmos-rl=={SUPPORTED_VERSION}.",
+            package="cosmos-rl",
         )
     return found
 

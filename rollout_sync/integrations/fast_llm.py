@@ -53,19 +53,17 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .._deadline import deadline_after, expired, limit_of, remaining, wait_arg
-from ..backend import RolloutBase, TornWeightsPark
+from ..backend import RolloutBase
 from ..errors import (
     EgressHoldTimeout,
     FastLLMEventTimeout,
@@ -73,51 +71,35 @@ from ..errors import (
     PayloadBackpressureTimeout,
     PayloadTimeout,
     RolloutSyncError,
-    UnsafeHeaderError,
-    WeightMismatchError,
-    WeightTransferError,
 )
 from ..guard import (
-    SyncMode,
     SyncReport,
-    WeightSyncBracket,
     device_fence,
     holds_payload_egress,
-    weight_sync_bracket,
     weight_sync_handler,
 )
 from ..staging import StagingArea, check_two_communicators
+from ..sync.contract import InstallStrategy, SupportsWeightTransfer
+from ..sync.mode import SyncMode
+from ..sync.slot import EngineSlot
+from ..sync.staged import Staged
+from ..sync.table import strategy_for
 from ..trace import SpanKind, Timeline
-from ..transfer import BUFFER_WRITE, TransferStats, WeightTransfer
-from ..worker import (
-    DEFAULT_HISTORY,
-    BackgroundEngine,
-    bounded_history,
-    reload_received,
-    settle_failed_receive,
-)
+from ..transfer import TransferStats, WeightTransfer
+from ..worker import DEFAULT_HISTORY, bounded_history
+from .fast_llm_stream import FastLLMStream
 from .fast_llm_wire import (
     EVENTS_STREAM,
     MAX_HEADER_BYTES,
     ROLLOUTS_STREAM,
     BroadcastGroup,
-    TensorHeader,
     TrainingFinished,
     WeightsReady,
-    decode_header,
     encode_rollout,
     parse_event,
 )
 
 __all__ = ["FastLLMReceiver", "FastLLMRolloutSender", "ReceivedVersion"]
-
-_SENTINEL_CHECK_BYTES = 8
-"""A received tensor whose last 8 bytes still hold the sentinel arrived short (an honest one
-holds it by chance with probability 2**-64)."""
-_SENTINEL_SPAN_BYTES = 1 << 14
-"""How much of a receive buffer's tail the sentinel covers: a shortfall up to 16 KiB is counted
-to the byte in the error, a longer one as "at most". Kept under torch's parallel grain (a
-64 KiB ``uint8`` copy took 16 ms on two busy cores, against microseconds for 16 KiB)."""
 
 
 @dataclass(frozen=True)
@@ -177,8 +159,8 @@ class FastLLMReceiver:
         versions: the most recent versions received (at most ``history``), oldest first.
         sync_reports: the most recent sync reports (at most ``history``), oldest first.
         versions_received: every version received since the receiver was made.
-        staging: ``SyncMode.STAGED`` R2R receivers: the staging copy of the served weights
-            (built by the first R2R receive), else ``None``.
+        staging: ``SyncMode.STAGED``: the staging copy of the served weights (built by the first
+            receive), else ``None``.
 
     Raises:
         ValueError: ``redis`` has no socket timeout (its calls could block for ever; give
@@ -259,12 +241,20 @@ class FastLLMReceiver:
         self.finished = False
         self._last_event_id: bytes | str | None = None
         self._redis_run_id: str | None = None
-        self._engine_started = False
-        self._torn_park = TornWeightsPark(rollout, "FastLLMReceiver")
-        """Parks generation from a receive that left the weights torn until the next complete
-        version lands here (or ``stop_engine``)."""
-        self.staging: StagingArea | None = None
         self.last_weight_sync_report: SyncReport | None = None
+        # What the install strategies read of their host, beyond the guard's settings: the
+        # trainer's stream is handed over per version, not as a P2R transfer, and there is no
+        # vote to take with one receiver per stream: what lands whole here installs.
+        self.p2r: SupportsWeightTransfer | None = None
+        self.p2r_barrier: Callable[[float], None] | None = None
+        self.staging_device: torch.device | str | None = None
+        self.all_or_none = False
+        self.on_transfer: Callable[[TransferStats, Mapping[str, torch.Tensor]], None] | None = None
+        self._slot = EngineSlot(rollout, "FastLLMReceiver", park_every_engine=True)
+        """Torn weights keep generation parked, whatever the backend, until a complete version
+        lands here (or ``stop_engine``)."""
+        self._strategy: InstallStrategy = strategy_for(mode)(self, self._slot)
+        self._stream: FastLLMStream | None = None
 
     @property
     def r2r(self) -> WeightTransfer | None:
@@ -297,6 +287,17 @@ class FastLLMReceiver:
         :meth:`take` runs a staged receive in ``STAGED``."""
         return self._mode
 
+    @property
+    def staging(self) -> StagingArea | None:
+        """``SyncMode.STAGED``: the staging copy of the served weights (once a receive built
+        it); else ``None``."""
+        if not isinstance(self._strategy, Staged):
+            return None
+        return self._strategy.stagings.get(None)
+
+    def weight_sync_fence(self, timeout: float | None) -> None:
+        device_fence(timeout)
+
     def payload_egress_components(self) -> Sequence[object]:
         """What the guard holds during a sync: the payload sender and the engine (if they
         have the hooks)."""
@@ -326,11 +327,18 @@ class FastLLMReceiver:
                 backend=self.backend,
                 timeout_s=self.weight_sync_timeout,
             )
+            self._stream = FastLLMStream(
+                self.group,
+                max_header_bytes=self.max_header_bytes,
+                stage=self.stage,
+                timeline=self.timeline,
+                on_broken=self.close,
+            )
 
     def close(self) -> None:
         """Leave the trainer's group (idempotent). Torn weights stay parked: see
         :meth:`stop_engine`."""
-        group, self.group = self.group, None
+        group, self.group, self._stream = self.group, None, None
         if group is not None:
             group.close()
 
@@ -420,7 +428,7 @@ class FastLLMReceiver:
                 (or :meth:`stop_engine`).
             FastLLMEventTimeout: no event for ``idle_timeout_s``.
         """
-        self._torn_park.check_thread("serve()")  # before an event is taken off the stream
+        self._slot.torn_park.check_thread("serve()")  # before an event is taken off the stream
         if self._last_event_id is None:
             self.connect()
         idle_since = time.monotonic()
@@ -445,21 +453,17 @@ class FastLLMReceiver:
         source = self.r2r is not None and self.r2r.is_source
         try:
             try:
-                self._torn_park.check_thread("take()")
+                self._slot.torn_park.check_thread("take()")
             except RolloutSyncError:
                 self.close()  # this version's stream stays unread: out of step with the trainer
                 raise
+            start = time.perf_counter()
+            transfer = self._transfer_for(event)
             if self._mode is SyncMode.STAGED:
-                received = self._receive_staged(event)
-            elif self.guarded:
-                received = self.receive_weights(event)
+                name = "receive_weights_staged"
             else:
-                with weight_sync_bracket(
-                    None, name="receive_weights", pause=False, hold=False, timeline=self.timeline
-                ) as bracket:
-                    received = self._receive(event)
-                assert bracket.report is not None
-                self.on_weight_sync_report(bracket.report)
+                name = "_receive" if self.guarded else "receive_weights"
+            received = self._landed(event, self._strategy.receive(transfer, name), start)
         except Exception as exc:
             if source:
                 # The other replicas wait for this version's manifest: tell them none comes
@@ -478,166 +482,43 @@ class FastLLMReceiver:
                 self._send_r2r()
         return received
 
-    def _receive_staged(self, event: WeightsReady) -> ReceivedVersion:
-        """``SyncMode.STAGED``: receive in a bracket that holds payload egress (the
-        collective's hazard) but does not pause; :meth:`_receive` parks generation for the
-        install alone. Unguarded: neither hold nor park."""
-        bracket: WeightSyncBracket | None = None
-        try:
-            with weight_sync_bracket(
-                self.rollout,
-                self.payload_egress_components() if self.guarded else (),
-                name="receive_weights_staged",
-                mode=SyncMode.STAGED,
-                pause=False,
-                hold=self.guarded,
-                timeout=self.weight_sync_timeout,
-                timeline=self.timeline,
-            ) as bracket:
-                return self._receive(event, bracket)
-        finally:
-            if bracket is not None and bracket.report is not None:
-                self.last_weight_sync_report = bracket.report
-                self.on_weight_sync_report(bracket.report)
-
-    def _receive(
-        self, event: WeightsReady, bracket: WeightSyncBracket | None = None
-    ) -> ReceivedVersion:
-        """Receive the version ``event`` announces, install it and commit it.
-
-        ``bracket`` is a staged sync's (not paused): everything up to the install (the stream,
-        its checks) runs while generation goes on, into buffers of this receiver's, and the
-        install and the commit run parked (:meth:`_parked_install`). ``None``: the caller
-        paused generation for the whole receive (the guard), or nothing does (unguarded).
-        """
-        try:
-            self.rollout.ensure_initialized()
-            served = self.rollout.served_weights()
-            start = time.perf_counter()
-            if self.group is not None:
-                staged, dropped, nbytes = self._stream_into(served, event)
-                tensors, version = len(staged), event.version
-
-                def install() -> None:
-                    self._install_stream(staged, served, event)
-                    self.rollout.commit_weight_version(version)
-
-            elif self.r2r is not None and not self.r2r.is_source:
-                stats, install = self._receive_r2r(served, bracket)
-                tensors, dropped, nbytes, version = stats.tensors, 0, stats.nbytes, stats.version
-            else:
-                raise RolloutSyncError(
-                    "this FastLLMReceiver is neither in the trainer's group nor an R2R receiver"
-                )
-            with self._parked_install(bracket):
-                install()
-        except BaseException:
-            # Paused still (the guard's pause; a staged install parked inside its stall), so
-            # no forward runs before the park. A staged stream that failed tore nothing.
-            self._torn_park.hold_if_torn(self.weight_sync_timeout)
-            raise
-        self._torn_park.release()
-        if not self._engine_started and isinstance(self.rollout, BackgroundEngine):
-            # Inside the first sync's bracket, after the version landed (paused: it begins
-            # parked; staged: the install is done, it begins serving).
-            self.rollout.start()
-            self._engine_started = True
-        received = ReceivedVersion(
-            version, event.step, tensors, dropped, nbytes, time.perf_counter() - start
-        )
-        self.versions.append(received)
-        self.versions_received += 1
-        if self.on_version is not None:
-            self.on_version(received, served)
-        return received
-
-    @contextmanager
-    def _parked_install(self, bracket: WeightSyncBracket | None) -> Iterator[None]:
-        """Generation parked for the body: a staged sync's stall (``bracket.stalled()``,
-        counted into its report's ``stall_s``), or nothing more where the caller paused for
-        the whole sync. A body that left the weights torn takes the torn park before the
-        stall ends, so no forward runs on them."""
-        park: AbstractContextManager[None] = (
-            bracket.stalled(pause=self.guarded) if bracket is not None else contextlib.nullcontext()
-        )
-        with park:
-            try:
-                yield
-                # The install's device work completes before generation resumes.
-                device_fence(self.weight_sync_timeout)
-            except BaseException:
-                self._torn_park.hold_if_torn(self.weight_sync_timeout)
-                raise
-
-    def _receive_r2r(
-        self, served: Mapping[str, torch.Tensor], bracket: WeightSyncBracket | None
-    ) -> tuple[TransferStats, Callable[[], None]]:
-        """The R2R receive, as the rollout worker does it; returns its stats and the install
-        (which commits). In place (``bracket`` is ``None``): a failure after a write marks the
-        weights torn. Staged: into :attr:`staging`, the served weights untouched until the
-        install. Either way a failure that left every byte here intact still installs and
-        commits that version before it is raised."""
-        assert self.r2r is not None
-        if bracket is None:
-            try:
-                stats = self.r2r.receive(
-                    served,
-                    allow_subset=self.allow_subset,
-                    storage=self.rollout.flat_weight_storage(),
-                )
-            except BaseException as exc:  # fail closed: only the transfer's word clears a write
-                settle_failed_receive(self.rollout, served, exc)
-                raise
-
-            def install_in_place() -> None:
-                reload_received(self.rollout, served)
-                self.rollout.commit_weight_version(stats.version)
-
-            return stats, install_in_place
-        if self.staging is None:
-            self.staging = StagingArea.of(self.rollout)
-        staging = self.staging
-        staging.begin(served)
-        try:
-            stats = self.r2r.receive(
-                staging.tensors,
-                allow_subset=self.allow_subset,
-                write_kind=BUFFER_WRITE,
-                storage=staging.storage,
-            )
-        except WeightTransferError as exc:
-            if exc.complete and exc.version is not None:  # whole here: serve it, as in place
-                staging.staged(exc.version)
-                with self._parked_install(bracket):
-                    staging.install_into(self.rollout)
-            else:
-                staging.discard()
-            raise
-        except BaseException:
-            staging.discard()
-            raise
-        staging.staged(stats.version)
-
-        def install_staged() -> None:
-            staging.install_into(self.rollout)  # load_weights, then the commit
-
-        return stats, install_staged
+    def _receive(self, event: WeightsReady) -> ReceivedVersion:
+        """Receive and commit the version ``event`` announces, in place, in the caller's
+        bracket (the decorated :attr:`receive_weights`)."""
+        start = time.perf_counter()
+        stats = self._strategy.receive_in_place(self._transfer_for(event))
+        return self._landed(event, stats, start)
 
     receive_weights = weight_sync_handler(_receive)
     """The receive, guarded: pause, hold egress, lazy init, stream, write, fence, release."""
 
+    def _transfer_for(self, event: WeightsReady) -> SupportsWeightTransfer:
+        """The wire ``event``'s version comes over: the trainer's stream, or the R2R."""
+        if self._stream is not None:
+            self._stream.expect(event)
+            return self._stream
+        if self.r2r is not None and not self.r2r.is_source:
+            return self.r2r
+        raise RolloutSyncError(
+            "this FastLLMReceiver is neither in the trainer's group (connect() joins it) nor an "
+            "R2R receiver"
+        )
+
+    def _landed(self, event: WeightsReady, stats: TransferStats, start: float) -> ReceivedVersion:
+        dropped = self._stream.dropped if self._stream is not None else 0
+        seconds = time.perf_counter() - start
+        received = ReceivedVersion(
+            stats.version, event.step, stats.tensors, dropped, stats.nbytes, seconds
+        )
+        self.versions.append(received)
+        self.versions_received += 1
+        if self.on_version is not None:
+            self.on_version(received, self.rollout.served_weights())
+        return received
+
     def _send_r2r(self) -> TransferStats:
         assert self.r2r is not None
-        try:
-            self.rollout.check_servable()
-        except Exception as exc:
-            self.r2r.abort(f"the source cannot send: {type(exc).__name__}: {exc}")
-            raise
-        return self.r2r.send(
-            self.rollout.served_weights(),
-            version=self.rollout.weight_version,
-            storage=self.rollout.flat_weight_storage(),
-        )
+        return self._strategy.send(self.r2r, self._strategy.served_to_send)
 
     send_weights_r2r = holds_payload_egress(_send_r2r)
     """The R2R broadcast to the other replicas: reads the served tensors, egress held."""
@@ -651,209 +532,7 @@ class FastLLMReceiver:
             RolloutSyncError: called on another thread than the one whose failed receive
                 parked generation (that thread must release the pause).
         """
-        self._torn_park.check_thread("stop_engine()")
-        self._torn_park.release()
-        if self._engine_started and isinstance(self.rollout, BackgroundEngine):
-            self._engine_started = False
-            self.rollout.stop(timeout)
-
-    # -- the stream ---------------------------------------------------------------------------
-
-    def _stream_into(
-        self, served: Mapping[str, torch.Tensor], event: WeightsReady
-    ) -> tuple[dict[str, torch.Tensor], int, int]:
-        """Receive one whole stream and check it. Staged (``stage=True``), nothing served is
-        touched: the accepted tensors land in buffers of their own, for
-        :meth:`_install_stream` to write once the end marker came and every check passed. In
-        place (``stage=False``), each accepted tensor is received straight into the served one.
-
-        Returns (the accepted tensors by name, tensors dropped, bytes received).
-
-        Raises:
-            WeightTransferError: ``stage=False`` and the stream failed (chained as its cause)
-                or was refused after an in-place write: the weights are marked torn.
-        """
-        group = self.group
-        assert group is not None
-        # A tensor is received even when refused (to stay in step with the trainer), but no
-        # allocation is made for more than 8x the largest served tensor (float64 for float8).
-        largest = 8 * max((t.numel() * t.element_size() for t in served.values()), default=0)
-        staged: dict[str, torch.Tensor] = {}
-        came: set[str] = set()  # served names whose tensor came, accepted or refused
-        problems: list[str] = []
-        sentinels = _TailSentinels(event.step)
-        written = dropped = nbytes = 0
-        drop: torch.Tensor | None = None  # where dropped tensors are received, reused
-        what = f"Fast-LLM weights of step {event.step}"
-        try:
-            length = torch.zeros(1, dtype=torch.int64, device=group.device)
-            while True:
-                group.receive(length, f"{what}: header length")
-                n = int(length.item())
-                if not 0 < n <= self.max_header_bytes:
-                    raise UnsafeHeaderError(
-                        f"{what}: a header of {n} bytes (the receiver accepts 1 .. "
-                        f"{self.max_header_bytes})"
-                    )
-                raw = torch.empty(n, dtype=torch.uint8, device=group.device)
-                group.receive(raw, f"{what}: header")
-                header = decode_header(raw.cpu().numpy().tobytes())
-                if header is None:
-                    break
-                if header.nbytes > largest:
-                    raise UnsafeHeaderError(
-                        f"{what}: {header.name} ({header.shard}) announces {header.nbytes} bytes, "
-                        f"more than 8x any served tensor ({largest})"
-                    )
-                if header.shard == "weights" and header.name in served:
-                    came.add(header.name)
-                target, problem = self._target(header, served, staged)
-                if problem is not None:
-                    problems.append(problem)
-                if target is None:  # another shard, or refused: received to stay in step
-                    if drop is None or drop.numel() < header.nbytes:  # one buffer, grown
-                        drop = torch.empty(header.nbytes, dtype=torch.uint8, device=group.device)
-                    scratch = drop[: header.nbytes].view(header.dtype).view(header.shape)
-                    sentinels.arm(scratch, header)
-                    group.receive(scratch, f"{what}: {header.name}")
-                    dropped += header.shard != "weights"
-                elif not self._in_place:
-                    armed = sentinels.arm(target, header)
-                    group.receive(target, f"{what}: {header.name}")
-                    sentinels.watch(armed)
-                    staged[header.name] = target
-                else:
-                    with self._write_span(header.name):
-                        written += 1  # counted first: a failed receive leaves it half-written
-                        armed = sentinels.arm(target, header)
-                        group.receive(target, f"{what}: {header.name}")
-                    sentinels.watch(armed)
-                    staged[header.name] = target
-                nbytes += header.nbytes
-        except BaseException as exc:
-            # Out of step with the trainer (or it is gone): leave the group.
-            self.close()
-            if written and self._in_place:
-                torn = self._torn(
-                    served, event, written, "the stream failed", f". {type(exc).__name__}: {exc}"
-                )
-                if isinstance(exc, Exception):
-                    raise torn from exc
-            raise
-        problems.extend(sentinels.shortfalls())
-        missing = [] if self.allow_subset else sorted(set(served) - came)
-        if missing:
-            problems.append(
-                f"{len(missing)} served tensor(s) did not come: {', '.join(missing[:5])}"
-                + (" ..." if len(missing) > 5 else "")
-            )
-        if problems:
-            if written:  # the problems, listed once, are the cause (its .problems too)
-                refused = WeightMismatchError(problems, context=f"{what}: refused")
-                why = f"refused at the end marker ({len(problems)} problem(s))"
-                raise self._torn(served, event, written, why, "; see the cause") from refused
-            raise WeightMismatchError(problems, context=f"{what}: refused, nothing written")
-        return staged, dropped, nbytes
-
-    @property
-    def _in_place(self) -> bool:
-        """Whether the stream is received straight into the served tensors (never staged)."""
-        return not self.stage  # STAGED with stage=False is refused at construction
-
-    def _install_stream(
-        self,
-        staged: Mapping[str, torch.Tensor],
-        served: Mapping[str, torch.Tensor],
-        event: WeightsReady,
-    ) -> None:
-        """Write an accepted stream into the served weights (in place, it is there already:
-        hand it to an engine that overrides ``load_weights``)."""
-        if self._in_place:
-            reload_received(self.rollout, served)
-        else:
-            self._write(staged, served, event)
-
-    def _torn(
-        self,
-        served: Mapping[str, torch.Tensor],
-        event: WeightsReady,
-        written: int,
-        why: str,
-        detail: str,
-    ) -> WeightTransferError:
-        """The error of a version that failed after ``written`` served tensors were written;
-        the weights are marked torn as the rollout worker marks them
-        (:func:`~rollout_sync.worker.settle_failed_receive`)."""
-        error = WeightTransferError(
-            f"Fast-LLM weights of step {event.step}: {why} after {written} served tensor(s) "
-            "were written, so the served weights are torn: generation stays parked until a "
-            f"complete version lands{detail}",
-            operation=f"receive Fast-LLM weights of step {event.step}",
-            version=event.version,
-            tensors_written=written,
-        )
-        settle_failed_receive(self.rollout, served, error)
-        return error
-
-    def _target(
-        self,
-        header: TensorHeader,
-        served: Mapping[str, torch.Tensor],
-        staged: Mapping[str, torch.Tensor],
-    ) -> tuple[torch.Tensor | None, str | None]:
-        """Where to receive ``header``'s tensor, or ``None`` (drop) and why it is refused."""
-        if header.shard != "weights":
-            return None, None
-        tensor = served.get(header.name)
-        if tensor is None:
-            return None, f"{header.name}: not a served weight"
-        if header.name in staged:
-            return None, f"{header.name}: sent twice"
-        if tuple(tensor.shape) != header.shape or tensor.dtype != header.dtype:
-            return None, (
-                f"{header.name}: announced {list(header.shape)} {header.dtype}, served "
-                f"{list(tensor.shape)} {tensor.dtype}"
-            )
-        if self._in_place:
-            return tensor, None
-        device = self.group.device if self.group is not None else tensor.device
-        return torch.empty(header.shape, dtype=header.dtype, device=device), None
-
-    def _write(
-        self,
-        staged: Mapping[str, torch.Tensor],
-        served: Mapping[str, torch.Tensor],
-        event: WeightsReady,
-    ) -> None:
-        """Write a complete, accepted version into the served weights (an engine's own
-        ``load_weights`` marks its weights torn itself when a write fails half-way).
-
-        Raises:
-            WeightTransferError: a copy failed (its cause chained); the weights are marked torn.
-        """
-        if type(self.rollout).load_weights is not RolloutBase.load_weights:
-            self.rollout.load_weights(staged, require_all=not self.allow_subset)
-            return
-        written = 0
-        try:
-            with torch.no_grad():
-                for name, tensor in staged.items():
-                    with self._write_span(name):
-                        written += 1  # counted first: a failed copy leaves it half-written
-                        served[name].copy_(tensor)
-        except BaseException as exc:
-            if written:
-                torn = self._torn(
-                    served, event, written, "a copy failed", f". {type(exc).__name__}: {exc}"
-                )
-                if isinstance(exc, Exception):
-                    raise torn from exc
-            raise
-
-    def _write_span(self, name: str) -> AbstractContextManager[Any]:
-        if self.timeline is None:
-            return contextlib.nullcontext()
-        return self.timeline.span(SpanKind.WEIGHT_WRITE, name)
+        self._slot.stop_engine(timeout, what="stop_engine()")
 
 
 @dataclass(frozen=True)
@@ -862,109 +541,6 @@ class _TrainerGroup:
     (:func:`~rollout_sync.staging.check_two_communicators`) reads a transfer: its backend."""
 
     backend: str
-
-
-@dataclass(frozen=True)
-class _Armed:
-    """A receive buffer whose tail holds the sentinel of ``header``'s tensor."""
-
-    header: TensorHeader
-    raw: torch.Tensor
-    """The buffer's bytes (a flat ``uint8`` view)."""
-    tile: torch.Tensor
-    """The sentinel bytes written over the last ``tile.numel()`` of them."""
-
-
-class _TailSentinels:
-    """Catches a tensor that arrives shorter than its header announced.
-
-    On gloo a broadcast whose sender sends fewer bytes than the receive buffer holds completes
-    without an error, writing the front of the buffer only, and the stream stays in step (the
-    next receive gets the next frame); the protocol has no checksum. So before each receive
-    :meth:`arm` writes a pattern over the buffer's tail (its last 16 KiB at most), and after the
-    end marker :meth:`shortfalls` names every tensor whose last 8 bytes still hold it.
-
-    The pattern is the 8-byte blake2b digest of the version's step and the tensor's shard and
-    name, repeated:
-
-    * every receiver derives the same one: gloo's broadcast is a tree, and a receiver relays its
-      whole buffer, pattern included, to the next, which must recognise it (a pattern drawn at
-      random by each receiver would pass a relayed short tensor as complete);
-    * it is unrelated to weight values and new for every tensor and version, so an honest
-      tensor's last 8 bytes equal it with probability 2**-64 whatever the values are (a fixed
-      pattern, a NaN payload or zeros, coincides with real weights), and a coincidence does not
-      repeat at the next version.
-
-    No check of the received bytes can be exact: a tensor short by ``d`` bytes differs from an
-    honest one only in the ``d`` bytes the sender never wrote, so catching every ``d``-byte
-    shortfall would refuse honest tensors with probability ``256**-d``. A shortfall of 8 bytes
-    or more is always caught; a smaller one (under two float32 elements) is not. A tensor of
-    fewer than 8 bytes is checked over all its bytes.
-
-    Bookkeeping only (the receives are the caller's): nothing here waits for the device before
-    :meth:`shortfalls`, which reads every check in one transfer.
-    """
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-        self._watched: list[tuple[_Armed, torch.Tensor]] = []
-        """Per tensor to be written: its armed buffer and a 0-dim bool on its device, true
-        when its last bytes still held the pattern after the receive."""
-
-    def arm(self, buffer: torch.Tensor, header: TensorHeader) -> _Armed:
-        """Write ``header``'s pattern over the tail of ``buffer`` (contiguous), before the
-        receive into it. Every receive is armed, refused and dropped tensors too: a receiver
-        relays its buffer down gloo's tree."""
-        raw = buffer.view(-1).view(torch.uint8)
-        span = min(raw.numel(), _SENTINEL_SPAN_BYTES)
-        digest = hashlib.blake2b(
-            f"{self.step}/{header.shard}/{header.name}".encode(), digest_size=8
-        ).digest()
-        word = int.from_bytes(digest, sys.byteorder, signed=True)
-        tile = torch.full((-(-span // 8),), word, dtype=torch.int64, device=raw.device)
-        armed = _Armed(header, raw, tile.view(torch.uint8)[:span])
-        if span:
-            with torch.no_grad():
-                raw[raw.numel() - span :].copy_(armed.tile)
-        return armed
-
-    def watch(self, armed: _Armed) -> None:
-        """After the receive into ``armed``'s buffer (a tensor to be written): note whether its
-        last bytes still hold the pattern."""
-        n = armed.raw.numel()
-        if n:
-            width = min(n, _SENTINEL_CHECK_BYTES)
-            span = armed.tile.numel()
-            flag = (armed.raw[n - width :] == armed.tile[span - width :]).all()
-            self._watched.append((armed, flag))
-
-    def shortfalls(self) -> list[str]:
-        """One problem per watched tensor that arrived short, naming it and the byte counts."""
-        if not self._watched:
-            return []
-        device = self._watched[0][1].device
-        short = torch.stack([flag.to(device) for _, flag in self._watched]).tolist()
-        return [_shortfall(armed) for (armed, _), s in zip(self._watched, short, strict=True) if s]
-
-
-def _shortfall(armed: _Armed) -> str:
-    """What arrived of ``armed``'s tensor: the bytes before the last one that differs from the
-    pattern (rounded up to whole elements: a real byte equal to the pattern's is counted as
-    missing, with probability ``256**-element_size``)."""
-    header, raw, tile = armed.header, armed.raw, armed.tile
-    n, span = raw.numel(), tile.numel()
-    differs = (raw[n - span :] != tile).nonzero()
-    if differs.numel():
-        element = header.dtype.itemsize
-        arrived = n - span + int(differs[-1]) + 1
-        arrived = min(-(-arrived // element) * element, n - min(n, _SENTINEL_CHECK_BYTES))
-        count = f"{arrived} of the {n} bytes"
-    else:
-        count = f"{'at most ' if n > span else ''}{n - span} of the {n} bytes"
-    return (
-        f"{header.name}: {count} its header announces arrived ({list(header.shape)} "
-        f"{header.dtype}): the trainer sent a shorter tensor"
-    )
 
 
 def _socket_timeout(redis: Any) -> float | None:

@@ -31,7 +31,7 @@ from typing import Any
 
 from .._deadline import deadline_after, remaining
 from ..distributed import find_free_port
-from ..errors import ChildFailure, GroupProcessError, RayUnavailableError
+from ..errors import ChildFailure, GroupProcessError, MissingDependencyError
 from .job import JobContext, JobLayout
 
 __all__ = ["RayJob"]
@@ -41,8 +41,8 @@ def _ray() -> Any:
     try:
         import ray
     except ImportError as exc:
-        raise RayUnavailableError(
-            f"RayJob needs Ray, which is not importable ({exc}); pip install ray"
+        raise MissingDependencyError(
+            f"RayJob needs Ray, which is not importable ({exc})", package="ray", extra="ray"
         ) from exc
     return ray
 
@@ -181,7 +181,7 @@ class RayJob:
         self._release()
 
     def _place(self) -> None:
-        _ray()  # a clear RayUnavailableError before the imports below
+        _ray()  # a clear MissingDependencyError before the imports below
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

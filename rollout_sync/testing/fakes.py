@@ -39,7 +39,7 @@ from ..buffer import WeightBuffer, install_inference_sync
 from ..errors import PayloadBackpressureTimeout, PayloadTimeout, ShutdownTimeout
 from ..flat import FlatWeights
 from ..gate import Gate
-from ..guard import SyncMode
+from ..sync.mode import SyncMode
 from ..trace import SpanKind, Timeline
 
 __all__ = [

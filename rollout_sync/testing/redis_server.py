@@ -13,7 +13,7 @@ from types import TracebackType
 from typing import Any
 
 from ..distributed import find_free_port
-from ..errors import RedisUnavailableError, RolloutSyncError
+from ..errors import MissingDependencyError, RedisUnavailableError, RolloutSyncError
 from .processes import ServerOutput, stop_process
 
 __all__ = ["RedisServer", "RedisUnavailableError", "require_redis_server"]
@@ -23,18 +23,23 @@ def require_redis_server() -> str:
     """The ``redis-server`` executable's path.
 
     Raises:
-        RedisUnavailableError: it is not installed, or the ``redis`` client is not.
+        MissingDependencyError: it is not installed (``package="redis-server"``), or the
+            ``redis`` client is not (``package="redis"``). ``RedisUnavailableError`` is
+            the same class.
     """
     path = shutil.which("redis-server")
     if path is None:
-        raise RedisUnavailableError(
+        raise MissingDependencyError(
             "redis-server is not installed: apt-get install -y redis-server (./run_test.sh and "
-            "./run.sh install it when run as root)"
+            "./run.sh install it when run as root)",
+            package="redis-server",
         )
     try:
         import redis  # noqa: F401
     except ImportError as exc:
-        raise RedisUnavailableError("the redis client is not installed: pip install redis") from exc
+        raise MissingDependencyError(
+            "the redis client is not installed", package="redis", extra="fast-llm"
+        ) from exc
     return path
 
 

@@ -11,17 +11,17 @@ in launch order, each wait bounded by the transfer's timeout and recorded as a
 received, so the two hops overlap. ``_Forward`` is that second hop; it runs inside
 :meth:`~rollout_sync.transfer.WeightTransfer.relay`, driven by the relay's receive.
 
-Both are private. What they need of the transfer that drives them is the ``_Broadcaster``
-protocol, which :class:`~rollout_sync.transfer.WeightTransfer` satisfies, so this module does
-not import it.
+Both are private. What they need of the transfer that drives them is a :class:`_Link`: its
+group and source, and its bounded wait and vote passed in as callables, so this module neither
+imports :class:`~rollout_sync.transfer.WeightTransfer` nor reaches into its private members.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,17 +32,21 @@ from ..trace import SpanKind, Timeline
 from .manifest import WeightManifest
 
 
-class _Broadcaster(Protocol):
+@dataclass(frozen=True)
+class _Link:
     """The transfer a pipeline launches its collectives on, and waits and votes through."""
 
     src: int
+    """The rank that broadcasts on :attr:`collectives`."""
     collectives: GroupCollectives
     timeline: Timeline | None
     device: torch.device
-
-    def _wait(self, work: dist.Work, op: str, version: int | None, written: int) -> None: ...
-
-    def _vote_ranks(self, *, ok: bool, op: str, version: int | None, written: int) -> list[int]: ...
+    wait: Callable[[dist.Work, str, int | None, int], None]
+    """``wait(work, op, version, written)``: wait for one collective within the transfer's
+    limit; its typed error (saying ``written``) if it failed or hung."""
+    vote_ranks: Callable[[bool, str, int | None], list[int]]
+    """``vote_ranks(ok, op, version)``: all-gather an ok flag (nothing written by this rank
+    yet); the global ranks that said no."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ class _Launched:
 class _InFlight:
     """Collectives launched on one transfer's group, waited for in launch order."""
 
-    def __init__(self, transfer: _Broadcaster, op: str, buckets: int, version: int | None):
+    def __init__(self, transfer: _Link, op: str, buckets: int, version: int | None):
         self.transfer = transfer
         self.op = op
         self.buckets = buckets
@@ -76,7 +80,7 @@ class _InFlight:
             launched = self.pending.popleft()
             name = f"{launched.what} {launched.bucket + 1}/{self.buckets}"
             try:
-                self.transfer._wait(launched.work, f"{self.op}: {name}", self.version, written)
+                self.transfer.wait(launched.work, f"{self.op}: {name}", self.version, written)
             finally:
                 if self.transfer.timeline is not None:
                     self.transfer.timeline.add_span(
@@ -98,9 +102,7 @@ class _Forward:
     relay's own receive: it is kept in :attr:`error` and reported after the relay committed.
     """
 
-    def __init__(
-        self, transfer: _Broadcaster, op: str, manifest: WeightManifest, version: int
-    ) -> None:
+    def __init__(self, transfer: _Link, op: str, manifest: WeightManifest, version: int) -> None:
         self.transfer = transfer
         self.op = op
         self.version = version
@@ -147,8 +149,8 @@ class _Forward:
         self.finish_through(self.buckets)
         if self.error is None:
             try:
-                self.failed_ranks = self.transfer._vote_ranks(
-                    ok=ok, op=f"{self.op}: commit vote", version=self.version, written=0
+                self.failed_ranks = self.transfer.vote_ranks(
+                    ok, f"{self.op}: commit vote", self.version
                 )
             except WeightTransferError as exc:
                 self._fail(exc)

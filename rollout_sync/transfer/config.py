@@ -67,7 +67,11 @@ class TransferHooks:
 
 @dataclass(frozen=True)
 class TransferStats:
-    """What one transfer did on this rank. Times in seconds."""
+    """What one transfer did on this rank. Times in seconds.
+
+    Build one with :meth:`build`, every field by name: the fields' order is not part of the
+    contract (positional construction still works, for code written before :meth:`build`).
+    """
 
     role: str
     """``"send"``, ``"receive"`` or ``"relay"`` (received, and passed on as it arrived)."""
@@ -89,6 +93,41 @@ class TransferStats:
     """Identifies the bucket layout; checksums are comparable only between equal layouts."""
     zero_copy_buckets: int = 0
     """Buckets sent from, or received into, the tensors' own memory (no staging copy)."""
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        role: str,
+        version: int,
+        tensors: int,
+        buckets: int,
+        nbytes: int,
+        manifest_s: float,
+        transfer_s: float,
+        total_s: float,
+        tensors_written: int = 0,
+        checksums_verified: int = 0,
+        bucket_checksums: tuple[tuple[int, int], ...] | None = None,
+        layout: str = "",
+        zero_copy_buckets: int = 0,
+    ) -> TransferStats:
+        """The stats of one transfer, every field by keyword (the fields, with their defaults)."""
+        return cls(
+            role=role,
+            version=version,
+            tensors=tensors,
+            buckets=buckets,
+            nbytes=nbytes,
+            manifest_s=manifest_s,
+            transfer_s=transfer_s,
+            total_s=total_s,
+            tensors_written=tensors_written,
+            checksums_verified=checksums_verified,
+            bucket_checksums=bucket_checksums,
+            layout=layout,
+            zero_copy_buckets=zero_copy_buckets,
+        )
 
     @property
     def mb_per_s(self) -> float:

@@ -59,7 +59,7 @@ from ..trace import SpanKind, Timeline
 from ..weights import WeightSpec, check_weights_match
 from .config import TransferConfig, TransferHooks, TransferStats
 from .layout import Box, region_of
-from .manifest import bucket_checksum
+from .manifest import OriginChecksums, bucket_checksum
 from .plan import Move, TransferPlan
 from .weight_transfer import wait_transfer_work
 
@@ -261,7 +261,7 @@ class ShardedTransfer:
             nccl = self.collectives.backend == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
         self.device = torch.device(device)
-        self.is_source = self.rank in self.source_ranks
+        self._is_source = self.rank in self.source_ranks
         self.index = (self.source_ranks if self.is_source else self.target_ranks).index(self.rank)
         dtypes = {s.name: s.dtype for s in plan.source.specs}
         limit = self.config.bucket_bytes
@@ -299,6 +299,11 @@ class ShardedTransfer:
         )
 
     @property
+    def is_source(self) -> bool:
+        """Whether this rank is one of the source ranks (it sends; the others receive)."""
+        return self._is_source
+
+    @property
     def backend(self) -> str:
         """The group's backend (``"gloo"``, ``"nccl"``): what the NCCL rule reads
         (:func:`~rollout_sync.staging.check_two_communicators`)."""
@@ -328,13 +333,16 @@ class ShardedTransfer:
         weights: Mapping[str, torch.Tensor],
         *,
         version: int,
-        origin: object = None,
+        require_all: bool = True,
+        origin: OriginChecksums | None = None,
         storage: torch.Tensor | None = None,
     ) -> TransferStats:
         """Send this source rank's part of ``version`` from ``weights``, its local tensors.
 
-        ``origin`` and ``storage`` are accepted for the worker's sake and not used (regions of
-        local tensors are always packed).
+        ``require_all``, ``origin`` and ``storage`` are accepted so that every transfer takes
+        the same arguments (:class:`~rollout_sync.WeightTransfer`'s), and not used: what a sync
+        covers is the plan's to say (a subset is a plan over layouts of that subset), there are
+        no origin checksums to forward, and regions of local tensors are always packed.
 
         Raises:
             WeightMismatchError: ``weights`` do not match this rank's layout (every rank
@@ -412,7 +420,7 @@ class ShardedTransfer:
         self,
         into: Mapping[str, torch.Tensor],
         *,
-        allow_subset: bool = False,
+        allow_subset: bool = True,
         write_kind: str = SpanKind.WEIGHT_WRITE,
         storage: torch.Tensor | None = None,
         verify: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
@@ -420,8 +428,11 @@ class ShardedTransfer:
         """Receive this target rank's part of the next version into ``into``, its local tensors
         (written in place, region by region, each bucket only once its checksum matched).
 
-        ``allow_subset``: ``into`` may hold tensors the layout does not (left untouched);
-        otherwise they must be exactly the layout's. ``storage`` is not used. ``verify``: as for
+        ``allow_subset`` (default ``True``, as for every transfer): ``into`` may hold tensors
+        this rank's layout does not (left untouched): a subset every rank voted for, since the
+        layouts are in the plan's digest; every tensor the layout holds must be in ``into``
+        either way. ``False``: ``into`` must be exactly the layout's, so a served tensor no
+        sync writes is refused. ``storage`` is not used. ``verify``: as for
         :meth:`~rollout_sync.WeightTransfer.receive` (run on this rank's part once it landed
         intact; a refusal is this rank's no in the commit vote, raised after it).
 
@@ -460,7 +471,7 @@ class ShardedTransfer:
         into: Mapping[str, torch.Tensor],
         forward: object,
         *,
-        allow_subset: bool = False,
+        allow_subset: bool = True,
         write_kind: str = SpanKind.WEIGHT_WRITE,
         storage: torch.Tensor | None = None,
         verify: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
@@ -709,17 +720,17 @@ class ShardedTransfer:
     def _stats(
         self, role: str, version: int, progress: _Progress, start: float, voted: float, end: float
     ) -> TransferStats:
-        return TransferStats(
-            role,
-            version,
-            len(self._specs),
-            progress.buckets,
-            progress.nbytes,
-            voted - start,
-            end - voted,
-            end - start,
-            len(progress.tensors_written),
-            progress.checksums_verified,
+        return TransferStats.build(
+            role=role,
+            version=version,
+            tensors=len(self._specs),
+            buckets=progress.buckets,
+            nbytes=progress.nbytes,
+            manifest_s=voted - start,
+            transfer_s=end - voted,
+            total_s=end - start,
+            tensors_written=len(progress.tensors_written),
+            checksums_verified=progress.checksums_verified,
             layout=f"plan:{self.digest:016x}",
         )
 

@@ -89,7 +89,7 @@ from ._barrier import (
     barrier_mismatch,
     header_kind,
 )
-from ._pipeline import _Forward, _InFlight
+from ._pipeline import _Forward, _InFlight, _Link
 from .config import TransferConfig, TransferHooks, TransferStats
 from .manifest import OriginChecksums, WeightManifest, bucket_checksum
 
@@ -297,20 +297,18 @@ class WeightTransfer:
                 failed_ranks=failed,
             )
         end = time.perf_counter()
-        return TransferStats(
-            "send",
-            version,
-            len(manifest.entries),
-            manifest.num_buckets,
-            manifest.nbytes,
-            manifest_done - start,
-            end - manifest_done,
-            end - start,
-            0,
-            0,
-            tuple(checksums) if checksums else None,
-            manifest.layout,
-            zero_copy,
+        return TransferStats.build(
+            role="send",
+            version=version,
+            tensors=len(manifest.entries),
+            buckets=manifest.num_buckets,
+            nbytes=manifest.nbytes,
+            manifest_s=manifest_done - start,
+            transfer_s=end - manifest_done,
+            total_s=end - start,
+            bucket_checksums=tuple(checksums) if checksums else None,
+            layout=manifest.layout,
+            zero_copy_buckets=zero_copy,
         )
 
     def abort(self, reason: str, *, version: int | None = None) -> None:
@@ -378,7 +376,7 @@ class WeightTransfer:
         spans = self._bucket_spans(manifest, weights, storage, receiving=False)
         buffers = self._bucket_buffers(manifest, spans, 2)
         views = self._bucket_views(manifest, buffers, spans)
-        in_flight = _InFlight(self, op, manifest.num_buckets, version)
+        in_flight = _InFlight(self._link(), op, manifest.num_buckets, version)
         checksum_tensors: list[torch.Tensor] = []
         with torch.no_grad():
             for k, entries in enumerate(manifest.buckets):
@@ -437,8 +435,12 @@ class WeightTransfer:
 
         Args:
             into: the target tensors by name (served tensors, or an async-mode buffer).
-            allow_subset: accept a manifest that does not name every target (a
-                ``trainable_only`` sync). ``False`` rejects it.
+            allow_subset: accept a manifest that does not name every target, one the source
+                declared a subset (``send(require_all=False)``: a ``trainable_only`` sync); a
+                manifest that claims a full sync must name every target either way. ``False``
+                rejects a declared subset too. ``True`` by default, as on every transfer
+                (:class:`~rollout_sync.transfer.ShardedTransfer`,
+                :class:`~rollout_sync.sharded_groups.TreeRelay`).
             write_kind: the span kind of writes into ``into``.
             storage: the flat buffer ``into`` are views of, if they are
                 (:meth:`~rollout_sync.RolloutBase.flat_weight_storage`): buckets that are
@@ -610,7 +612,7 @@ class WeightTransfer:
         if manifest is None:
             forward.abort(f"rank {me} cannot decode the manifest", version=version)
         else:
-            forwarding = _Forward(forward, fop, manifest, version)
+            forwarding = _Forward(forward._link(), fop, manifest, version)
             try:
                 forward._broadcast_manifest(data, version, fop)
                 rejected = forward._vote_ranks(
@@ -760,20 +762,20 @@ class WeightTransfer:
         manifest_done: float,
     ) -> TransferStats:
         end = time.perf_counter()
-        return TransferStats(
-            role,
-            version,
-            len(manifest.entries),
-            manifest.num_buckets,
-            manifest.nbytes,
-            manifest_done - start,
-            end - manifest_done,
-            end - start,
-            outcome.tensors_written,
-            outcome.checksums_verified,
-            tuple(outcome.source_checksums) if manifest.checksums else None,
-            manifest.layout,
-            outcome.zero_copy_buckets,
+        return TransferStats.build(
+            role=role,
+            version=version,
+            tensors=len(manifest.entries),
+            buckets=manifest.num_buckets,
+            nbytes=manifest.nbytes,
+            manifest_s=manifest_done - start,
+            transfer_s=end - manifest_done,
+            total_s=end - start,
+            tensors_written=outcome.tensors_written,
+            checksums_verified=outcome.checksums_verified,
+            bucket_checksums=tuple(outcome.source_checksums) if manifest.checksums else None,
+            layout=manifest.layout,
+            zero_copy_buckets=outcome.zero_copy_buckets,
         )
 
     def _receive_manifest(
@@ -886,7 +888,7 @@ class WeightTransfer:
             else None
         )
         outcome.zero_copy_buckets = sum(span is not None for span in spans)
-        in_flight = _InFlight(self, op, n, version)
+        in_flight = _InFlight(self._link(), op, n, version)
         write_starts: dict[int, int] = {}
 
         def post(k: int) -> None:
@@ -1138,6 +1140,14 @@ class WeightTransfer:
         wait_transfer_work(
             work, op, self.config.timeout_s, self.group, self.ranks, version, written
         )
+
+    def _link(self) -> _Link:
+        """This transfer as the pipeline drives it (its group, its bounded wait and vote)."""
+
+        def vote_ranks(ok: bool, op: str, version: int | None) -> list[int]:
+            return self._vote_ranks(ok=ok, op=op, version=version, written=0)
+
+        return _Link(self.src, self.collectives, self.timeline, self.device, self._wait, vote_ranks)
 
     @contextmanager
     def _span(self, name: str) -> Iterator[None]:

@@ -165,7 +165,8 @@ class _VLLMBackendBase(RolloutBase, Generic[A]):
 
         Raises:
             ValueError: an invalid option or combination of options.
-            VLLMUnavailableError: vLLM is not importable (says how to install it).
+            MissingDependencyError: vLLM is not importable (``VLLMUnavailableError``;
+                says how to install it).
         """
         super().__init__()
         plan = VLLMWritePlan.for_engine(

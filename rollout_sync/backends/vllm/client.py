@@ -78,7 +78,8 @@ from ..._deadline import limit_of
 from ...backend import KVCachePolicy, RolloutBase
 from ...egress import EgressHoldReport, payload_egress_held
 from ...errors import EngineCallTimeout, EngineOutOfStepError, PauseTimeout
-from ...guard import DEFAULT_SYNC_TIMEOUT_S, SyncMode, SyncReport, device_fence
+from ...guard import DEFAULT_SYNC_TIMEOUT_S, SyncReport, device_fence
+from ...sync.mode import SyncMode
 from ...trace import SpanKind, Timeline
 from .calls import park_engine, run_coroutine
 from .plugin import ENGINE_NAME

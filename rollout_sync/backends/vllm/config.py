@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from ...errors import VLLMUnavailableError
+from ...errors import MissingDependencyError
 from .plugin import ENGINE_NAME as NATIVE_ENGINE
 from .worker import WORKER_EXTENSION
 
@@ -38,12 +38,15 @@ INSTALL_HINT = (
 
 
 def require_vllm() -> ModuleType:
-    """Import and return vLLM, or raise :class:`VLLMUnavailableError` saying how to install it."""
+    """Import and return vLLM, or raise :class:`~rollout_sync.errors.MissingDependencyError`
+    (``VLLMUnavailableError``) saying how to install it."""
     try:
         import vllm
     except ImportError as exc:
-        raise VLLMUnavailableError(
-            f"the vLLM backend needs vLLM, which is not importable ({exc}); {INSTALL_HINT}"
+        raise MissingDependencyError(
+            f"the vLLM backend needs vLLM, which is not importable ({exc}); {INSTALL_HINT}",
+            package="vllm",
+            extra="vllm",
         ) from exc
     module: ModuleType = vllm
     return module

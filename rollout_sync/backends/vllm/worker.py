@@ -480,7 +480,8 @@ def copy_in_place(
 ) -> None:
     """Write by ``param.data[rows].copy_``: right only where parameters are what the forward reads.
 
-    Checks every target first and raises :class:`WriteRefused` (nothing written) if any
+    Checks every target first and raises :class:`WriteRefused` (a
+    :class:`~rollout_sync.errors.WeightMismatchError`: nothing written) if any
     parameter is not there to be written, e.g. repacked to an empty tensor. It cannot see a
     parameter that stays visible while the forward reads a packed copy (``lm_head`` on the CPU
     build): only the read-back after the write can.
@@ -499,7 +500,11 @@ def copy_in_place(
             continue
         targets.append((served, probe, part))
     if problems:
-        raise WriteRefused(problems)
+        raise WriteRefused(
+            problems,
+            context="weights copied in place",
+            advice="The platform repacked these parameters: write with write_method='reload'.",
+        )
     with torch.no_grad():
         for served, probe, part in targets:
             served.data[probe.row_offset : probe.row_offset + probe.rows].copy_(part)
