@@ -27,12 +27,14 @@ class documents.
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import math
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -41,6 +43,8 @@ from .errors import CollectiveError, CollectiveTimeout
 
 if TYPE_CHECKING:
     from ._group_abort import GroupAbort
+
+T = TypeVar("T")
 
 DEVICE_POLL_S = 50e-6
 """How often a CUDA event is polled while waiting for device work."""
@@ -155,7 +159,8 @@ def wait_collective(
     ``None`` entries (what torch returns to a rank outside the group) are skipped. With
     ``abort`` (the group's flag, :class:`~rollout_sync._group_abort.GroupAbort`), a failure
     here is posted to every rank of the group, and a failure another rank posted ends this wait
-    within :data:`ABORT_POLL_S` (gloo) or before it starts (NCCL).
+    within :data:`ABORT_POLL_S` (gloo; on NCCL, only a failure this process has seen already,
+    before the wait starts).
 
     Raises:
         CollectiveTimeout: they did not complete within ``timeout_s`` (a peer hung, never
@@ -197,36 +202,68 @@ def _wait_one(
 ) -> bool | None:
     """``work.wait`` within ``deadline``, ended early by ``abort``'s flag.
 
-    On gloo the wait runs on a thread of its own while this one polls the flag (gloo's
-    point-to-point work neither completes without a wait nor survives a wait that timed out,
-    so neither polling ``is_completed`` nor waiting in slices would do); a wait given up is
-    left to end at the group's own timeout. Elsewhere (NCCL: the wait orders the caller's CUDA
-    stream, so it must run on the caller's thread) the flag is read once, before the wait.
+    On gloo the wait runs on a waiter thread (:data:`_WAITERS`) while this one polls the flag
+    (gloo's point-to-point work neither completes without a wait nor survives a wait that timed
+    out, so neither polling ``is_completed`` nor waiting in slices would do); a wait given up
+    is left to end at the group's own timeout. The flag's store is read only once a wait has
+    lasted a poll: a wait that completes at once costs no store round trip. Elsewhere (NCCL:
+    the wait orders the caller's CUDA stream, so it must run on the caller's thread) only a
+    flag this process has already seen is read, before the wait.
     """
-    if abort is not None:
+    if abort is not None and abort.seen() is not None:
         _raise_if_aborted(abort, operation, ranks, start)
     if abort is None or abort.backend != "gloo" or work.is_completed():
         # No limit for an infinite deadline (a timedelta cannot hold one).
         return work.wait() if math.isinf(deadline) else work.wait(wait_timedelta(deadline))
-    outcome: list[Any] = []
-    done = threading.Event()
 
-    def wait() -> None:
+    def wait() -> bool | None:
+        return work.wait() if math.isinf(deadline) else work.wait(wait_timedelta(deadline))
+
+    waited = _WAITERS.submit(wait)
+    while True:
         try:
-            waited = work.wait() if math.isinf(deadline) else work.wait(wait_timedelta(deadline))
-            outcome.append((waited, None))
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-            outcome.append((None, exc))
-        finally:
-            done.set()
+            return waited.result(timeout=ABORT_POLL_S)
+        except concurrent.futures.TimeoutError:
+            _raise_if_aborted(abort, operation, ranks, start)
 
-    threading.Thread(target=wait, name=f"rollout_sync wait: {operation}", daemon=True).start()
-    while not done.wait(ABORT_POLL_S):
-        _raise_if_aborted(abort, operation, ranks, start)
-    waited, error = outcome[0]
-    if error is not None:
-        raise error
-    return cast("bool | None", waited)
+
+class _WaiterThreads:
+    """Daemon threads that run blocking waits for callers, reused: a thread that finished a
+    wait takes the next; one more starts only when every thread is busy (a wait given up on
+    keeps its thread until the group's own timeout ends it). Daemon threads, so a process
+    never waits at exit for a wait it gave up."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]
+        self._jobs = queue.SimpleQueue()
+        self._idle = 0
+        """Threads waiting for a job and not yet promised one."""
+        self._lock = threading.Lock()
+
+    def submit(self, job: Callable[[], T]) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._lock:
+            start = self._idle == 0
+            if not start:
+                self._idle -= 1
+        self._jobs.put((job, future))
+        if start:
+            threading.Thread(target=self._run, name="rollout_sync wait", daemon=True).start()
+        return future
+
+    def _run(self) -> None:
+        while True:
+            job, future = self._jobs.get()
+            try:
+                future.set_result(job())
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                future.set_exception(exc)
+            with self._lock:
+                self._idle += 1
+
+
+_WAITERS = _WaiterThreads()
+"""The process's waiter threads for gloo waits (:func:`_wait_one`)."""
 
 
 def _raise_if_aborted(

@@ -104,6 +104,10 @@ class GroupAbort:
         except Exception:  # noqa: BLE001 - rule 2: no store, no abort, waits end at their limit
             self._reachable = False
 
+    def seen(self) -> str | None:
+        """The reason, if this process has posted or read it already (no store access)."""
+        return self._reason
+
     def reason(self) -> str | None:
         """Why the group was aborted, if a rank has said so; ``None`` otherwise. Never blocks
         for long: a ``check`` on the store, then a ``get`` only once the key exists."""

@@ -1,8 +1,10 @@
 """The engine contract: everything a rollout engine may provide to rollout_sync, in one place.
 
-An engine is a :class:`~rollout_sync.RolloutBase` subclass. Two of its members are required,
-the rest are optional capabilities, each stated where it is used (a method of the base class, or
-a ``runtime_checkable`` Protocol the engine meets by having the members) and named here. This
+An engine is a :class:`~rollout_sync.RolloutBase` subclass. Two of its members are required
+(``served_weights``, abstract; ``paused``, whose no-op default is right only for an engine whose
+generation blocks the command loop), the rest are optional capabilities, each stated where it
+is used (a method of the base class, or a ``runtime_checkable`` Protocol the engine meets by
+having the members) and named here. This
 module moves nothing: every name below is the very object of the module that states it, so an
 engine may import it from either. :class:`EngineCapabilities` reads, from an engine's type alone,
 which of them it provides. Adding an engine, file by file: docs/architecture.md.

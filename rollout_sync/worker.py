@@ -63,7 +63,9 @@ from .sync.buffered import Buffered
 from .sync.contract import InstallStrategy, SupportsWeightTransfer, check_transfer
 from .sync.in_place import InPlace
 from .sync.mode import SyncMode
-from .sync.slot import BackgroundEngine, EngineSlot, reload_received, settle_failed_receive
+from .sync.slot import BackgroundEngine, EngineSlot
+from .sync.slot import reload_received as reload_received  # their old home: importable
+from .sync.slot import settle_failed_receive as settle_failed_receive
 from .sync.staged import Staged
 from .sync.table import strategy_for
 from .trace import Timeline
@@ -86,8 +88,6 @@ __all__ = [
     "build_sync_groups",
 ]
 
-# Re-exported for code that imports them from here (their homes: rollout_sync.sync.slot).
-_REEXPORTED = (reload_received, settle_failed_receive)
 
 C = TypeVar("C")
 

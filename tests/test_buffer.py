@@ -86,8 +86,8 @@ def test_generation_never_pauses_and_installs_only_at_safe_points(mode: SyncMode
             before = model.forwards
             _write_version(buffer, version, gap_s=200e-6)
             # Generation goes on around the write: the sync does not stop it.
-            wait_until(lambda before=before: model.forwards > before)
-        wait_until(lambda: backend.weight_version == 12)
+            model.wait_for_forwards(before + 1, timeout=10)
+        backend.wait_for_install(12, timeout=10)
     finally:
         backend.stop()
     assert model.torn_reads == 0

@@ -292,6 +292,10 @@ def test_capabilities_read_what_each_engine_provides_from_its_type() -> None:
     assert stream.parks and stream.background and stream.lora and not stream.weight_buffer
     blocking = EngineCapabilities.of(TorchLMBackend(TinyLMConfig()))
     assert blocking.lora and not blocking.background
+    assert repr(blocking) == (
+        "<EngineCapabilities TorchLMBackend: parks, loads, flat storage, forward collectives, "
+        "lora; staged, sync>"
+    )
 
     buffered = EngineCapabilities.of(AsyncTornReadBackend(VersionStampedModel(2, 8)))
     assert buffered.weight_buffer and buffered.background and buffered.parks

@@ -175,7 +175,7 @@ def test_async_mode_generation_keeps_running_during_the_sync() -> None:
             assert packer.egress_gate.held, "egress is held in async modes too"
             n = model.forwards
             # Generation is not paused: forwards keep completing inside the sync.
-            wait_until(lambda: model.forwards >= n + 3, what="forwards during an async sync")
+            model.wait_for_forwards(n + 3, timeout=10)
 
     backend.start()
     try:

@@ -39,8 +39,9 @@ from rollout_sync.worker import P2R, R2R, RolloutWorker, build_sync_groups
 class WireTransfer:
     """An in-process P2R: copies ``weights`` of ``version`` into the targets, tensor by tensor.
 
-    ``midway`` runs after the first half of the tensors is written (the wire is "busy"), and
-    ``fail_after=k`` raises after ``k`` tensors, as a dead peer would."""
+    ``midway`` runs after the first half of the tensors is written (the wire is "busy"),
+    ``fail_after=k`` raises after ``k`` tensors, as a dead peer would, and ``complete`` raises
+    after all of them, as when another replica of the sync failed."""
 
     is_source = False
     backend = "gloo"
@@ -50,6 +51,7 @@ class WireTransfer:
         self.weights = weights
         self.midway: Any = None
         self.fail_after: int | None = None
+        self.complete = False
         self.targets: list[Mapping[str, torch.Tensor]] = []
 
     def receive(
@@ -71,6 +73,14 @@ class WireTransfer:
                 self.midway()
             into[name].copy_(tensor)
         n = len(self.weights)
+        if self.complete:
+            raise WeightTransferError(
+                "rank 9 failed",
+                operation="wire",
+                version=self.version,
+                tensors_written=n,
+                complete=True,
+            )
         return TransferStats.build(
             role="receive",
             version=self.version,

@@ -7,82 +7,18 @@ to roll back); the install is fenced with generation parked; statistics add up."
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import pytest
-import torch
+from test_staged import WireTransfer  # an in-process wire
 
 from rollout_sync.errors import StagedCommitAborted, TornWeightsError, WeightTransferError
 from rollout_sync.sync import STRATEGIES, SyncMode, strategy_for
 from rollout_sync.sync.contract import InstallStrategy
 from rollout_sync.testing import AsyncTornReadBackend, VersionStampedModel
-from rollout_sync.trace import SpanKind
-from rollout_sync.transfer import TransferStats
-from rollout_sync.weights import check_weights_match, specs_of
 from rollout_sync.worker import P2R, RolloutWorker
 
 pytestmark = pytest.mark.timeout(60)
 
 MODES = sorted(STRATEGIES, key=lambda m: m.value)
-
-
-class Wire:
-    """An in-process P2R: copies ``weights`` of ``version`` into the target, tensor by tensor;
-    ``fail_after=k`` raises after ``k`` tensors (a dead peer), ``complete`` after all of them
-    (another replica failed)."""
-
-    is_source = False
-    backend = "gloo"
-
-    def __init__(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
-        self.version, self.weights = version, weights
-        self.fail_after: int | None = None
-        self.complete = False
-
-    def receive(
-        self,
-        into: Mapping[str, torch.Tensor],
-        *,
-        allow_subset: bool = True,
-        write_kind: str = SpanKind.WEIGHT_WRITE,
-        storage: torch.Tensor | None = None,
-    ) -> TransferStats:
-        check_weights_match(specs_of(self.weights), into)
-        for i, (name, tensor) in enumerate(self.weights.items()):
-            if i == self.fail_after:
-                raise WeightTransferError(
-                    "peer died", operation="wire", version=self.version, tensors_written=i
-                )
-            into[name].copy_(tensor)
-        n = len(self.weights)
-        if self.complete:
-            raise WeightTransferError(
-                "rank 9 failed",
-                operation="wire",
-                version=self.version,
-                tensors_written=n,
-                complete=True,
-            )
-        return TransferStats.build(
-            role="receive",
-            version=self.version,
-            tensors=n,
-            buckets=n,
-            nbytes=0,
-            manifest_s=0.0,
-            transfer_s=0.0,
-            total_s=0.0,
-            tensors_written=n,
-        )
-
-    def relay(self, *args: object, **kwargs: object) -> TransferStats:
-        raise NotImplementedError
-
-    def send(self, *args: object, **kwargs: object) -> TransferStats:
-        raise NotImplementedError
-
-    def abort(self, reason: str, *, version: int | None = None) -> None:
-        pass
 
 
 class Fenced(RolloutWorker):
@@ -96,7 +32,7 @@ class Fenced(RolloutWorker):
         self.fences = [*getattr(self, "fences", []), (parked, stamp)]
 
 
-def _sync(worker: RolloutWorker, wire: Wire) -> object:
+def _sync(worker: RolloutWorker, wire: WireTransfer) -> object:
     worker.p2r = wire
     result = worker.handle(P2R(step=wire.version))
     future = result.value
@@ -123,13 +59,13 @@ def test_every_strategy_keeps_the_contract(mode: SyncMode) -> None:
     worker = Fenced(backend, mode=mode, weight_sync_timeout=20)
     try:
         # A version lands whole (and, where it parks, the install is fenced parked).
-        assert _sync(worker, Wire(1, model.stamped(1))) is None
+        assert _sync(worker, WireTransfer(1, model.stamped(1))) is None
         assert _served(model) == {1} and backend.weight_version == 1
         if not mode.is_async:
             assert (True, 1) in worker.fences  # the install fenced before generation resumed
 
         # A receive that fails after two writes: torn and refused in place, else untouched.
-        broken = Wire(2, model.stamped(2))
+        broken = WireTransfer(2, model.stamped(2))
         broken.fail_after = 2
         error = _sync(worker, broken)
         assert isinstance(error, WeightTransferError)
@@ -143,7 +79,7 @@ def test_every_strategy_keeps_the_contract(mode: SyncMode) -> None:
 
         # Whole here while another replica failed: none installs it when staged (two-phase);
         # in place and buffered there is nothing to roll back to, so it is taken as whole.
-        whole = Wire(3, model.stamped(3))
+        whole = WireTransfer(3, model.stamped(3))
         whole.complete = True
         error = _sync(worker, whole)
         assert isinstance(error, WeightTransferError)

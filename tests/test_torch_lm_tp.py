@@ -140,7 +140,7 @@ def _stream_child(rank: int) -> dict[str, Any]:
             def slow_and_count(index: int) -> None:
                 if index == 0 and backend.statistics().forwards >= 3:
                     third_step.set()
-                time.sleep(0.002)  # widens each step, so that the sync lands mid-generation
+                time.sleep(0.002)  # widens each step on purpose: the sync lands mid-generation
 
             backend.layer_hook = slow_and_count
             for prompt in PROMPTS:

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import wait_until
 
 from rollout_sync.distributed import init_process_group
 from rollout_sync.errors import (
@@ -395,8 +394,7 @@ def _killed_child(rank: int) -> dict[str, Any]:
             out["recovered"] = (recovered.ok, backend.weight_version, backend.weights_torn)
             # Generation resumes after the complete sync (bounded wait for a forward).
             seen = model.forwards
-            wait_until(lambda: model.forwards > seen, 10, "generation to resume")
-            out["resumed"] = model.forwards > seen
+            out["resumed"] = model.wait_for_forwards(seen + 1, timeout=10) > seen
             # While torn, no forward started.
             out["forwards_while_torn"] = sum(
                 1 for s in timeline.spans(SpanKind.FORWARD) if torn_at <= s.start_ns < recovered_at

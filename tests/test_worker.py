@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import wait_until
 
 from rollout_sync.backend import TornWeightsPark
 from rollout_sync.errors import (
@@ -284,7 +283,7 @@ def test_a_threaded_engine_starts_inside_the_first_sync_and_first_serves_new_wei
     try:
         assert worker.handle(P2R()).ok
         assert backend.running and worker.statistics().engine_started
-        wait_until(lambda: model.forwards > 0, what="the first forward after the sync")
+        model.wait_for_forwards(1, timeout=10)  # the first forward after the sync
     finally:
         worker.close()
     sync = timeline.spans(SpanKind.SYNC)[0]
@@ -396,7 +395,10 @@ def test_the_loop_does_not_generate_on_torn_weights() -> None:
         }
 
     transfer = FakeTransfer(source)
-    worker = RolloutWorker(rollout, p2r=transfer)
+    failed = threading.Event()  # the loop thread recorded the failed sync (weights torn)
+    worker = RolloutWorker(
+        rollout, p2r=transfer, on_result=lambda result: None if result.ok else failed.set()
+    )
     generated: list[tuple[int, bool]] = []
 
     def step_generation() -> None:
@@ -410,7 +412,8 @@ def test_the_loop_does_not_generate_on_torn_weights() -> None:
     worker.step_generation = step_generation
 
     def recover() -> None:
-        wait_until(lambda: rollout.weights_torn, 10, "the loop thread to mark the weights torn")
+        assert failed.wait(10), "the loop thread never recorded the failed sync"
+        assert rollout.weights_torn
         transfer.fail_after = None
         worker.submit(P2R())
 

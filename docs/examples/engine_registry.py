@@ -31,9 +31,12 @@ class SimulatorBackend(ThreadedRolloutBackend):
 print(EngineCapabilities.of(SimulatorBackend()))
 # <EngineCapabilities SimulatorBackend: parks, background; staged, sync>
 # [/doc:engine]
+assert repr(EngineCapabilities.of(SimulatorBackend())) == (
+    "<EngineCapabilities SimulatorBackend: parks, background; staged, sync>"
+)
 
 # [doc:register]
-from rollout_sync import SyncMode, Timeline
+from rollout_sync import SyncMode
 from rollout_sync.backends import (
     EngineHandle,
     EngineRequest,
@@ -64,6 +67,11 @@ register_engine(
 print(registered_engine("simulator"))
 # <RegisteredEngine 'simulator': staged, sync; 3 replicas; any launcher; trainer model>
 # [/doc:register]
+assert repr(registered_engine("simulator")) == (
+    "<RegisteredEngine 'simulator': staged, sync; 3 replicas; any launcher; trainer model>"
+)
+
+from rollout_sync import Timeline
 
 handle = engine_factory("simulator")(EngineRequest(None, Timeline(), None))
 assert isinstance(handle.rollout, SimulatorBackend) and handle.counters() == {"forwards": 0}
@@ -76,3 +84,11 @@ except KeyError as exc:
     print(exc.args[0])
 # no engine is registered as 'simulatr'; registered: ['simulator']. Register it with ...
 # [/doc:unknown]
+try:
+    engine_factory("simulatr")
+except KeyError as exc:
+    assert exc.args[0].startswith(
+        "no engine is registered as 'simulatr'; registered: ['simulator']. Register it with"
+    )
+else:
+    raise AssertionError("an unknown name was found")

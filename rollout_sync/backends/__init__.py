@@ -40,7 +40,8 @@ its engine's modules when it is called, which is how the demo registers ``vllm``
 importing vLLM, or even its own vLLM replica module, until a replica is built. A name is
 registered at import of the module that defines its factory, because replica processes are
 spawned and look the name up themselves: the demo's engines (``torch_lm``, ``torn_read``,
-``vllm``) by :mod:`rollout_sync.demos.distributed`. This package registers none itself.
+``vllm``) by :mod:`rollout_sync.demos.engines`, which :mod:`rollout_sync.demos.distributed`
+imports. This package registers none itself.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ from .torch_lm import TorchLMStreamBackend as TorchLMStreamBackend
 from .torch_lm import tiny_lm_weights as tiny_lm_weights
 
 __all__ = [
+    "LAUNCHERS",
     "AdapterModel",
     "EngineFactory",
     "EngineHandle",
@@ -87,6 +89,10 @@ __all__ = [
     "tiny_lm_weights",
     "unregister_engine",
 ]
+
+
+LAUNCHERS = ("local", "ray", "torchrun")
+"""What may place a job's replica processes (``rollout-sync demo --launcher``)."""
 
 
 @dataclass(frozen=True)
@@ -211,6 +217,9 @@ class RegisteredEngine:
             )
         if self.launchers is not None and not self.launchers:
             raise ValueError(f"{where}: launchers is None (any) or names at least one")
+        unknown = [n for n in self.launchers or () if n not in LAUNCHERS]
+        if unknown:
+            raise ValueError(f"{where}: unknown launcher(s) {unknown}; choose from {LAUNCHERS}")
 
     def __repr__(self) -> str:
         parts = [
@@ -342,5 +351,5 @@ def _unknown(name: str, known: list[str]) -> str:
     return (
         f"no engine is registered as {name!r}; registered: {known}. Register it with "
         "rollout_sync.backends.register_engine(name, factory) at import of a module the job "
-        "imports (the demo's engines are registered by rollout_sync.demos.distributed)"
+        "imports (the demo's engines are registered by rollout_sync.demos.engines)"
     )

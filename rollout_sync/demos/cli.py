@@ -282,10 +282,6 @@ def _distributed_config(args: argparse.Namespace, mode: SyncMode) -> Distributed
     )
     try:
         check_demo_config(config)
-    except KeyError:
-        raise SystemExit(
-            f"unknown --backend {args.backend!r}; known: {list(registered_engines())}"
-        ) from None
     except ValueError as exc:
         if config.sharded:
             raise SystemExit(f"{exc} (--trainer-ranks, --tp)") from None
@@ -477,6 +473,7 @@ def _start_torchrun(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 steps=args.steps,
                 trainer_ranks=args.trainer_ranks,
                 tp=args.tp,
+                backend=args.backend,  # its registered start_s counts
             )
         )
         + 60.0
@@ -522,14 +519,15 @@ def _run_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
             f"--launcher {args.launcher} places the multi-process demo's processes; it does not "
             "run with --in-process"
         )
-    if args.backend is not None:
-        _refuse_launcher(args.launcher, _engine(args.backend))
+    typed_backend = args.backend
+    if args.backend is None:
+        args.backend = _default_engine(mode, args.in_process)
+    _refuse_launcher(args.launcher, _engine(args.backend))
     _refuse_sharded_combinations(args, mode)
     if args.replicas is None:
-        chosen = args.backend or _default_engine(mode, args.in_process)
-        args.replicas = _engine(chosen).default_replicas
+        args.replicas = _engine(args.backend).default_replicas
     if args.trainer == "fast-llm":
-        if args.launcher != "local" or args.in_process or args.backend not in (None, "torch_lm"):
+        if args.launcher != "local" or args.in_process or typed_backend not in (None, "torch_lm"):
             raise SystemExit(
                 "--trainer fast-llm runs local processes over the tiny torch LM: no --launcher, "
                 "--in-process or other --backend"
@@ -538,8 +536,6 @@ def _run_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
             raise SystemExit("--trainer fast-llm runs the sync or staged mode only")
     if args.ray_address is not None and args.launcher != "ray":
         raise SystemExit("--ray-address needs --launcher ray")
-    if args.backend is None:
-        args.backend = _default_engine(mode, args.in_process)
     if args.stream and not (args.in_process and args.backend == "torch_lm"):
         raise SystemExit("--stream needs --backend torch_lm (with --in-process)")
     try:

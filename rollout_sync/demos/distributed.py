@@ -45,7 +45,8 @@ with them), then the first replica's ``k``-th rank sends its slice to every othe
 rank's shards, against the trainer's whole model replayed from its seed.
 
 The engine is chosen by name from the engines registered in :mod:`rollout_sync.backends`
-(:func:`~rollout_sync.backends.register_engine`). This module registers three: ``torch_lm``
+(:func:`~rollout_sync.backends.register_engine`). :mod:`rollout_sync.demos.engines`, imported
+here, registers three: ``torch_lm``
 (the default), ``torn_read``, a fake model whose every tensor carries its version (it also runs
 the async modes), and ``vllm`` (:mod:`rollout_sync.demos.vllm_replicas`, imported only when a
 ``vllm`` replica or trainer is built, so importing the demo imports neither it nor vLLM).
@@ -55,8 +56,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -66,18 +65,14 @@ import torch
 import torch.distributed as dist
 
 from ..backends import (
+    LAUNCHERS,
     EngineHandle,
-    EngineRequest,
-    InProcessRequest,
-    register_engine,
     registered_engine,
     registered_engines,
 )
-from ..backends.torch_lm import TinyCausalLM, TorchLMStreamBackend, tiny_lm_lora_shapes
 from ..backends.torch_lm.tensor_parallel import TensorParallel
-from ..backends.vllm import require_vllm
 from ..distributed import new_group
-from ..errors import PayloadTimeout, ShutdownTimeout
+from ..errors import PayloadTimeout
 from ..launch import (
     JobContext,
     JobLayout,
@@ -85,7 +80,7 @@ from ..launch import (
     results_on_trainer,
     torchrun_context,
 )
-from ..lora import LoRAConfig, require_adapter
+from ..lora import require_adapter
 from ..metrics import percentile
 from ..payload import (
     PayloadGroups,
@@ -94,19 +89,8 @@ from ..payload import (
     ReceivedPayload,
     new_payload_groups,
 )
-from ..scheduler import (
-    FinishReason,
-    GenerationRequest,
-    GenerationResult,
-    SamplingParams,
-    SchedulerTimeout,
-)
 from ..sharded_groups import ShardedSyncGroups, build_sharded_sync_groups
-from ..sync.mode import SyncMode
 from ..testing import (
-    AsyncTornReadBackend,
-    TornReadBackend,
-    VersionStampedModel,
     find_free_port,
     run_processes,
     weights_digest,
@@ -125,7 +109,7 @@ from ..trainer import (
     TransferWeightPusher,
     WeightBroadcastCallback,
 )
-from ..transfer import Layout, TransferConfig, TransferPlan, TransferStats
+from ..transfer import TransferConfig, TransferPlan, TransferStats
 from ..worker import (
     CommandResult,
     RolloutWorker,
@@ -133,14 +117,12 @@ from ..worker import (
     WorkerCommandChannel,
     build_sync_groups,
 )
-from .in_process import InProcessDemoConfig, run_in_process_demo
+from .engines import streaming_lm, torch_lm_trainer_shards  # registers the demo's engines
 from .job import (
     DEMO_ADAPTER,
-    VLLM_START_S,
     DistributedDemoConfig,
     build_engine,
     drift_each_step,
-    drift_shards_each_step,
     register_demo_backend,
     trainer_adapter,
     trainer_model,
@@ -152,7 +134,6 @@ from .sharded import (
     replica_layout,
     trainer_layout,
 )
-from .stream import StreamDemoConfig, run_stream_demo
 
 __all__ = [
     "LAUNCHED_AT_ENV",
@@ -169,345 +150,6 @@ __all__ = [
     "run_demo_under_torchrun",
     "run_distributed_demo",
 ]
-
-
-# -- engines -----------------------------------------------------------------------------------
-
-
-class _StreamingLM(TorchLMStreamBackend):
-    """The tiny LM generating without end, shipping every finished generation to the trainer.
-
-    A feeder thread keeps the scheduler's queue at twice ``max_concurrent`` prompts, takes the
-    results and registers each finished one with the payload sender (blocking, with the
-    config's timeout, while the sender's registry is full). The scheduler never waits for the
-    feeder, so a pause never waits for the payload transport. :meth:`stop` stops the feeder,
-    then the scheduler, then ships what is left.
-
-    With ``tp``, one rank of a tensor-parallel replica: the leader feeds and ships as above; a
-    follower (no ``sender``) only mirrors the leader's steps on its slice.
-    """
-
-    def __init__(
-        self,
-        config: DistributedDemoConfig,
-        timeline: Timeline,
-        sender: PayloadSender | None,
-        seed: int,
-        tp: TensorParallel | None = None,
-    ) -> None:
-        super().__init__(
-            config.model,
-            max_concurrent=config.max_concurrent,
-            pause_timeout=config.timeout_s,
-            timeline=timeline,
-            tp=tp,
-        )
-        if (sender is None) != self.follower:
-            raise ValueError("a replica's leader ships payloads through a sender; a follower not")
-        self.demo = config
-        self.sender = sender
-        self.results: dict[str, int] = dict.fromkeys(
-            ("results_straddled_sync", "results_cancelled", "results_failed"), 0
-        )
-        self._rng = random.Random(seed)
-        self._stopping = threading.Event()
-        self._feeder: threading.Thread | None = None
-        self._feeder_error: BaseException | None = None
-
-    def start(self) -> None:
-        super().start()
-        if self.follower:
-            return
-        self._feeder = threading.Thread(target=self._feed, name="demo-feeder", daemon=True)
-        self._feeder.start()
-
-    def stop(self, timeout: float = 30.0, *, finish_active: bool = False) -> None:
-        """Stop feeding, stop the scheduler (unfinished requests are cancelled), ship the rest.
-
-        Raises:
-            ShutdownTimeout: the feeder did not stop within ``timeout`` (stuck registering?).
-            RuntimeError: the feeder had failed (its error is chained).
-        """
-        deadline = time.monotonic() + timeout
-        self._stopping.set()
-        try:
-            if self._feeder is not None:
-                self._feeder.join(timeout)
-                if self._feeder.is_alive():
-                    raise ShutdownTimeout(
-                        f"the demo's feeder thread did not stop within "
-                        f"{timeout:.1f} s (blocked registering a payload?)"
-                    )
-        finally:
-            super().stop(max(0.0, deadline - time.monotonic()), finish_active=finish_active)
-        if not self.follower:
-            self._ship(self.get_all(), max(0.0, deadline - time.monotonic()))
-        if self._feeder_error is not None:
-            raise RuntimeError("the demo's feeder thread failed") from self._feeder_error
-
-    def _feed(self) -> None:
-        try:
-            while not self._stopping.is_set():
-                backlog = self.scheduler.statistics()
-                for _ in range(2 * self.scheduler.max_concurrent - backlog.queued - backlog.active):
-                    self.put(self._request())
-                try:
-                    # Bounded so that a stop is seen while nothing finishes (a long sync).
-                    first = self.scheduler.get(timeout=0.05)
-                except SchedulerTimeout:
-                    continue
-                self._ship([first, *self.get_all()], self.demo.timeout_s)
-        except BaseException as exc:  # kept: stop() raises it
-            self._feeder_error = exc
-
-    def _request(self) -> GenerationRequest:
-        rng, cfg = self._rng, self.demo
-        prompt = tuple(rng.randrange(cfg.model.vocab_size) for _ in range(rng.randint(2, 12)))
-        return GenerationRequest(
-            prompt,
-            max_new_tokens=rng.randint(cfg.min_new_tokens, cfg.max_new_tokens),
-            sampling=SamplingParams(temperature=1.0, seed=rng.getrandbits(32)),
-            # --lora: every other generation on the adapter the trainer trains.
-            adapter=DEMO_ADAPTER if cfg.lora and rng.random() < 0.5 else None,
-        )
-
-    def _ship(self, results: Sequence[GenerationResult], timeout: float) -> None:
-        assert self.sender is not None  # the leader's (or a plain replica's)
-        for result in results:
-            if result.finish_reason is FinishReason.CANCELLED:
-                self.results["results_cancelled"] += 1
-                continue
-            if not result.ok:
-                self.results["results_failed"] += 1
-                continue
-            self.sender.register_payload(
-                {
-                    "tokens": torch.tensor(result.tokens, dtype=torch.int64),
-                    "logprobs": torch.tensor(result.logprobs, dtype=torch.float32),
-                    "weight_versions": torch.tensor(
-                        result.token_weight_versions, dtype=torch.int64
-                    ),
-                },
-                {
-                    "request_id": result.request_id,
-                    "prompt_tokens": len(result.prompt),
-                    "admitted_version": result.admitted_weight_version,
-                    "completed_version": result.completed_weight_version,
-                    "straddled_sync": result.straddled_sync,
-                },
-                timeout=timeout,
-            )
-            self.results["results_straddled_sync"] += result.straddled_sync
-
-
-def _torch_lm_engine(request: EngineRequest) -> EngineHandle:
-    """The ``torch_lm`` engine's factory: the stream LM, kept fed, shipping to the trainer."""
-    return _streaming_lm(request.config, request.timeline, request.sender)
-
-
-def _streaming_lm(
-    config: DistributedDemoConfig,
-    timeline: Timeline,
-    sender: PayloadSender | None,
-    tp: TensorParallel | None = None,
-) -> EngineHandle:
-    """The stream LM of a replica (``tp``: of one rank of a tensor-parallel replica; a
-    follower rank ships nothing and has no ``sender``)."""
-    engine = _StreamingLM(
-        config, timeline, sender, seed=config.seed * 1009 + dist.get_rank(), tp=tp
-    )
-    if config.lora:
-        lora, _ = _torch_lm_adapter(config)
-        engine.add_adapter(DEMO_ADAPTER, lora)
-
-    def counters() -> dict[str, int]:
-        stats = engine.statistics()
-        out = {
-            "forwards": stats.forwards,
-            "torn_forwards": stats.torn_forwards,
-            "generation_pauses": engine.scheduler.statistics().pauses,
-            "installs": 0,
-            **engine.results,
-        }
-        if engine.lockstep is not None and engine.follower:
-            out["tp_steps_mirrored"] = engine.lockstep.steps_mirrored
-        return out
-
-    return EngineHandle(engine, counters)
-
-
-_TRAINER_SEED = 1
-"""The trainer's TinyLM is seeded ``config.seed + 1`` (apart from the replicas' version 0)..."""
-_DRIFT_SEED = 2
-"""... and moved each step with noise seeded ``config.seed + 2``."""
-
-
-def _torch_lm_trainer(
-    config: DistributedDemoConfig,
-) -> tuple[dict[str, torch.Tensor], Callable[[int], None]]:
-    """The trainer's TinyLM: seeded apart from the replicas' version 0, moved every step."""
-    model = TinyCausalLM.build(config.model, seed=config.seed + _TRAINER_SEED)
-    weights = {name: param.detach() for name, param in model.named_parameters()}
-    return weights, drift_each_step(weights, seed=config.seed + _DRIFT_SEED)
-
-
-def _torch_lm_trainer_shards(
-    config: DistributedDemoConfig, rank: int
-) -> tuple[Layout, dict[str, torch.Tensor], Callable[[int], None]]:
-    """Trainer rank ``rank``'s part of :func:`_torch_lm_trainer`: the trainer's layout (FSDP,
-    dim 0 over ``config.trainer_ranks`` ranks), this rank's shards of the same model, and an
-    ``advance`` that moves them exactly as the whole model moves (:func:`drift_shards_each_step`),
-    so the whole model at every version is the one a replay of the trainer model gives. The
-    whole model exists only while the shards are cut from it."""
-    whole, _ = _torch_lm_trainer(config)
-    layout = trainer_layout(whole, config.trainer_ranks)
-    shards = layout.shard(whole, rank)
-    del whole
-    advance = drift_shards_each_step(shards, layout, rank, seed=config.seed + _DRIFT_SEED)
-    return layout, shards, advance
-
-
-class _SenderPacker:
-    """A TornReadBackend's packer: each forward's payload registered with the sender."""
-
-    def __init__(self, sender: PayloadSender) -> None:
-        self.sender = sender
-
-    def submit(self, payload: Any, timeout: float | None = None) -> None:
-        self.sender.register_payload(
-            {"weight_versions": torch.tensor(payload["versions"], dtype=torch.int64)},
-            timeout=timeout,
-        )
-
-
-def _torn_read_engine(request: EngineRequest) -> EngineHandle:
-    """The ``torn_read`` engine's factory: the version-stamped fake model, one payload a
-    forward."""
-    config: DistributedDemoConfig = request.config
-    timeline = request.timeline
-    model = VersionStampedModel(config.num_tensors, config.numel, timeline=timeline)
-    packer = _SenderPacker(request.sender)
-    backend: TornReadBackend
-    if config.mode is SyncMode.SYNC:
-        backend = TornReadBackend(
-            model, packer=packer, pause_timeout=config.timeout_s, timeline=timeline
-        )
-    else:
-        backend = AsyncTornReadBackend(
-            model, packer=packer, pause_timeout=config.timeout_s, timeline=timeline
-        )
-
-    def counters() -> dict[str, int]:
-        return {
-            "forwards": model.forwards,
-            "torn_forwards": model.torn_reads,
-            "generation_pauses": backend.generation_gate.statistics().exclusive_acquired,
-            "installs": len(backend.installs) if isinstance(backend, AsyncTornReadBackend) else 0,
-        }
-
-    return EngineHandle(backend, counters)
-
-
-def _torn_read_trainer(
-    config: DistributedDemoConfig,
-) -> tuple[dict[str, torch.Tensor], Callable[[int], None]]:
-    """Version ``v`` is ``v + pattern`` with the pattern in [0, 0.5): the stamp a forward reads
-    (``int(x)``) is ``v``, and the bytes differ from element to element, so the bit-identical
-    check compares real data, not a constant."""
-    gen = torch.Generator().manual_seed(config.seed)
-    names = [f"layers.{i}.weight" for i in range(config.num_tensors)]
-    pattern = {n: torch.rand(config.numel, generator=gen) * 0.5 for n in names}
-    weights = {n: torch.zeros(config.numel) for n in names}
-
-    def advance(step: int) -> None:
-        with torch.no_grad():
-            for name, tensor in weights.items():
-                torch.add(pattern[name], float(step), out=tensor)
-
-    return weights, advance
-
-
-def _torch_lm_adapter(
-    config: DistributedDemoConfig,
-) -> tuple[LoRAConfig, dict[str, tuple[int, int]]]:
-    """``--lora``: an adapter on every linear layer of the tiny LM's blocks."""
-    shapes = tiny_lm_lora_shapes(config.model)
-    rank = config.lora_rank
-    return LoRAConfig(rank, 2.0 * rank, tuple(shapes), config.model.dtype), shapes
-
-
-def _stream_demo(request: InProcessRequest) -> dict[str, Any]:
-    """``--in-process --backend torch_lm``: the stream demo."""
-    config = StreamDemoConfig(syncs=request.syncs, guarded=request.guarded, stream=request.stream)
-    return run_stream_demo(config, request.timeline)
-
-
-def _torn_read_demo(request: InProcessRequest) -> dict[str, Any]:
-    """``--in-process --backend torn_read``: the threads-only demo."""
-    config = InProcessDemoConfig(syncs=request.syncs, guarded=request.guarded)
-    return run_in_process_demo(config, request.timeline)
-
-
-# vllm: each callable imports its module when called (vLLM itself only when an engine starts).
-
-
-def _vllm_engine(request: EngineRequest) -> EngineHandle:
-    from .vllm_replicas import vllm_replica_engine
-
-    return vllm_replica_engine(request)
-
-
-def _vllm_trainer(
-    config: DistributedDemoConfig,
-) -> tuple[dict[str, torch.Tensor], Callable[[int], None]]:
-    from .vllm_replicas import vllm_trainer_model
-
-    return vllm_trainer_model(config)
-
-
-def _vllm_adapter(config: DistributedDemoConfig) -> tuple[LoRAConfig, dict[str, tuple[int, int]]]:
-    from .vllm_replicas import vllm_adapter_model
-
-    return vllm_adapter_model(config)
-
-
-def _vllm_demo(request: InProcessRequest) -> dict[str, Any]:
-    """``--in-process --backend vllm``: one engine in this process."""
-    from .vllm import VLLMDemoConfig, run_vllm_demo
-
-    return run_vllm_demo(
-        VLLMDemoConfig(syncs=request.syncs, guarded=request.guarded), request.timeline
-    )
-
-
-register_engine(
-    "torch_lm",
-    _torch_lm_engine,
-    trainer_model=_torch_lm_trainer,
-    modes=(SyncMode.SYNC, SyncMode.STAGED),
-    adapter=_torch_lm_adapter,
-    in_process=_stream_demo,
-)
-register_engine(
-    "torn_read",
-    _torn_read_engine,
-    trainer_model=_torn_read_trainer,
-    modes=SyncMode,
-    in_process=_torn_read_demo,
-)
-register_engine(
-    "vllm",
-    _vllm_engine,
-    trainer_model=_vllm_trainer,
-    modes=(SyncMode.SYNC, SyncMode.STAGED),
-    start_s=VLLM_START_S,
-    starts_processes=True,
-    default_replicas=2,
-    launchers=("local",),
-    adapter=_vllm_adapter,
-    requires=require_vllm,
-    in_process=_vllm_demo,
-)
 
 
 # -- the processes -----------------------------------------------------------------------------
@@ -915,7 +557,7 @@ def _sharded_trainer(
     """A trainer rank: its shards, moved every step, pushed (its own regions) every step. The
     first rank also takes the payloads and announces the syncs."""
     index = layout.trainers.index(rank)
-    own_layout, shards, advance = _torch_lm_trainer_shards(config, index)
+    own_layout, shards, advance = torch_lm_trainer_shards(config, index)
     if own_layout.describe() != plan.source.describe():
         raise RuntimeError("the trainer's shards are not laid out as the transfer plan says")
     transfer = groups.p2r_transfer(plan, config=_transfer_config(config), timeline=timeline)
@@ -966,7 +608,7 @@ def _sharded_replica(
     engine: EngineHandle | None = None
     try:
         try:
-            engine = _streaming_lm(config, timeline, sender, tp)
+            engine = streaming_lm(config, timeline, sender, tp)
             transfer_config = _transfer_config(config)
             worker = RolloutWorker(
                 engine.rollout,
@@ -1002,10 +644,6 @@ LAUNCHED_AT_ENV = "ROLLOUT_SYNC_DEMO_LAUNCHED_AT"
 """Set by ``rollout-sync demo --launcher torchrun`` when it starts torchrun itself: the wall
 clock time it did, so the report's ``wall_s`` includes torchrun's start as the other launchers'
 include theirs."""
-
-LAUNCHERS = ("local", "ray", "torchrun")
-"""Who can place the demo's processes: ``local`` (spawned here), ``ray`` (actors on a Ray
-cluster), ``torchrun`` (under torchrun; see :func:`run_demo_under_torchrun`)."""
 
 
 def check_demo_config(config: DistributedDemoConfig) -> None:
@@ -1054,10 +692,9 @@ def park_steps(park_ms: float, decode_step_ms: float) -> float:
 
 def demo_limit_s(config: DistributedDemoConfig) -> float:
     """The limit of a whole run: spawning (a few seconds each on a busy machine), starting the
-    engines (the engine's registered ``start_s``; 0 for a name not registered) and steps; a
+    engines (the engine's registered ``start_s``) and steps; a
     sharded job's processes beyond the plain job's (``replicas + 1``) add to both."""
-    registered = config.backend in registered_engines()
-    start_s = registered_engine(config.backend).start_s if registered else 0.0
+    start_s = registered_engine(config.backend).start_s
     extra = max(0, demo_layout(config).world_size - (config.replicas + 1))
     step_s = config.step_interval_s + 2.0 + 0.5 * extra
     return 60.0 + 5.0 * extra + start_s + config.steps * step_s

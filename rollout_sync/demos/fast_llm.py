@@ -48,13 +48,12 @@ from ..trace import SpanKind, Timeline, torn_forwards
 from ..transfer import TransferConfig, WeightTransfer
 from .distributed import (
     DistributedDemoConfig,
-    _StreamingLM,
-    _torch_lm_trainer,
     add_process_spans,
     decode_step_ms_p50,
     demo_limit_s,
     park_steps,
 )
+from .engines import StreamingLM, torch_lm_trainer
 
 __all__ = ["FastLLMDemoConfig", "run_fast_llm_demo"]
 
@@ -107,7 +106,7 @@ def _process(rank: int, config: FastLLMDemoConfig) -> dict[str, Any]:
 
 
 def _trainer(config: FastLLMDemoConfig, client: Any) -> dict[str, Any]:
-    weights, advance = _torch_lm_trainer(config.demo)
+    weights, advance = torch_lm_trainer(config.demo)
     client.xgroup_create(ROLLOUTS_STREAM, ROLLOUTS_GROUP, id="0", mkstream=True)
     trainer = FastLLMTrainerStandIn(
         client, host="127.0.0.1", port=config.group_port, timeout_s=config.timeout_s
@@ -176,7 +175,7 @@ def _trainer(config: FastLLMDemoConfig, client: Any) -> dict[str, Any]:
 def _replica(rank: int, config: FastLLMDemoConfig, client: Any) -> dict[str, Any]:
     timeline = Timeline()
     sender = FastLLMRolloutSender(client, timeline=timeline, default_timeout=config.timeout_s)
-    engine = _StreamingLM(config.demo, timeline, _RedisShipper(sender), seed=1009 * rank)  # type: ignore[arg-type]
+    engine = StreamingLM(config.demo, timeline, _RedisShipper(sender), seed=1009 * rank)  # type: ignore[arg-type]
     digests: dict[int, str] = {}
 
     def on_version(received: ReceivedVersion, served: Mapping[str, torch.Tensor]) -> None:

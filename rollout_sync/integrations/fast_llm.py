@@ -249,7 +249,6 @@ class FastLLMReceiver:
         self.p2r_barrier: Callable[[float], None] | None = None
         self.staging_device: torch.device | str | None = None
         self.all_or_none = False
-        self.on_transfer: Callable[[TransferStats, Mapping[str, torch.Tensor]], None] | None = None
         self._slot = EngineSlot(rollout, "FastLLMReceiver", park_every_engine=True)
         """Torn weights keep generation parked, whatever the backend, until a complete version
         lands here (or ``stop_engine``)."""

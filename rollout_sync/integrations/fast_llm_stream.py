@@ -131,16 +131,16 @@ class FastLLMStream:
         if not direct:
             self._write(staged, into, event, write_kind)
         end = time.perf_counter()
-        return TransferStats(
-            "receive",
-            event.version,
-            len(staged),
-            len(staged),
-            nbytes,
-            0.0,
-            end - start,
-            end - start,
-            len(staged),
+        return TransferStats.build(
+            role="receive",
+            version=event.version,
+            tensors=len(staged),
+            buckets=len(staged),  # the stream sends a tensor a message
+            nbytes=nbytes,
+            manifest_s=0.0,  # no manifest: each header is checked as it comes
+            transfer_s=end - start,
+            total_s=end - start,
+            tensors_written=len(staged),
         )
 
     def wrote_nothing(self, error: BaseException) -> bool:

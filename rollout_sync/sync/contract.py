@@ -164,7 +164,6 @@ class SyncHost(Protocol):
     allow_subset: bool
     staging_device: torch.device | str | None
     all_or_none: bool
-    on_transfer: Callable[[TransferStats, Mapping[str, torch.Tensor]], None] | None
     last_weight_sync_report: SyncReport | None
 
     @property
@@ -255,15 +254,13 @@ class InstallStrategy(abc.ABC):
         """The tensors a successful command's transfer wrote or read (``on_transfer``)."""
         return Target.of(command).served(self.host.rollout)
 
-    def check_transfers(self, transfers: Sequence[object], mode: SyncMode | None = None) -> None:
-        """The NCCL rule for this strategy's receives (``mode``: another's, an adapter's).
+    def check_transfers(self, transfers: Sequence[object]) -> None:
+        """The NCCL rule for this strategy's receives (the host's mode says where they run).
 
         Raises:
             TwoCommunicatorsRefused: a receive beside NCCL forwards would run over NCCL.
         """
-        check_two_communicators(
-            self.host.rollout, transfers, mode if mode is not None else self.host.weight_sync_mode
-        )
+        check_two_communicators(self.host.rollout, transfers, self.host.weight_sync_mode)
 
     # -- shared steps ----------------------------------------------------------------------
 

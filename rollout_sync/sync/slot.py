@@ -157,18 +157,15 @@ class EngineSlot:
             self.engine_started = False
             self.rollout.stop(timeout)
 
-    def commit(self, version: int) -> None:
-        """Commit ``version`` as served, noting when (:attr:`committed_at`)."""
-        self.rollout.commit_weight_version(version)
-        self.committed_at = time.time()
-
     def landed(self, version: int | None = None) -> None:
         """A complete version is served now (committed by whoever wrote it, or here if
-        ``version`` is given): note when, let go a torn park, start a background engine."""
+        ``version`` is given): note when, let go a torn park unless the weights are still
+        torn (an adapter landed beside them), start a background engine."""
         if version is not None:
             self.rollout.commit_weight_version(version)
         self.committed_at = time.time()
-        self.torn_park.release()
+        if not self.rollout.weights_torn:
+            self.torn_park.release()
         self.start_engine()
 
     def take_committed_at(self) -> float | None:

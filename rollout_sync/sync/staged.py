@@ -14,7 +14,6 @@ so a relay, or a lone replica, installs at once. Re-seeds run in place, parked.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
@@ -253,10 +252,7 @@ class Staged(InstallStrategy):
             except BaseException:
                 slot.park_if_torn(self.host.weight_sync_timeout)
                 raise
-            slot.committed_at = _now()
-        if not rollout.weights_torn:
-            slot.torn_park.release()  # a park an earlier failed install took
-        slot.start_engine()
+        slot.landed()  # install_into committed it
 
     def _staging_for(self, target: Target) -> StagingArea:
         staging = self.stagings.get(target.adapter)
@@ -293,7 +289,3 @@ class Staged(InstallStrategy):
             failed_ranks=failed,
             kept_version=kept,
         )
-
-
-def _now() -> float:
-    return time.time()

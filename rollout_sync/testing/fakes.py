@@ -36,7 +36,13 @@ import torch
 from .._deadline import deadline_after, expired, limit_of, wait_arg
 from ..backend import RolloutBase, ThreadedRolloutBackend
 from ..buffer import WeightBuffer, install_inference_sync
-from ..errors import PayloadBackpressureTimeout, PayloadTimeout, ShutdownTimeout
+from ..errors import (
+    GenerationTimeout,
+    InstallTimeout,
+    PayloadBackpressureTimeout,
+    PayloadTimeout,
+    ShutdownTimeout,
+)
 from ..flat import FlatWeights
 from ..gate import Gate
 from ..sync.mode import SyncMode
@@ -121,6 +127,7 @@ class VersionStampedModel:
         self.read_gap_s = read_gap_s
         self.timeline = timeline
         self._lock = threading.Lock()
+        self._forwarded = threading.Condition(self._lock)
         self.forwards = 0
         self.torn_reads = 0
 
@@ -137,11 +144,25 @@ class VersionStampedModel:
         with self._lock:
             self.forwards += 1
             self.torn_reads += result.torn
+            self._forwarded.notify_all()
         if self.timeline is not None:
             self.timeline.add_span(
                 SpanKind.FORWARD, "forward", start, versions=sorted(set(seen)), torn=result.torn
             )
         return result
+
+    def wait_for_forwards(self, count: int, timeout: float) -> int:
+        """Block until at least ``count`` forwards have completed; the number that have.
+
+        Raises:
+            GenerationTimeout: fewer did within ``timeout`` seconds (is generation parked?).
+        """
+        with self._forwarded:
+            if not self._forwarded.wait_for(lambda: self.forwards >= count, timeout):
+                raise GenerationTimeout(
+                    f"{self.forwards} forward(s) completed within {timeout:.1f} s, not {count}"
+                )
+            return self.forwards
 
     def stamped(self, version: int) -> dict[str, torch.Tensor]:
         """A full set of new weights carrying ``version`` (what a trainer would send)."""
@@ -218,6 +239,7 @@ class AsyncTornReadBackend(TornReadBackend):
         self.forwards_per_generation = forwards_per_generation
         self.weight_buffer: WeightBuffer | None = None
         self.installs: list[InstallRecord] = []
+        self._installed = threading.Condition()
         self._forward_index = 0
 
     def attach_weight_buffer(self, buffer: WeightBuffer) -> None:
@@ -233,9 +255,24 @@ class AsyncTornReadBackend(TornReadBackend):
     def _install_at(self, at: SyncMode) -> None:
         report = install_inference_sync(self, self.weight_buffer, at=at)
         if report is not None:
-            self.installs.append(
-                InstallRecord(report.version, self._forward_index, at, threading.get_ident())
-            )
+            with self._installed:
+                self.installs.append(
+                    InstallRecord(report.version, self._forward_index, at, threading.get_ident())
+                )
+                self._installed.notify_all()
+
+    def wait_for_install(self, version: int, timeout: float) -> None:
+        """Block until a safe point installed ``version`` or a later one.
+
+        Raises:
+            InstallTimeout: none did within ``timeout`` seconds.
+        """
+        with self._installed:
+            if not self._installed.wait_for(lambda: self.weight_version >= version, timeout):
+                raise InstallTimeout(
+                    f"version {version} was not installed within {timeout:.1f} s "
+                    f"(serving v{self.weight_version})"
+                )
 
 
 class RecordingRollout(RolloutBase):
