@@ -25,6 +25,8 @@ The families, in the order a weight sync meets them:
 * engines and threads: :class:`GenerationTimeout` (``SchedulerTimeout`` is the same class),
   :class:`EngineCallTimeout`, :class:`CommandTimeout`, :class:`RunInterrupted`,
   :class:`InstallTimeout`, :class:`ShutdownTimeout`, :class:`WeightSyncThreadError`;
+* the learning loop (``rollout_sync.learn``, ``rollout-sync demo --learn``):
+  :class:`InvalidRollout`, :class:`LearningStarved`;
 * an optional dependency that is missing (vLLM, Ray, Redis, matplotlib, cosmos-rl):
   :class:`MissingDependencyError`, under every old name (``VLLMUnavailableError``,
   ``RayUnavailableError``, ``RedisUnavailableError``, ``MatplotlibUnavailableError``,
@@ -63,6 +65,8 @@ __all__ = [
     "HarvestTimeout",
     "IngressHoldTimeout",
     "InstallTimeout",
+    "InvalidRollout",
+    "LearningStarved",
     "ManifestError",
     "ManifestRejected",
     "MatplotlibUnavailableError",
@@ -758,6 +762,17 @@ class InstallTimeout(RolloutSyncTimeout):
 
 class ShutdownTimeout(RolloutSyncTimeout):
     """A thread, engine or sender did not stop within its limit."""
+
+
+class InvalidRollout(RolloutSyncError, ValueError):
+    """A payload that is not a consistent rollout of the learning loop (a part missing, lengths
+    that disagree, a log-probability that is not finite or above 0); the message says which.
+    Also a :class:`ValueError`."""
+
+
+class LearningStarved(RolloutSyncTimeout):
+    """A training step of the learning loop waited its limit for enough whole groups of
+    rollouts fresh enough to train on."""
 
 
 class WeightSyncThreadError(RolloutSyncError):

@@ -55,6 +55,9 @@ class SpanKind:
     WEIGHT_BUFFER_WRITE = "weight_buffer_write"
     """A write into an async-mode weight buffer or a staged sync's staging area, not a served
     tensor (``transfer.BUFFER_WRITE``): generation may overlap it."""
+    GENERATION_IDLE = "generation_idle"
+    """A replica with nothing to generate: the synchronous learning loop's wait for the next
+    version (``rollout-sync demo --learn``; parks are :attr:`PAUSE`)."""
     PAYLOAD_HOLD = "payload_hold"
     """Payload transfers held for a weight sync: a replica's sends (the bracket's egress hold,
     from asking for it until its release) or the trainer's receives (the P2R push's hold)."""

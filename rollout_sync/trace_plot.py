@@ -354,9 +354,11 @@ def plot_timeline(
 
     height = lanes[-1].bottom
     axis_in = 0.2 * height + 0.5
-    figure = Figure(figsize=(13, 2 * axis_in + 2.4), layout="constrained")
+    rows_in = 2 * axis_in + (2.0 if report is not None and report.get("reward_curve") else 0)
+    figure = Figure(figsize=(13, rows_in + 2.4), layout="constrained")
     FigureCanvasAgg(figure)
-    axes = figure.subplots(2 if zoom is not None else 1, 1, squeeze=False)[:, 0]
+    curve = list(report.get("reward_curve") or ()) if report is not None else []
+    axes = figure.subplots(1 + (zoom is not None) + bool(curve), 1, squeeze=False)[:, 0]
     whole = axes[0]
     _draw(whole, lanes, spans, overlaps, torn, origin, 1e9, None)
     whole.set_xlabel("seconds since the first span")
@@ -403,6 +405,9 @@ def plot_timeline(
         detail.set_title(
             f"one sync, zoomed ({(hi - lo) / 1e6:.0f} ms, dashed above)", loc="left", fontsize=10
         )
+
+    if curve:
+        _draw_reward_curve(axes[-1], curve)
 
     guard = {True: "guarded", False: "UNGUARDED", None: ""}[headline.guarded]
     context = [guard] if guard else []
@@ -552,6 +557,18 @@ def _draw(
             ax.axhline(lane.bottom + _LANE_GAP / 2, color="#888888", linewidth=0.5)
     ax.grid(axis="x", color="#DDDDDD", linewidth=0.5)
     ax.set_axisbelow(True)
+
+
+def _draw_reward_curve(axis: Any, curve: Sequence[float]) -> None:
+    """The learning job's reward per training step (``rollout-sync demo --learn``)."""
+    steps = range(1, len(curve) + 1)
+    axis.plot(steps, curve, color=_BLUE, marker=".", linewidth=1.2)
+    axis.set_xlim(0.5, len(curve) + 0.5)
+    axis.set_ylim(0, 1)
+    axis.set_xlabel("training step")
+    axis.set_ylabel("reward")
+    axis.grid(True, linewidth=0.3)
+    axis.set_title("the reward of the rollouts each step trained on", loc="left", fontsize=10)
 
 
 def _rows_of(lane: _Lane, overlap: Overlap) -> tuple[float, float]:

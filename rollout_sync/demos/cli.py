@@ -15,8 +15,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..backends import InProcessRequest, RegisteredEngine, registered_engine, registered_engines
+from ..backends.torch_lm import TinyLMConfig
 from ..errors import MatplotlibUnavailableError
+from ..learn import LearnConfig
 from ..sync.mode import SyncMode
 from ..trace import REPORT_METADATA_KEY, Timeline, read_chrome_trace
 from .distributed import (
@@ -59,7 +63,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "--backend vllm)",
     )
     demo.add_argument(
-        "--steps", type=int, default=30, help="training steps, each a P2R plus an R2R (default 30)"
+        "--steps",
+        type=int,
+        default=None,
+        help=f"training steps, each a P2R plus an R2R (default 30; {LEARN_STEPS} with --learn)",
     )
     demo.add_argument(
         "--trainer-ranks",
@@ -110,6 +117,39 @@ def _build_parser() -> argparse.ArgumentParser:
         help="the trainer trains a LoRA adapter on the replicas' base model: every step ships "
         "only the adapter (into its slot, under the guard); half the generations use it on "
         "torch_lm, all of them on vllm; the report adds adapter_mb (torch_lm and vllm)",
+    )
+    demo.add_argument(
+        "--learn",
+        action="store_true",
+        help="the trainer learns: it keeps an fp32 master of the tiny LM and takes an AdamW "
+        "step (GRPO advantages, truncated importance weights) each step on the rollouts the "
+        "replicas generated for a toy task with a verifiable reward and sent over the payload "
+        "transport; the replicas serve bfloat16. The report adds reward_first, reward_last, "
+        "reward_curve, staleness, importance weights, the changed fraction per sync, "
+        f"tokens_per_s and replica_idle_fraction. The default {LEARN_STEPS} steps take about "
+        "20 s on two cores. torch_lm, the plain job (one trainer rank, --tp 1), sync or "
+        "--staged, local, torchrun or ray (docs/learning.md)",
+    )
+    demo.add_argument(
+        "--max-staleness",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --learn: drop sequences more than K versions behind the trainer, judged by "
+        f"their oldest token (default {LearnConfig.max_staleness})",
+    )
+    demo.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help=f"with --learn: AdamW's learning rate (default {LearnConfig.lr:g}; 0 freezes the "
+        "policy)",
+    )
+    demo.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the job's models, prompts and sampling (default 0)",
     )
     demo.add_argument(
         "--model-mb",
@@ -263,6 +303,17 @@ def _distributed_config(args: argparse.Namespace, mode: SyncMode) -> Distributed
     (:func:`~rollout_sync.demos.distributed.check_demo_config`); a bad one exits."""
     numel = max(1, int(args.model_mb * (1 << 20) / 4 / DistributedDemoConfig().num_tensors))
     start_s = _engine(args.backend).start_s
+    learn: LearnConfig | None = None
+    model = TinyLMConfig()
+    if args.learn:
+        learn = LearnConfig(
+            lr=LearnConfig.lr if args.lr is None else args.lr,
+            max_staleness=(
+                LearnConfig.max_staleness if args.max_staleness is None else args.max_staleness
+            ),
+        )
+        # The replicas serve bfloat16 from the trainer's fp32 master (docs/learning.md).
+        model = TinyLMConfig(dtype=torch.bfloat16, seed=args.seed)
     config = DistributedDemoConfig(
         replicas=args.replicas,
         steps=args.steps,
@@ -279,13 +330,17 @@ def _distributed_config(args: argparse.Namespace, mode: SyncMode) -> Distributed
         # Every pause, hold and collective is bounded by this; the first sync starts the
         # engines, so an engine that is slow to start gets its allowance.
         timeout_s=DistributedDemoConfig.timeout_s + start_s,
+        seed=args.seed,
+        model=model,
+        learn=learn,
     )
     try:
         check_demo_config(config)
     except ValueError as exc:
         if config.sharded:
             raise SystemExit(f"{exc} (--trainer-ranks, --tp)") from None
-        raise SystemExit(f"{exc} (--replicas, --steps, --backend, --mode, --lora)") from None
+        flags = "--learn, --backend, --mode" if args.learn else "--backend, --mode, --lora"
+        raise SystemExit(f"{exc} (--replicas, --steps, {flags})") from None
     return config
 
 
@@ -315,6 +370,40 @@ def _refuse_launcher(launcher: str, engine: RegisteredEngine) -> None:
         f"--launcher {launcher} places the multi-process demo's processes; it does not run "
         f"with --backend {engine.name} ({why}{can} only)"
     )
+
+
+LEARN_STEPS = 40
+"""``--learn``'s default steps: enough for the toy task to be learnt well on two cores."""
+
+
+def _refuse_learning_combinations(args: argparse.Namespace) -> None:
+    """Exit, before anything starts, on ``--learn`` options that do not go together (the
+    config's own check, :func:`~rollout_sync.demos.learning.check_learning_config`, says the
+    rest)."""
+    if not args.learn:
+        given = [
+            f
+            for f, v in (("--max-staleness", args.max_staleness), ("--lr", args.lr))
+            if v is not None
+        ]
+        if given:
+            raise SystemExit(f"{' and '.join(given)} need --learn")
+        return
+    if args.in_process or args.trainer != "default" or args.lora:
+        drop = "--in-process" if args.in_process else "--lora" if args.lora else "--trainer"
+        raise SystemExit(
+            f"--learn runs the multi-process demo with this package's trainer on the whole "
+            f"model: drop {drop}"
+        )
+    if args.backend not in (None, "torch_lm"):
+        raise SystemExit(
+            f"--learn trains the tiny torch LM the torch_lm replicas serve; --backend "
+            f"{args.backend} is not learnt yet: drop --backend (docs/learning.md)"
+        )
+    if args.max_staleness is not None and args.max_staleness < 0:
+        raise SystemExit(f"--max-staleness must be at least 0, not {args.max_staleness}")
+    if args.lr is not None and not args.lr >= 0:
+        raise SystemExit(f"--lr must be at least 0, not {args.lr}")
 
 
 def _refuse_sharded_combinations(args: argparse.Namespace, mode: SyncMode) -> None:
@@ -514,6 +603,9 @@ def _run_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
             "--lora runs the multi-process demo with this package's trainer: drop "
             + ("--in-process" if args.in_process else f"--trainer {args.trainer}")
         )
+    _refuse_learning_combinations(args)
+    if args.steps is None:
+        args.steps = LEARN_STEPS if args.learn else 30
     if args.launcher != "local" and args.in_process:
         raise SystemExit(
             f"--launcher {args.launcher} places the multi-process demo's processes; it does not "

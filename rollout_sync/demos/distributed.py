@@ -127,6 +127,7 @@ from .job import (
     trainer_adapter,
     trainer_model,
 )
+from .learning import LearningTrainer, check_learning_config, learning_report
 from .sharded import (
     check_sharded_config,
     demo_layout,
@@ -257,10 +258,6 @@ def _trainer(
     queues: Mapping[int, StoreCommandQueue],
     timeline: Timeline,
 ) -> dict[str, Any]:
-    weights, advance = trainer_model(config)
-    base_nbytes = sum(t.numel() * t.element_size() for t in weights.values())
-    if config.lora:  # the replicas serve their own base model: only the adapter moves
-        weights, advance = trainer_adapter(config)
     transfer = groups.p2r_transfer(config=_transfer_config(config), timeline=timeline)
     assert transfer is not None  # the trainer is the P2R source
     receiver = PayloadReceiver(
@@ -270,6 +267,19 @@ def _trainer(
         timeline=timeline,
         default_timeout=config.timeout_s,
     )
+    rollouts = _Rollouts()
+    learning: LearningTrainer | None = None
+    train_step: Callable[[int, int], dict[str, Any]]
+    if config.learn is not None:
+        learning = LearningTrainer(config, receiver, rollouts.add)
+        weights: Mapping[str, torch.Tensor] = learning.weights
+        train_step = learning.step
+    else:
+        weights, advance = trainer_model(config)
+        base_nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+        if config.lora:  # the replicas serve their own base model: only the adapter moves
+            weights, advance = trainer_adapter(config)
+        train_step = _drift_step(config, advance, receiver, rollouts)
     # Unguarded, the trainer keeps receiving payloads through its weight sends.
     pusher = TransferWeightPusher(
         transfer, barrier=groups.p2r_barrier, receiver=receiver if config.guarded else None
@@ -277,47 +287,72 @@ def _trainer(
     channel = WorkerCommandChannel.for_groups(
         groups, queues, pipelined_relay=config.pipelined_relay
     )
-    report = _train(config, weights, advance, pusher, channel, receiver, timeline)
+    report = _train(config, weights, train_step, pusher, channel, receiver, rollouts, timeline)
+    if learning is not None:
+        return {**report, "learning": learning.report()}
     return {**report, "base_nbytes": base_nbytes}
+
+
+def _drift_step(
+    config: DistributedDemoConfig,
+    advance: Callable[[int], None],
+    receiver: PayloadReceiver | None,
+    rollouts: _Rollouts,
+) -> Callable[[int, int], dict[str, Any]]:
+    """The default trainer's step: take the payloads that arrive for ``step_interval_s`` (its
+    stand-in for training on them; a rank without a receiver just spends the time), then move
+    the weights (``advance``)."""
+
+    def train_step(step: int, version: int) -> dict[str, Any]:
+        if receiver is not None:
+            metrics = rollouts.take_for(receiver, config.step_interval_s, version)
+        else:
+            time.sleep(config.step_interval_s)  # this rank's stand-in for training
+            metrics = {}
+        advance(step)
+        return metrics
+
+    return train_step
 
 
 def _train(
     config: DistributedDemoConfig,
     weights: Mapping[str, torch.Tensor],
-    advance: Callable[[int], None],
+    train_step: Callable[[int, int], dict[str, Any]],
     pusher: TransferWeightPusher,
     channel: CommandChannel | None,
     receiver: PayloadReceiver | None,
+    rollouts: _Rollouts,
     timeline: Timeline,
 ) -> dict[str, Any]:
-    """The training loop of a trainer rank, and its report: each step it takes the payloads
-    that arrive (``receiver``; a rank without one just spends the step), moves ``weights`` in
-    place (``advance``) and pushes them through its callback (announced on ``channel``, if
-    this rank announces)."""
+    """The training loop of a trainer rank, and its report: each step ``train_step(step,
+    version)`` (``version``: the last one pushed, what the replicas serve at best) takes what it
+    trains on (counted in ``rollouts``) and moves ``weights`` in place, and the
+    rank pushes them through its callback (announced on ``channel``, if this rank announces);
+    at the end the payloads still arriving on ``receiver`` are counted."""
     broadcast = WeightBroadcastCallback(
         lambda: weights,
         pusher=pusher,
         channel=channel,
         timeout=config.timeout_s,
-        sync_on_run_begin=False,
+        # The learning job pushes its initial weights first (version 1): that starts the
+        # replicas' engines (the first sync does), and every replica then serves exactly the
+        # trainer's weights.
+        sync_on_run_begin=config.learn is not None,
         report_every_step=True,
         adapter=DEMO_ADAPTER if config.lora else None,
     )
     callbacks = TrainerCallbacks([broadcast])
-    rollouts = _Rollouts()
     digests: dict[int, str] = {}
     step_metrics: list[dict[str, Any]] = []
     transfers: list[dict[str, Any]] = []
+    if config.learn is not None and config.check_every_step:
+        digests[broadcast.version + 1] = weights_digest(weights)
     callbacks.run_begin(1)
     for step in range(1, config.steps + 1):
-        if receiver is not None:
-            train_metrics = rollouts.take_for(receiver, config.step_interval_s, step - 1)
-        else:
-            time.sleep(config.step_interval_s)  # this rank's stand-in for training
-            train_metrics = {}
-        advance(step)
-        if config.check_every_step:
-            digests[step] = weights_digest(weights)
+        train_metrics = train_step(step, broadcast.version)
+        if config.check_every_step:  # by the version this step's push will be
+            digests[broadcast.version + 1] = weights_digest(weights)
         metrics = callbacks.step_end(step, None, True, train_metrics)
         assert metrics is not None  # report_every_step
         step_metrics.append(metrics)
@@ -452,6 +487,7 @@ def _replica_report(
     return {
         "role": "replica",
         "rank": rank,
+        "pid": os.getpid(),
         "digests": digests,
         "final_digest": final_digest,
         "final_version": final_version,
@@ -581,7 +617,9 @@ def _sharded_trainer(
     channel = (
         groups.command_channel(queues, pipelined_relay=config.pipelined_relay) if lead else None
     )
-    report = _train(config, shards, advance, pusher, channel, receiver, timeline)
+    rollouts = _Rollouts()
+    train_step = _drift_step(config, advance, receiver, rollouts)
+    report = _train(config, shards, train_step, pusher, channel, receiver, rollouts, timeline)
     return {**report, "rank": rank}
 
 
@@ -657,7 +695,8 @@ def check_demo_config(config: DistributedDemoConfig) -> None:
             sharded or in an async mode; sharded
             (:func:`~rollout_sync.demos.sharded.check_sharded_config`): ``trainer_ranks`` or
             ``tp`` below 1, an engine other than torch_lm or a mode other than sync, a ``tp``
-            that does not divide the model.
+            that does not divide the model; ``learn``
+            (:func:`~rollout_sync.demos.learning.check_learning_config`).
     """
     if config.replicas < 1 or config.steps < 1:
         raise ValueError("the demo needs at least one replica and one step")
@@ -683,6 +722,8 @@ def check_demo_config(config: DistributedDemoConfig) -> None:
             )
         if config.sharded or config.mode.is_async:
             raise ValueError("the LoRA demo runs the plain job in sync or staged mode")
+    if config.learn is not None:
+        check_learning_config(config)
 
 
 def park_steps(park_ms: float, decode_step_ms: float) -> float:
@@ -793,6 +834,9 @@ def _report_of(
     trainer = values[layout.trainer]
     replicas = [values[r] for r in layout.replicas]
     report = _report(config, trainer, replicas, timeline, wall_s, _plain_checks(trainer, replicas))
+    if config.learn is not None:
+        pids = [rep["pid"] for rep in replicas]
+        report = {**report, **learning_report(trainer, pids, timeline)}
     return {"launcher": launcher, **report}
 
 

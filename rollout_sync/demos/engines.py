@@ -160,6 +160,23 @@ class StreamingLM(TorchLMStreamBackend):
             adapter=DEMO_ADAPTER if cfg.lora and rng.random() < 0.5 else None,
         )
 
+    def _payload(self, result: GenerationResult) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """What a finished generation ships: token ids, logprobs and every token's weight
+        version as tensors, small metadata beside them."""
+        tensors = {
+            "tokens": torch.tensor(result.tokens, dtype=torch.int64),
+            "logprobs": torch.tensor(result.logprobs, dtype=torch.float32),
+            "weight_versions": torch.tensor(result.token_weight_versions, dtype=torch.int64),
+        }
+        metadata = {
+            "request_id": result.request_id,
+            "prompt_tokens": len(result.prompt),
+            "admitted_version": result.admitted_weight_version,
+            "completed_version": result.completed_weight_version,
+            "straddled_sync": result.straddled_sync,
+        }
+        return tensors, metadata
+
     def _ship(self, results: Sequence[GenerationResult], timeout: float) -> None:
         assert self.sender is not None  # the leader's (or a plain replica's)
         for result in results:
@@ -169,23 +186,8 @@ class StreamingLM(TorchLMStreamBackend):
             if not result.ok:
                 self.results["results_failed"] += 1
                 continue
-            self.sender.register_payload(
-                {
-                    "tokens": torch.tensor(result.tokens, dtype=torch.int64),
-                    "logprobs": torch.tensor(result.logprobs, dtype=torch.float32),
-                    "weight_versions": torch.tensor(
-                        result.token_weight_versions, dtype=torch.int64
-                    ),
-                },
-                {
-                    "request_id": result.request_id,
-                    "prompt_tokens": len(result.prompt),
-                    "admitted_version": result.admitted_weight_version,
-                    "completed_version": result.completed_weight_version,
-                    "straddled_sync": result.straddled_sync,
-                },
-                timeout=timeout,
-            )
+            tensors, metadata = self._payload(result)
+            self.sender.register_payload(tensors, metadata, timeout=timeout)
             self.results["results_straddled_sync"] += result.straddled_sync
 
 
@@ -202,7 +204,15 @@ def streaming_lm(
 ) -> EngineHandle:
     """The stream LM of a replica (``tp``: of one rank of a tensor-parallel replica; a
     follower rank ships nothing and has no ``sender``)."""
-    engine = StreamingLM(config, timeline, sender, seed=config.seed * 1009 + dist.get_rank(), tp=tp)
+    seed = config.seed * 1009 + dist.get_rank()
+    engine: StreamingLM
+    if config.learn is not None:
+        from .learning import LearningLM  # which builds on this module
+
+        assert sender is not None and tp is None  # the learning job is the plain job
+        engine = LearningLM(config, timeline, sender, seed, dist.get_rank())
+    else:
+        engine = StreamingLM(config, timeline, sender, seed=seed, tp=tp)
     if config.lora:
         lora, _ = _torch_lm_adapter(config)
         engine.add_adapter(DEMO_ADAPTER, lora)

@@ -25,6 +25,7 @@ from ..backends import (
     registered_engine,
 )
 from ..backends.torch_lm import TinyLMConfig
+from ..learn import LearnConfig
 from ..lora import ALPHA_KEY, random_adapter
 from ..payload import PayloadSender
 from ..sync.mode import SyncMode
@@ -95,6 +96,11 @@ class DistributedDemoConfig:
     with an ``adapter``."""
     lora_rank: int = 8
     """``lora``: the adapter's rank (its alpha is twice the rank)."""
+    learn: LearnConfig | None = None
+    """The trainer learns (:mod:`rollout_sync.demos.learning`): an fp32 master of ``model``
+    and AdamW on the task's rollouts the replicas generate; it pushes ``model.dtype`` (give
+    ``model`` bfloat16 to serve bf16, as ``rollout-sync demo --learn`` does). torch_lm, the
+    plain job, sync or staged."""
 
     @property
     def sharded(self) -> bool:

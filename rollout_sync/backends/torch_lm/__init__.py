@@ -250,7 +250,10 @@ class TinyCausalLM(nn.Module):
                 value = 0.02 * noise
             else:
                 value = noise / math.sqrt(param.shape[-1])
-            param.copy_(value.to(param.dtype))
+            # Narrow dtypes round through float32: a bfloat16 model of a seed is then the
+            # float32 model of that seed, cast (what a trainer's fp32 master serves).
+            rounded = value.to(torch.float32) if param.element_size() < 4 else value
+            param.copy_(rounded.to(param.dtype))
 
     def forward(
         self,

@@ -1,0 +1,191 @@
+"""The learner: an fp32 master copy of the policy, AdamW, and the served copy it ships.
+
+:class:`PolicyLearner` holds the tiny LM's weights in float32 (the master, which the optimizer
+updates) and a copy in the served dtype (bfloat16 by default): the tensors the trainer pushes
+to the replicas, rewritten from the master after every step, and the count of their elements
+that changed (what a delta sync would ship). A step scores each rollout with the task's reward
+(from the tokens the replica generated), computes group-relative advantages, recomputes every
+generated token's log-probability under the master at the replicas' temperature, and takes one
+AdamW step on the truncated importance-weighted loss (:mod:`rollout_sync.learn.loss`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..backends.torch_lm import TinyCausalLM, TinyLMConfig
+from .loss import group_advantages, truncated_importance_loss
+from .rollouts import Rollout
+from .task import TokenSetTask
+
+__all__ = ["LearnerStep", "PolicyLearner", "sequence_logprobs"]
+
+
+def sequence_logprobs(
+    model: TinyCausalLM,
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each completion token's log-probability under ``model`` given its prompt and the tokens
+    before it, at ``temperature``: ``([B, T] float32, [B, T] bool mask of real tokens)``, ``T``
+    the longest completion. One forward over the whole batch (no cache)."""
+    if temperature <= 0:
+        raise ValueError(f"log-probabilities of samples need a temperature above 0: {temperature}")
+    cfg = model.config
+    rows = [list(p) + list(c) for p, c in zip(prompts, completions, strict=True)]
+    batch, width = len(rows), max(len(r) for r in rows)
+    if width > cfg.max_seq_len:
+        raise ValueError(f"a sequence of {width} tokens exceeds max_seq_len {cfg.max_seq_len}")
+    tokens = torch.zeros(batch, width, dtype=torch.long)
+    real = torch.zeros(batch, width, dtype=torch.bool)
+    for b, row in enumerate(rows):
+        tokens[b, : len(row)] = torch.tensor(row)
+        real[b, : len(row)] = True
+    empty = torch.zeros(cfg.n_layers, batch, cfg.n_heads, 0, cfg.head_dim, dtype=cfg.dtype)
+    positions = torch.arange(width).expand(batch, width)
+    no_past = torch.zeros(batch, 0, dtype=torch.bool)
+    logits, _, _ = model(tokens, positions, empty, empty, no_past, real)
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    longest = max(len(c) for c in completions)
+    out = torch.zeros(batch, longest)
+    mask = torch.zeros(batch, longest, dtype=torch.bool)
+    for b, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+        n, start = len(completion), len(prompt)
+        # The logits at position i predict the token at i + 1.
+        picked = logp[b, start - 1 : start - 1 + n].gather(1, torch.tensor(completion).unsqueeze(1))
+        out[b, :n] = picked.squeeze(1)
+        mask[b, :n] = True
+    return out, mask
+
+
+@dataclass(frozen=True)
+class LearnerStep:
+    """What one training step did."""
+
+    reward: float
+    """Mean reward of the rollouts trained on."""
+    loss: float
+    sequences: int
+    tokens: int
+    ratios: list[float]
+    """Every token's importance ratio (current over behaviour, untruncated)."""
+    clipped: int
+    changed_fraction: float
+    """Elements of the served copy that changed (bit for bit) with this step."""
+
+
+class PolicyLearner:
+    """An fp32 master of a :class:`TinyCausalLM`, AdamW on it, and the served-dtype copy.
+
+    ``served`` are the tensors to push (named like the replicas' parameters, in
+    ``served_dtype``); they hold version 0 (the master built from ``model.seed``, cast) until
+    the first :meth:`step`. ``lr == 0`` freezes the policy (a counterfactual: same loop, no
+    learning).
+    """
+
+    def __init__(
+        self,
+        model: TinyLMConfig,
+        *,
+        task: TokenSetTask,
+        lr: float,
+        served_dtype: torch.dtype = torch.bfloat16,
+        temperature: float = 1.0,
+        importance_cap: float = 2.0,
+        importance_weights: bool = True,
+    ) -> None:
+        if lr < 0:
+            raise ValueError(f"the learning rate must be at least 0, got {lr}")
+        self.task = task
+        self.temperature = temperature
+        self.importance_cap = importance_cap
+        self.importance_weights = importance_weights
+        master_config = dataclasses.replace(model, dtype=torch.float32)
+        self.master = TinyCausalLM.build(master_config).train()
+        self.optimizer = torch.optim.AdamW(
+            self.master.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+        )
+        self.served: dict[str, torch.Tensor] = {
+            name: param.detach().to(served_dtype).clone()
+            for name, param in self.master.named_parameters()
+        }
+
+    @property
+    def served_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.served.values())
+
+    def step(self, groups: Sequence[Sequence[Rollout]]) -> LearnerStep:
+        """One AdamW step on ``groups`` (each the samples of one prompt), then the served copy
+        rewritten from the master.
+
+        Raises:
+            ValueError: no group, or a group of fewer than two samples.
+        """
+        if not groups or any(len(g) < 2 for g in groups):
+            raise ValueError("a step needs at least one group of at least two samples")
+        rollouts = [r for g in groups for r in g]
+        rewards = [self.task.reward(r.prompt, r.tokens) for r in rollouts]
+        advantages = torch.cat(
+            [
+                group_advantages(torch.tensor(rewards[i : i + len(g)]))
+                for i, g in zip(_offsets(groups), groups, strict=True)
+            ]
+        )
+        prompts, completions = [r.prompt for r in rollouts], [r.tokens for r in rollouts]
+        current, mask = sequence_logprobs(self.master, prompts, completions, self.temperature)
+        behaviour = torch.zeros_like(current)
+        for b, r in enumerate(rollouts):
+            behaviour[b, : len(r.tokens)] = r.behaviour_logprobs
+        result = truncated_importance_loss(
+            current,
+            behaviour,
+            advantages,
+            mask,
+            cap=self.importance_cap,
+            importance_weights=self.importance_weights,
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        result.loss.backward()
+        self.optimizer.step()
+        return LearnerStep(
+            reward=sum(rewards) / len(rewards),
+            loss=float(result.loss.detach()),
+            sequences=len(rollouts),
+            tokens=int(mask.sum()),
+            ratios=result.ratios.tolist(),
+            clipped=result.clipped,
+            changed_fraction=self._refresh_served(),
+        )
+
+    @torch.no_grad()
+    def _refresh_served(self) -> float:
+        changed = total = 0
+        for name, param in self.master.named_parameters():
+            served = self.served[name]
+            new = param.detach().to(served.dtype)
+            changed += int((_bits(new) != _bits(served)).sum())
+            total += served.numel()
+            served.copy_(new)
+        return changed / total if total else 0.0
+
+
+_SAME_SIZE_INTEGER = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as integers of its element size (so -0.0 differs from 0.0, NaN
+    equals itself)."""
+    return tensor.view(_SAME_SIZE_INTEGER[tensor.element_size()])
+
+
+def _offsets(groups: Sequence[Sequence[Rollout]]) -> list[int]:
+    out, at = [], 0
+    for group in groups:
+        out.append(at)
+        at += len(group)
+    return out
