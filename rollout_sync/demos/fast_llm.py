@@ -53,7 +53,8 @@ from .distributed import (
     demo_limit_s,
     park_steps,
 )
-from .engines import StreamingLM, torch_lm_trainer
+from .engines import torch_lm_trainer
+from .streaming_lm import StreamingLM
 
 __all__ = ["FastLLMDemoConfig", "run_fast_llm_demo"]
 

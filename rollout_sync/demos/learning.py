@@ -40,8 +40,8 @@ from ..metrics import percentile
 from ..payload import PayloadReceiver, PayloadSender, ReceivedPayload
 from ..scheduler import GenerationRequest, GenerationResult, SamplingParams, SchedulerTimeout
 from ..trace import Span, SpanKind, Timeline
-from .engines import StreamingLM
 from .job import DistributedDemoConfig
+from .streaming_lm import StreamingLM
 
 __all__ = [
     "LearningLM",
