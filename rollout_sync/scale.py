@@ -153,14 +153,16 @@ class Topology(enum.Enum):
     pipelined)."""
     SHARDED_PIPELINED = "sharded_pipelined"
     """The first hop of :attr:`SHARDED_TWO_HOP`, with each of the first replica's GPUs passing
-    every bucket on as it arrives (the pipelined relay, per GPU). Modelled, not implemented."""
+    every bucket on as it arrives (the pipelined relay, per GPU:
+    ``ShardedTransfer(pipelined_relay=True)``, two-phase)."""
     SHARDED = "sharded_pipelined"
     """The name of :attr:`SHARDED_PIPELINED` from before sharding landed (an alias)."""
 
     @property
     def implemented(self) -> bool:
-        """Whether the package runs this topology today (else the model alone speaks)."""
-        return self is not Topology.SHARDED_PIPELINED
+        """Whether the package runs this topology today (else the model alone speaks): every
+        one does."""
+        return True
 
     @classmethod
     def _missing_(cls, value: object) -> Topology | None:

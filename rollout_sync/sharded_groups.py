@@ -139,7 +139,19 @@ class ShardedSyncGroups:
 
     def p2r_transfer(self, plan: TransferPlan, **kwargs: Any) -> ShardedTransfer | None:
         """The P2R :class:`~rollout_sync.transfer.ShardedTransfer` on this rank along ``plan``
-        (from the trainer's layout to a replica's), or ``None`` if this rank takes no part."""
+        (from the trainer's layout to a replica's), or ``None`` if this rank takes no part.
+        ``kwargs`` go to it: ``pipelined_relay=True`` makes the first replica's ranks pass
+        each bucket on as it arrives.
+
+        Raises:
+            ValueError: ``pipelined_relay`` with a ``fanout`` (the relay tree's inner replicas
+                would have to pass its verdict on: not built).
+        """
+        if kwargs.get("pipelined_relay") and self.fanout is not None:
+            raise ValueError(
+                f"a pipelined sharded relay sends to one broadcast per position, not a relay "
+                f"tree (fanout={self.fanout}): build the groups without fanout"
+            )
         if dist.get_rank() not in self.trainers + self.replicas[0]:
             return None
         return ShardedTransfer(
@@ -326,8 +338,9 @@ class ShardedCommandChannel:
     :class:`~rollout_sync.worker.WorkerCommandChannel` per position over the ``k``-th ranks:
     ``P2R`` to every rank of the first replica, then, with more than one replica, ``R2R`` to
     every replica rank; with ``pipelined_relay``, ``P2R(relay=True)`` to the first replica's
-    ranks (each passes its slice on once it has it: a sharded relay is not pipelined by the
-    bucket) and ``R2R`` to the other replicas' ranks; ``STOP``: ``Stop()`` to every rank.
+    ranks (each passes its slice on: once it has it whole, or bucket by bucket when its
+    transfer was built with ``pipelined_relay=True``) and ``R2R`` to the other replicas'
+    ranks; ``STOP``: ``Stop()`` to every rank.
 
     Args:
         queues: replica rank -> its command queue (every rank of every replica).

@@ -653,7 +653,12 @@ def _sharded_replica(
                 mode=config.mode,
                 commands=commands,
                 timeline=timeline,
-                p2r=groups.p2r_transfer(plan, config=transfer_config, timeline=timeline),
+                p2r=groups.p2r_transfer(
+                    plan,
+                    config=transfer_config,
+                    timeline=timeline,
+                    pipelined_relay=config.pipelined_relay,
+                ),
                 p2r_barrier=barrier,
                 r2r=groups.r2r_transfer(config=transfer_config, timeline=timeline),
                 data_packer=sender,

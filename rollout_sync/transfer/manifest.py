@@ -81,6 +81,10 @@ class WeightManifest:
     checksums: bool
     origin: OriginChecksums | None = None
     """The original sender's per-bucket checksums, when an R2R forwards them."""
+    decision: bool = False
+    """Two-phase: after the commit vote, the source broadcasts whether the version commits
+    everywhere (its own verdict, over more ranks than this group: a pipelined sharded relay's,
+    :class:`~rollout_sync.transfer.ShardedTransfer`), and every receiver waits for it."""
 
     @classmethod
     def build(
@@ -91,11 +95,12 @@ class WeightManifest:
         require_all: bool = True,
         checksums: bool = False,
         origin: OriginChecksums | None = None,
+        decision: bool = False,
     ) -> WeightManifest:
         """Lay ``weights`` out into buckets, in mapping order.
 
         ``origin`` is kept only if its layout is this manifest's (checksums of other buckets
-        compare nothing).
+        compare nothing). ``decision``: see :attr:`decision`.
 
         Raises:
             ManifestError: no weights, or a tensor that is not dense (sparse, quantized).
@@ -121,9 +126,9 @@ class WeightManifest:
             )
             offset = start + nbytes
         sizes.append(max(aligned(offset), ALIGN_BYTES))
-        manifest = cls(tuple(entries), tuple(sizes), require_all, checksums, None)
+        manifest = cls(tuple(entries), tuple(sizes), require_all, checksums, None, decision)
         if origin is not None and origin.layout == manifest.layout:
-            manifest = cls(tuple(entries), tuple(sizes), require_all, checksums, origin)
+            manifest = cls(tuple(entries), tuple(sizes), require_all, checksums, origin, decision)
         return manifest
 
     @property
@@ -190,6 +195,8 @@ class WeightManifest:
                 "checksums": [list(c) for c in self.origin.checksums],
             },
         }
+        if self.decision:  # absent otherwise: a one-phase manifest's bytes are as they were
+            doc["decision"] = True
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
@@ -233,6 +240,7 @@ class WeightManifest:
                 bool(doc["require_all"]),
                 bool(doc["checksums"]),
                 origin,
+                bool(doc.get("decision", False)),
             )
         except ManifestError:
             raise

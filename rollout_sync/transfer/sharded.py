@@ -29,6 +29,28 @@ its own local tensors, a target rank writes regions of its own. One transfer, in
    serves it: one rank's part of a replica is not a version on its own, so even a target that
    received its own part whole is torn when another rank failed.
 
+**The pipelined relay** (``pipelined_relay=True``, on the first replica's ranks):
+:meth:`ShardedTransfer.relay` passes this rank's slice on to the same rank of the other
+replicas (an R2R :class:`~rollout_sync.WeightTransfer` it is the source of) bucket by bucket:
+the R2R manifest goes out right after the plan vote, and each R2R bucket is packed and
+broadcast as soon as every tensor it carries has arrived whole, while the next P2R buckets
+arrive, so the two hops overlap (:meth:`~rollout_sync.WeightTransfer.begin_send`). A bucket
+whose tensors never will arrive (a dead trainer rank, a corrupted bucket) goes out void, so
+the receivers reach the votes instead of their limit. Then, two-phase:
+
+1. the R2R commit vote: the relay's yes says its own part arrived whole;
+2. the P2R commit vote, over every trainer rank and every relay: a relay votes yes only if its
+   R2R group voted yes too (``_FORWARD_FAILED`` when its part is whole and passing it on
+   failed), so every relay learns whether the version reached every rank of both hops;
+3. the verdict: each relay broadcasts it to its R2R group
+   (:attr:`~rollout_sync.transfer.WeightManifest.decision`), and every receiver waits for it.
+
+So a version commits on every rank of every replica or on none (a staged replica installs
+only a yes; in place a rank that holds the version whole keeps it and reports the failure,
+``complete``): a relay rank killed mid-bucket of its second hop makes every replica discard,
+the other positions, whose own hops went through, included. The trainer ranks' ``send``
+returns once the first hop delivered (as for the one-source relay).
+
 Every wait is bounded by ``config.timeout_s``: a dead or hung peer is a
 :class:`~rollout_sync.errors.WeightTransferError` (or its timeout) in bounded time. The same
 code runs on gloo (CPU tensors) and NCCL (CUDA tensors).
@@ -61,7 +83,7 @@ from .config import TransferConfig, TransferHooks, TransferStats
 from .layout import Box, region_of
 from .manifest import OriginChecksums, bucket_checksum
 from .plan import Move, TransferPlan
-from .weight_transfer import wait_transfer_work
+from .weight_transfer import StepwiseSend, wait_transfer_work
 
 __all__ = ["ShardedTransfer"]
 
@@ -69,6 +91,8 @@ _ALIGN = 8
 _CHECKSUM_BYTES = 16
 _YES = 1
 _NO = 0
+_FORWARD_FAILED = 2
+"""A pipelined relay's commit vote: its own part is whole, passing it on failed."""
 
 
 @dataclass(frozen=True)
@@ -195,6 +219,47 @@ class _Progress:
     nbytes: int = 0
 
 
+class _Arrivals:
+    """A pipelined relay's view of its receive: which of its tensors have arrived whole.
+
+    Drives the receive (:meth:`ShardedTransfer._receive_steps`) only as far as the next hop
+    needs; a collective's failure stops it (:attr:`failure`), a bucket that arrived corrupted
+    stops the writing (the receive goes on, so no source is left waiting)."""
+
+    def __init__(self, specs: Mapping[str, WeightSpec], steps: Iterator[_Bucket | None]) -> None:
+        self.missing = {name: spec.nbytes for name, spec in specs.items()}
+        self.steps = steps
+        self.failure: WeightTransferError | None = None
+        self.done = False
+
+    def until_complete(self, names: Sequence[str], progress: _Progress) -> bool:
+        """Receive until every tensor of ``names`` this rank receives has arrived whole;
+        whether they all did (``False``: they never will)."""
+        while any(self.missing.get(n, 0) > 0 for n in names):
+            if self.done or self.failure is not None or progress.failed_buckets:
+                return False
+            self._step()
+        return True
+
+    def drain(self) -> None:
+        """Take every bucket still to come (unless a collective failed)."""
+        while not self.done and self.failure is None:
+            self._step()
+
+    def _step(self) -> None:
+        try:
+            bucket = next(self.steps)
+        except StopIteration:
+            self.done = True
+            return
+        except WeightTransferError as exc:
+            self.failure = exc
+            return
+        if bucket is not None:
+            for slot in bucket.slots:
+                self.missing[slot.move.target_local] -= slot.move.nbytes
+
+
 class ShardedTransfer:
     """Move versions from ``source_ranks`` to ``target_ranks`` of ``group`` along ``plan``.
 
@@ -216,6 +281,9 @@ class ShardedTransfer:
         hooks: fault injection for tests: ``after_pack(k, bucket)`` on a source after its
             ``k``-th bucket of the sync is packed, ``after_receive(k, bucket)`` on a target
             after its ``k``-th arrived, before it is verified or written.
+        pipelined_relay: on a target rank, :meth:`relay` passes each bucket of the next hop on
+            as soon as its tensors have arrived, two-phase (the module docstring); else it
+            receives whole, then sends. The source ranks need not say (their side is the same).
     """
 
     def __init__(
@@ -229,9 +297,11 @@ class ShardedTransfer:
         timeline: Timeline | None = None,
         device: torch.device | str | None = None,
         hooks: TransferHooks | None = None,
+        pipelined_relay: bool = False,
     ) -> None:
         self.group = group
         self.plan = plan
+        self.pipelined_relay = pipelined_relay
         self.source_ranks = tuple(source_ranks)
         self.target_ranks = tuple(target_ranks)
         self.config = config if config is not None else TransferConfig()
@@ -480,9 +550,14 @@ class ShardedTransfer:
         :class:`~rollout_sync.WeightTransfer` between this rank and the same rank of the other
         replicas). Not pipelined: the second hop starts when the first is complete.
 
+        With ``pipelined_relay``, :meth:`_relay_pipelined` instead: each bucket of
+        ``forward`` goes out as soon as its tensors have arrived (the module docstring).
+
         Raises:
             RelayForwardError: the receive completed (``complete``), passing it on failed.
         """
+        if self.pipelined_relay:
+            return self._relay_pipelined(into, forward, allow_subset, write_kind, storage, verify)
         try:
             stats = self.receive(
                 into, allow_subset=allow_subset, write_kind=write_kind, verify=verify
@@ -512,6 +587,123 @@ class ShardedTransfer:
             total_s=stats.total_s + sent.total_s,
         )
 
+    def _relay_pipelined(
+        self,
+        into: Mapping[str, torch.Tensor],
+        forward: object,
+        allow_subset: bool,
+        write_kind: str,
+        storage: torch.Tensor | None,
+        verify: Callable[[Mapping[str, torch.Tensor]], None] | None,
+    ) -> TransferStats:
+        """The pipelined relay, per rank (the module docstring): receive this rank's part and
+        pass each bucket of ``forward`` (an R2R :class:`~rollout_sync.WeightTransfer` this rank
+        is the source of) on as soon as its tensors have all arrived; then the R2R commit vote
+        (this rank's yes: its part arrived whole), the P2R commit vote (every rank of this hop:
+        its part whole, and passed on), and the verdict to the R2R group: commit only if every
+        rank of both hops said yes.
+
+        Raises:
+            RelayForwardError: this rank's part arrived whole, passing it on failed.
+            WeightTransferError (``complete``): this rank's part arrived and went on whole; the
+                version does not commit everywhere (another relay's next hop failed).
+            Otherwise as :meth:`receive`.
+        """
+        start = time.perf_counter()
+        own = self._check(into, "served weights", require_all=not allow_subset)
+        begin_send = getattr(forward, "begin_send", None)
+        if own is None and begin_send is None:
+            own = WeightMismatchError(
+                [f"the next hop {forward!r} cannot send in steps (no begin_send)"],
+                context=f"the pipelined relay on rank {self.rank}",
+            )
+        try:
+            version = self._plan_vote(None, own)
+        except (WeightTransferError, WeightMismatchError) as exc:
+            abort = getattr(forward, "abort", None)
+            if abort is not None:  # the downstream replicas fail now, not at their limit
+                reason = f"the relay's receive failed: {type(exc).__name__}"
+                abort(reason, version=getattr(exc, "version", None))
+            raise
+        voted = time.perf_counter()
+        assert begin_send is not None
+        steps: StepwiseSend | None = None
+        forward_error: WeightTransferError | None = None
+        try:
+            steps = begin_send(into, version=version, storage=storage, decision=True)
+        except WeightTransferError as exc:  # a downstream rank refused the manifest, or died
+            forward_error = exc
+        progress = _Progress()
+        arriving = _Arrivals(self._specs, self._receive_steps(into, version, progress, write_kind))
+        if steps is not None:
+            for k in range(steps.num_buckets):
+                whole = arriving.until_complete(steps.bucket_names(k), progress)
+                try:
+                    steps.launch(k) if whole else steps.launch_void(k)
+                except WeightTransferError as exc:  # a downstream rank died or timed out
+                    forward_error, steps = exc, None
+                    break
+        arriving.drain()  # every source's buckets are taken, whatever happened downstream
+        if arriving.failure is None and not progress.failed_buckets and verify is not None:
+            try:
+                verify(into)
+            except Exception as exc:  # noqa: BLE001 - this rank's refusal: voted, then raised
+                progress.refusal = exc
+        whole = arriving.failure is None and not progress.failed_buckets
+        whole = whole and progress.refusal is None
+        if steps is not None:
+            try:
+                refused = steps.vote(ok=whole)
+            except WeightTransferError as exc:
+                forward_error, steps = exc, None
+            else:
+                if refused:
+                    forward_error = ChecksumMismatchError(
+                        f"ranks {refused} failed to receive version {version} from relay rank "
+                        f"{self.rank}",
+                        operation=steps.op,
+                        version=version,
+                        tensors_written=0,
+                        buckets=(),
+                        failed_ranks=refused,
+                    )
+        commits = False
+        try:
+            not_forwarded = self._commit_vote(
+                version,
+                progress,
+                arriving.failure,
+                receiving=True,
+                forwarded=whole and forward_error is None,
+            )
+            commits = not not_forwarded
+        finally:
+            if steps is not None and steps.voted_yes:
+                try:
+                    steps.decide(commit=commits)
+                except WeightTransferError as exc:
+                    forward_error = forward_error or exc
+        written = len(progress.tensors_written)
+        if forward_error is not None:
+            raise RelayForwardError(
+                f"received version {version} whole on rank {self.rank}, but passing it on "
+                f"failed: {forward_error}",
+                operation=f"relay version {version}",
+                version=version,
+                tensors_written=written,
+                cause=forward_error,
+            ) from forward_error
+        if not commits:
+            raise WeightTransferError(
+                f"version {version} reached rank {self.rank} whole and went on, but relay "
+                f"rank(s) {not_forwarded} could not pass it on: it does not commit everywhere",
+                operation=f"relay version {version}",
+                version=version,
+                tensors_written=written,
+                complete=True,
+            )
+        return self._stats("relay", version, progress, start, voted, time.perf_counter())
+
     def _receive_buckets(
         self,
         into: Mapping[str, torch.Tensor],
@@ -519,6 +711,19 @@ class ShardedTransfer:
         progress: _Progress,
         write_kind: str,
     ) -> None:
+        for _ in self._receive_steps(into, version, progress, write_kind):
+            pass
+
+    def _receive_steps(
+        self,
+        into: Mapping[str, torch.Tensor],
+        version: int,
+        progress: _Progress,
+        write_kind: str,
+    ) -> Iterator[_Bucket | None]:
+        """The receive, one bucket per step: yields each bucket once it is written (``None``
+        for one that was not: after a checksum mismatch nothing is). Receives stay posted
+        between steps, two per source."""
         pending: dict[int, deque[_Bucket]] = {s: deque(q) for s, q in self._queues.items()}
         posted: dict[int, deque[tuple[dist.Work | None, torch.Tensor, _Bucket]]] = {
             s: deque() for s in self._queues
@@ -553,11 +758,14 @@ class ShardedTransfer:
                 self.hooks.after_receive(k, view)
             progress.buckets += 1
             progress.nbytes += sum(s.move.nbytes for s in bucket.slots)
+            written = False
             if not progress.failed_buckets and self._verified(bucket, view, progress):
                 self._unpack(into, bucket, view, progress, write_kind, version)
+                written = True
             elif not progress.failed_buckets:
                 progress.failed_buckets.append((k, bucket.index + 1, src))
             post(source)
+            yield bucket if written else None
 
     def _verified(self, bucket: _Bucket, view: torch.Tensor, progress: _Progress) -> bool:
         if not bucket.checksummed:
@@ -667,7 +875,12 @@ class ShardedTransfer:
         failure: WeightTransferError | None,
         *,
         receiving: bool,
-    ) -> None:
+        forwarded: bool | None = None,
+    ) -> list[int]:
+        """Every rank's yes or no; raise this rank's failure or another's. ``forwarded``: a
+        pipelined relay's next hop succeeded (``False``: its own part is whole, passing it on
+        failed, a vote of its own kind). Returns the relays whose forwarding failed, for a
+        relay to raise on; a plain target raises on them (its part is whole: ``complete``)."""
         op = f"sharded transfer commit vote of version {version}"
         written = len(progress.tensors_written)
         if failure is not None:
@@ -675,13 +888,15 @@ class ShardedTransfer:
             raise failure
         corrupt = progress.failed_buckets
         no = corrupt or progress.refusal is not None
-        mine = torch.tensor([_NO if no else _YES], dtype=torch.int64, device=self.device)
+        vote = _NO if no else _FORWARD_FAILED if forwarded is False else _YES
+        mine = torch.tensor([vote], dtype=torch.int64, device=self.device)
         rows = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in self.ranks]
         with self._span(op):
             work = self.collectives.all_gather(rows, mine)
             self._wait(work, op, version, written)
         votes = torch.cat(rows).tolist()
-        failed = [rank for rank, v in zip(self.ranks, votes, strict=True) if v != _YES]
+        failed = [rank for rank, v in zip(self.ranks, votes, strict=True) if v == _NO]
+        not_forwarded = [r for r, v in zip(self.ranks, votes, strict=True) if v == _FORWARD_FAILED]
         if progress.refusal is not None:
             raise progress.refusal
         if corrupt:
@@ -710,6 +925,16 @@ class ShardedTransfer:
                 version=version,
                 tensors_written=written,
             )
+        if receiving and not_forwarded and forwarded is None:
+            raise WeightTransferError(
+                f"version {version} reached every rank of this hop whole, but relay rank(s) "
+                f"{not_forwarded} could not pass it on: it does not commit everywhere",
+                operation=op,
+                version=version,
+                tensors_written=written,
+                complete=True,
+            )
+        return not_forwarded
 
     # -- plumbing --------------------------------------------------------------------------
 

@@ -93,7 +93,7 @@ from ._pipeline import _Forward, _InFlight, _Link
 from .config import TransferConfig, TransferHooks, TransferStats
 from .manifest import OriginChecksums, WeightManifest, bucket_checksum
 
-__all__ = ["WeightTransfer", "wait_transfer_work"]
+__all__ = ["StepwiseSend", "WeightTransfer", "wait_transfer_work"]
 
 
 def _verify_landed(
@@ -264,13 +264,55 @@ class WeightTransfer:
             ChecksumMismatchError: a receiver failed after the vote (see ``failed_ranks``).
             WeightTransferTimeout / WeightTransferError: a collective timed out or failed.
         """
+        start = time.perf_counter()
+        steps = self.begin_send(
+            weights, version=version, require_all=require_all, origin=origin, storage=storage
+        )
+        manifest_done = time.perf_counter()
+        for k in range(steps.num_buckets):
+            steps.launch(k)
+        failed = steps.vote(ok=True)
+        if failed:
+            raise ChecksumMismatchError(
+                f"{steps.op}: ranks {failed} reported a failure after receiving (a checksum "
+                "mismatch, a failed write, or a refusal of what landed, such as a LoRA set's "
+                "lora_alpha); no replica of the sync commits this version",
+                operation=steps.op,
+                version=version,
+                tensors_written=0,
+                buckets=(),
+                failed_ranks=failed,
+            )
+        return steps.stats(start, manifest_done)
+
+    def begin_send(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        *,
+        version: int,
+        require_all: bool = True,
+        origin: OriginChecksums | None = None,
+        storage: torch.Tensor | None = None,
+        decision: bool = False,
+    ) -> StepwiseSend:
+        """:meth:`send` in steps, for a relay that passes on what another transfer receives
+        (:class:`~rollout_sync.transfer.ShardedTransfer`'s pipelined relay): the manifest is
+        broadcast and voted on here; then :meth:`StepwiseSend.launch` each bucket in order once
+        its tensors hold the version (:meth:`StepwiseSend.launch_void` one that never will),
+        :meth:`StepwiseSend.vote` the commit vote, and with ``decision``
+        :meth:`StepwiseSend.decide` the verdict every receiver waits for
+        (:attr:`~rollout_sync.transfer.WeightManifest.decision`).
+
+        Raises:
+            As :meth:`send` before its first bucket (the manifest, its vote; an encoding
+            failure aborts the receivers first).
+        """
         if not self.is_source:
             raise RuntimeError(f"send() on rank {self.rank}, but the source is {self.src}")
-        start = time.perf_counter()
         op = f"send version {version} from rank {self.src} to ranks {list(self.ranks)}"
         try:
             self._check_storage(storage)
-            manifest, data = self._encode(weights, require_all, origin)
+            manifest, data = self._encode(weights, require_all, origin, decision)
         except BaseException as exc:
             self.abort(f"{type(exc).__name__}: {exc}", version=version)
             raise
@@ -282,34 +324,7 @@ class WeightTransfer:
             written=0,
             reject_message="rejected the manifest; nothing was written",
         )
-        manifest_done = time.perf_counter()
-        checksums, zero_copy = self._send_buckets(manifest, weights, storage, op, version)
-        failed = self._vote_ranks(ok=True, op=f"{op}: commit vote", version=version, written=0)
-        if failed:
-            raise ChecksumMismatchError(
-                f"{op}: ranks {failed} reported a failure after receiving (a checksum mismatch, "
-                "a failed write, or a refusal of what landed, such as a LoRA set's lora_alpha); "
-                "no replica of the sync commits this version",
-                operation=op,
-                version=version,
-                tensors_written=0,
-                buckets=(),
-                failed_ranks=failed,
-            )
-        end = time.perf_counter()
-        return TransferStats.build(
-            role="send",
-            version=version,
-            tensors=len(manifest.entries),
-            buckets=manifest.num_buckets,
-            nbytes=manifest.nbytes,
-            manifest_s=manifest_done - start,
-            transfer_s=end - manifest_done,
-            total_s=end - start,
-            bucket_checksums=tuple(checksums) if checksums else None,
-            layout=manifest.layout,
-            zero_copy_buckets=zero_copy,
-        )
+        return StepwiseSend(self, manifest, weights, storage, op, version)
 
     def abort(self, reason: str, *, version: int | None = None) -> None:
         """Tell the receivers waiting for this transfer's manifest that none is coming.
@@ -336,7 +351,11 @@ class WeightTransfer:
             pass
 
     def _encode(
-        self, weights: Mapping[str, torch.Tensor], require_all: bool, origin: OriginChecksums | None
+        self,
+        weights: Mapping[str, torch.Tensor],
+        require_all: bool,
+        origin: OriginChecksums | None,
+        decision: bool = False,
     ) -> tuple[WeightManifest, bytes]:
         """The manifest of ``weights`` and its bytes, reused while the layout is unchanged."""
         key = (
@@ -345,6 +364,7 @@ class WeightTransfer:
             require_all,
             self.config.checksums,
             origin,
+            decision,
         )
         cached = self._encoded
         if cached is not None and cached[0] == key:
@@ -355,51 +375,11 @@ class WeightTransfer:
             require_all=require_all,
             checksums=self.config.checksums,
             origin=origin,
+            decision=decision,
         )
         data = manifest.to_bytes()
         self._encoded = (key, manifest, data)
         return manifest, data
-
-    def _send_buckets(
-        self,
-        manifest: WeightManifest,
-        weights: Mapping[str, torch.Tensor],
-        storage: torch.Tensor | None,
-        op: str,
-        version: int,
-    ) -> tuple[list[tuple[int, int]], int]:
-        """Pack (or take in place) and broadcast every bucket; (checksums, zero-copy buckets).
-
-        Packing bucket ``k`` overlaps the broadcast of bucket ``k - 1``: two staging buffers
-        alternate, and a buffer is reused only once its previous broadcast completed.
-        """
-        spans = self._bucket_spans(manifest, weights, storage, receiving=False)
-        buffers = self._bucket_buffers(manifest, spans, 2)
-        views = self._bucket_views(manifest, buffers, spans)
-        in_flight = _InFlight(self._link(), op, manifest.num_buckets, version)
-        checksum_tensors: list[torch.Tensor] = []
-        with torch.no_grad():
-            for k, entries in enumerate(manifest.buckets):
-                flat = spans[k]
-                if flat is None:
-                    # The staging buffer of bucket k last held bucket k - len(buffers).
-                    in_flight.finish_through(k - len(buffers))
-                    flat = buffers[k % len(buffers)][: manifest.bucket_nbytes[k]]
-                    for lo, hi in manifest.padding[k]:
-                        # Padding gets zeros, so equal weights give equal buckets (and
-                        # checksums) whatever the buffer held before.
-                        flat[lo:hi].zero_()
-                    torch._foreach_copy_(views[k], [weights[e.name] for e in entries])
-                checksum = bucket_checksum(flat) if manifest.checksums else None
-                if self.hooks.after_pack is not None:
-                    self.hooks.after_pack(k, flat)
-                in_flight.launch(flat, k)
-                if checksum is not None:
-                    checksum_tensors.append(checksum)
-                    in_flight.launch(checksum, k, "checksum")
-            in_flight.finish_all()
-        zero_copy = sum(span is not None for span in spans)
-        return [(int(c[0]), int(c[1])) for c in checksum_tensors], zero_copy
 
     def _broadcast_manifest(self, data: bytes, version: int, op: str) -> None:
         header = torch.tensor([len(data), version], dtype=torch.int64, device=self.device)
@@ -605,6 +585,13 @@ class WeightTransfer:
             reason = f"the relay's source failed: {type(exc).__name__}"
             forward.abort(reason, version=exc.version)
             raise
+        if manifest is not None and manifest.decision and problem is None:
+            # A relay would have to wait for its source's verdict and pass it on: not built.
+            problem = ManifestError(
+                f"rank {me} relays, and version {version} is two-phase (its source sends a "
+                "verdict after the commit vote): a relay cannot pass it on; build the groups "
+                "without a relay tree below a pipelined sharded relay"
+            )
         op = f"relay version {version} from rank {self.src} on rank {me}"
         fop = f"forward version {version} from rank {me} to ranks {list(forward.ranks)}"
         forwarding: _Forward | None = None
@@ -706,8 +693,35 @@ class WeightTransfer:
             version=version,
             written=outcome.tensors_written,
         )
+        # Two-phase: a source that voted yes sends its verdict, which every receiver takes
+        # (whatever its own outcome) before it raises anything.
+        commits = (
+            self._verdict(op, version, outcome)
+            if manifest.decision and (self.src not in failed)
+            else True
+        )
         self._raise_failures(op, version, outcome, failed)
+        if not commits:
+            raise WeightTransferError(
+                f"{op}: the source's verdict: version {version} does not commit (a rank "
+                "beyond this group failed its part of the sync); this rank received it whole",
+                operation=op,
+                version=version,
+                tensors_written=outcome.tensors_written,
+                complete=True,
+            )
         return self._receive_stats(role, version, manifest, outcome, start, manifest_done)
+
+    def _verdict(self, op: str, version: int, outcome: _Outcome) -> bool:
+        """A two-phase manifest's second phase: the source's verdict (commit or not)."""
+        verdict = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._collective(
+            lambda: self.collectives.broadcast(verdict, self.src),
+            f"{op}: verdict",
+            version=version,
+            written=outcome.tensors_written,
+        )
+        return int(verdict.item()) == DECISION_COMMIT
 
     def _raise_failures(self, op: str, version: int, outcome: _Outcome, failed: list[int]) -> None:
         """After the commit vote: raise for this rank's own failure or another rank's."""
@@ -1213,3 +1227,141 @@ class WeightTransfer:
                 version=version,
                 rejected_by=failed,
             )
+
+
+DECISION_COMMIT = 1
+DECISION_DISCARD = 0
+
+
+class StepwiseSend:
+    """One version's send from a :class:`WeightTransfer`'s source, a bucket at a time
+    (:meth:`WeightTransfer.begin_send`; the manifest is already voted on).
+
+    Bucket ``k`` is packed (or taken straight from flat ``storage``) and broadcast when
+    :meth:`launch` is called; packing bucket ``k`` overlaps the broadcast of ``k - 1``: two
+    staging buffers alternate, each reused only once its previous broadcast completed. Not
+    thread-safe; methods in order: every bucket launched (or void), :meth:`vote`, then, for a
+    two-phase manifest, :meth:`decide`.
+    """
+
+    def __init__(
+        self,
+        transfer: WeightTransfer,
+        manifest: WeightManifest,
+        weights: Mapping[str, torch.Tensor],
+        storage: torch.Tensor | None,
+        op: str,
+        version: int,
+    ) -> None:
+        self.transfer = transfer
+        self.manifest = manifest
+        self.weights = weights
+        self.op = op
+        self.version = version
+        self.spans = transfer._bucket_spans(manifest, weights, storage, receiving=False)
+        self.buffers = transfer._bucket_buffers(manifest, self.spans, 2)
+        self.views = transfer._bucket_views(manifest, self.buffers, self.spans)
+        self.in_flight = _InFlight(transfer._link(), op, manifest.num_buckets, version)
+        self.checksums: list[torch.Tensor] = []
+        self.launched = 0
+        self.voted_yes: bool | None = None
+
+    @property
+    def num_buckets(self) -> int:
+        return self.manifest.num_buckets
+
+    def bucket_names(self, k: int) -> tuple[str, ...]:
+        """The names of the tensors bucket ``k`` carries."""
+        return tuple(e.name for e in self.manifest.buckets[k])
+
+    def launch(self, k: int) -> None:
+        """Pack bucket ``k`` from the weights (they must hold the version now) and start its
+        broadcast (its checksum's too)."""
+        self._check_order(k)
+        flat = self.spans[k]
+        with torch.no_grad():
+            if flat is None:
+                # The staging buffer of bucket k last held bucket k - len(buffers).
+                self.in_flight.finish_through(k - len(self.buffers))
+                flat = self.buffers[k % len(self.buffers)][: self.manifest.bucket_nbytes[k]]
+                for lo, hi in self.manifest.padding[k]:
+                    # Padding gets zeros, so equal weights give equal buckets (and checksums)
+                    # whatever the buffer held before.
+                    flat[lo:hi].zero_()
+                torch._foreach_copy_(
+                    self.views[k], [self.weights[e.name] for e in self.manifest.buckets[k]]
+                )
+            checksum = bucket_checksum(flat) if self.manifest.checksums else None
+        hooks = self.transfer.hooks
+        if hooks.after_pack is not None:
+            hooks.after_pack(k, flat)
+        self.in_flight.launch(flat, k)
+        if checksum is not None:
+            self.checksums.append(checksum)
+            self.in_flight.launch(checksum, k, "checksum")
+
+    def launch_void(self, k: int) -> None:
+        """Broadcast zeros for bucket ``k`` (its tensors will never hold the version: the
+        relay's own receive failed), so the receivers reach the commit vote, where this source
+        says no, instead of waiting out their limit."""
+        self._check_order(k)
+        self.in_flight.finish_through(k - len(self.buffers))
+        device = self.transfer.device
+        flat = torch.zeros(self.manifest.bucket_nbytes[k], dtype=torch.uint8, device=device)
+        self.in_flight.launch(flat, k)
+        if self.manifest.checksums:
+            self.in_flight.launch(torch.zeros(2, dtype=torch.int64, device=device), k, "checksum")
+
+    def vote(self, *, ok: bool) -> list[int]:
+        """Finish every broadcast, then the commit vote (this source's ``ok``); the ranks that
+        said no. With a two-phase manifest this is its first phase: call :meth:`decide` after
+        it whenever ``ok`` was true (the receivers wait for the verdict)."""
+        if self.launched != self.num_buckets:
+            raise RuntimeError(
+                f"{self.op}: {self.launched} of {self.num_buckets} buckets launched before the "
+                "commit vote"
+            )
+        self.in_flight.finish_all()
+        self.voted_yes = ok
+        return self.transfer._vote_ranks(
+            ok=ok, op=f"{self.op}: commit vote", version=self.version, written=0
+        )
+
+    def decide(self, *, commit: bool) -> None:
+        """Broadcast the verdict of a two-phase manifest: whether the version commits
+        everywhere. Only after a :meth:`vote` of ``ok=True`` (after a no the receivers already
+        know and wait for nothing)."""
+        if not self.manifest.decision or not self.voted_yes:
+            raise RuntimeError(f"{self.op}: a verdict follows a two-phase manifest's yes vote")
+        transfer = self.transfer
+        word = DECISION_COMMIT if commit else DECISION_DISCARD
+        verdict = torch.tensor([word], dtype=torch.int64, device=transfer.device)
+        transfer._collective(
+            lambda: transfer.collectives.broadcast(verdict, transfer.src),
+            f"{self.op}: verdict",
+            version=self.version,
+            written=0,
+        )
+
+    def stats(self, start: float, manifest_done: float) -> TransferStats:
+        end = time.perf_counter()
+        manifest = self.manifest
+        checksums = [(int(c[0]), int(c[1])) for c in self.checksums]
+        return TransferStats.build(
+            role="send",
+            version=self.version,
+            tensors=len(manifest.entries),
+            buckets=manifest.num_buckets,
+            nbytes=manifest.nbytes,
+            manifest_s=manifest_done - start,
+            transfer_s=end - manifest_done,
+            total_s=end - start,
+            bucket_checksums=tuple(checksums) if checksums else None,
+            layout=manifest.layout,
+            zero_copy_buckets=sum(span is not None for span in self.spans),
+        )
+
+    def _check_order(self, k: int) -> None:
+        if k != self.launched:
+            raise RuntimeError(f"{self.op}: bucket {k} launched out of order ({self.launched})")
+        self.launched += 1
