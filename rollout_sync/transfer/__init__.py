@@ -43,6 +43,7 @@ from .manifest import named_weights as named_weights
 from .plan import Move as Move
 from .plan import TransferPlan as TransferPlan
 from .sharded import ShardedTransfer as ShardedTransfer
+from .weight_transfer import StepwiseSend as StepwiseSend
 from .weight_transfer import WeightTransfer as WeightTransfer
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "Piece",
     "RelayForwardError",
     "ShardedTransfer",
+    "StepwiseSend",
     "TransferConfig",
     "TransferHooks",
     "TransferPlan",
