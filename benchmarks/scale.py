@@ -1,36 +1,40 @@
 """Refit at scale: the cost model (rollout_sync.scale) against real transfers, then a 1T fleet.
 
 One run, three parts, on one job of eight processes (gloo on loopback), every link an emulated
-NIC (:mod:`rollout_sync.testing.emulated_nic`: each rank's broadcasts and point-to-point sends
-paced at a set rate and latency, so link time dominates the two shared cores):
+NIC (:mod:`rollout_sync.testing.emulated_nic`: each rank's egress and ingress paced at a set
+rate and latency, full duplex, every broadcast charged as gloo sends it, a binomial tree; so
+link time dominates the two shared cores):
 
 1. **Calibration.** The model's residual constants, measured side by side in the same run:
    the software cost of one control collective (tiny paced collectives on the P2R pair, and
-   among the four ranks of the sharded P2R group, whose cells run more processes than cores)
+   among the four ranks of a sharded P2R group, whose cells run more processes than cores)
    and of launching one bucket, the manifest's validation per tensor, the copy rate of packing
    and unpacking a bucket, and an install's fixed cost and rate.
 2. **The grid.** Real syncs, the production code with only its collectives and sends paced:
    one source (P2R, then R2R) and the pipelined relay (``relay()``), a trainer rank (rank 0)
    and replicas of one rank (ranks 1-3), :class:`~rollout_sync.WeightTransfer` s; and the
-   sharded two-hop design, two trainer ranks (0 and 1, each holding half of every tensor, as
-   FSDP does) and replicas of two tensor-parallel ranks (ranks 2-7, tensors cut alternately
-   column- and row-parallel, so each trainer rank sends to both ranks of the first replica), a
-   :class:`~rollout_sync.transfer.ShardedTransfer` P2R with ``relay()`` (not pipelined) into
-   the R2R transfer of each rank position. 2 and 3 replicas, staged (received into a
+   sharded two-hop design, a :class:`~rollout_sync.transfer.ShardedTransfer` P2R with
+   ``relay()`` (not pipelined) into the R2R transfer of each rank position, in two shapes:
+   balanced, two trainer ranks (0 and 1, each holding half of every tensor, as FSDP does) into
+   replicas of two tensor-parallel ranks (ranks 2-7, tensors cut alternately column- and
+   row-parallel, so each trainer rank sends to both ranks of the first replica); and
+   unbalanced, three trainer ranks (0-2, a third of every tensor each) into three replicas of
+   one rank (3-5), whose first rank's ingress takes all three trainer ranks' bytes. 2 and 3
+   replicas (the unbalanced shape: 3), staged (received into a
    :class:`~rollout_sync.WeightBuffer`, then installed) and in place (received into flat served
    storage), the NIC at two rates. Each cell's refit (the trainers' push until every replica
    serves the version, the slowest rank) and stall (staged: the install; in place: the whole
-   receive) against the model's, median of ``--iterations``, cells interleaved so that load
-   drift hits all alike.
+   receive) against the model's (``Scenario.broadcast = Broadcast.GLOO``), median of
+   ``--iterations``, cells interleaved so that load drift hits all alike.
 3. **The fleet.** :data:`rollout_sync.scale.FLEET_1T` (1T parameters in bf16, 256 trainer GPUs,
-   4 replicas of 32 GPUs, 50 GB/s per GPU): every topology, staged and in place, where the time
-   goes, beside the published figures (docs/scale.md cites them).
+   4 replicas of 32 GPUs, 50 GB/s per GPU, NCCL's chain broadcasts): every topology, staged and
+   in place, where the time goes, beside the published figures (docs/scale.md cites them).
 
 Prints the tables and, as the last line, one JSON object (``max_prediction_error``,
 ``emulated_speedup``, ``fleet_1t_refit_s``, ``fleet_1t_stall_s``,
 ``fleet_1t_one_source_refit_s``, ...; docs/scale.md lists them all).
 
-    python benchmarks/scale.py            # ~2 minutes on 2 cores
+    python benchmarks/scale.py            # ~2.5 minutes on 2 cores
     python benchmarks/scale.py --rates 20 40 --model-mb 8 --iterations 5
 """
 
@@ -57,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rollout_sync import SyncMode, TransferConfig, WeightBuffer, build_sync_groups
 from rollout_sync.scale import (
     FLEET_1T,
+    Broadcast,
     Fleet,
     Link,
     RefitEstimate,
@@ -76,15 +81,48 @@ from rollout_sync.testing.emulated_nic import (
 from rollout_sync.transfer import Layout, TransferPlan, WeightManifest
 from rollout_sync.weights import check_weights_match
 
-IMPLEMENTED = tuple(t for t in Topology if t.implemented)
+GRID_TOPOLOGIES = (Topology.ONE_SOURCE, Topology.PIPELINED_RELAY, Topology.SHARDED_TWO_HOP)
+"""The topologies of the grid: each at every rate, 2 and 3 replicas, staged and in place.
+``Topology.SHARDED_PIPELINED`` joins them once it is implemented: its cells are built as the
+sharded two-hop's (:data:`SHARDED_TOPOLOGIES`), its P2R a ``ShardedTransfer`` with
+``pipelined_relay=True`` (:data:`SHARDED_OPTIONS`), driven by the same ``relay()``."""
+IMPLEMENTED = tuple(t for t in GRID_TOPOLOGIES if t.implemented)
+SHARDED_TOPOLOGIES = (Topology.SHARDED_TWO_HOP, Topology.SHARDED_PIPELINED)
+SHARDED_OPTIONS: dict[Topology, dict[str, Any]] = {
+    Topology.SHARDED_PIPELINED: {"pipelined_relay": True},
+}
+"""Keyword arguments of a sharded topology's ``ShardedTransfer`` (P2R)."""
+RELAYS = (Topology.PIPELINED_RELAY, *SHARDED_TOPOLOGIES)
+"""The topologies whose first replica passes the version on with ``relay()``."""
 ONE_SOURCE_RANKS = {3: (0, [1, 2, 3]), 2: (0, [1, 2])}
 """Replicas -> (the trainer rank, the replica ranks) of the one-source cells."""
-TRAINERS = (0, 1)
-SHARDED_REPLICAS = {3: [(2, 3), (4, 5), (6, 7)], 2: [(2, 3), (4, 5)]}
-"""Replicas -> each replica's ranks, of the sharded cells (trainer ranks :data:`TRAINERS`)."""
 WORLD = 8
-TP = 2
-"""Ranks per replica (tensor parallel) in the sharded cells, and trainer ranks."""
+BROADCAST = Broadcast.GLOO
+"""How the grid's broadcasts run (gloo's binomial tree), for the emulated NIC and the model."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A sharded cell's job: its trainer ranks and each replica's ranks, by replica count."""
+
+    name: str
+    trainers: tuple[int, ...]
+    replicas: dict[int, list[tuple[int, ...]]]
+
+    @property
+    def tp(self) -> int:
+        """Ranks per replica (tensor parallel)."""
+        return len(self.replicas[max(self.replicas)][0])
+
+
+BALANCED = Shape("2 trainers, TP2", (0, 1), {3: [(2, 3), (4, 5), (6, 7)], 2: [(2, 3), (4, 5)]})
+"""2 trainer ranks into replicas of 2 ranks: each trainer rank sends as much as each replica
+rank receives."""
+UNBALANCED = Shape("3 trainers, TP1", (0, 1, 2), {3: [(3,), (4,), (5,)]})
+"""3 trainer ranks into replicas of 1 rank: the replica rank's ingress takes three trainer
+ranks' egress, the hop bound by it (the sharded first link's ``max(bytes / trainer ranks,
+bytes / replica GPUs)``)."""
+SHAPES = (BALANCED, UNBALANCED)
 
 
 @dataclass(frozen=True)
@@ -93,27 +131,34 @@ class Cell:
     replicas: int
     staged: bool
     rate_mb_s: float
+    shape: Shape = BALANCED
+    """The sharded cells' job (the one-source cells ignore it)."""
 
     @property
     def sharded(self) -> bool:
-        return self.topology is Topology.SHARDED_TWO_HOP
+        return self.topology in SHARDED_TOPOLOGIES
 
     @property
     def trainer_ranks(self) -> int:
-        return len(TRAINERS) if self.sharded else 1
+        return len(self.shape.trainers) if self.sharded else 1
 
     @property
     def ranks(self) -> list[int]:
         """Every rank that takes part, trainers first."""
         if self.sharded:
-            return [*TRAINERS, *(r for rep in SHARDED_REPLICAS[self.replicas] for r in rep)]
-        trainer, replicas = ONE_SOURCE_RANKS[self.replicas]
-        return [trainer, *replicas]
+            replicas = self.shape.replicas[self.replicas]
+            return [*self.shape.trainers, *(r for rep in replicas for r in rep)]
+        trainer, replicas_ = ONE_SOURCE_RANKS[self.replicas]
+        return [trainer, *replicas_]
+
+    @property
+    def shape_name(self) -> str:
+        return self.shape.name if self.sharded else "1 trainer, TP1"
 
     @property
     def name(self) -> str:
         where = "staged" if self.staged else "in place"
-        shape = " (2 trainers, TP2)" if self.sharded else ""
+        shape = f" ({self.shape.name})" if self.sharded else ""
         return f"{self.topology.value} x{self.replicas}{shape} {where} {self.rate_mb_s:g} MB/s"
 
 
@@ -128,12 +173,14 @@ def _weights(args: argparse.Namespace, seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _layouts(weights: dict[str, torch.Tensor]) -> tuple[Layout, Layout]:
-    """The sharded cells' layouts: the trainer's ranks each hold half the rows of every tensor
-    (FSDP's dim-0 shards); a replica's ranks hold alternately half the rows (column parallel)
-    and half the columns (row parallel), so every trainer rank sends to every replica rank."""
-    trainer = Layout.build(weights, TP, shard={name: 0 for name in weights})
-    replica = Layout.build(weights, TP, shard={name: i % 2 for i, name in enumerate(weights)})
+def _layouts(weights: dict[str, torch.Tensor], shape: Shape) -> tuple[Layout, Layout]:
+    """A sharded shape's layouts: the trainer's ranks each hold a part of the rows of every
+    tensor (FSDP's dim-0 shards); a replica's ranks hold alternately a part of the rows (column
+    parallel) and of the columns (row parallel), so every trainer rank sends to every replica
+    rank (a replica of one rank holds every tensor whole)."""
+    trainer = Layout.build(weights, len(shape.trainers), shard={name: 0 for name in weights})
+    cut = {name: i % 2 for i, name in enumerate(weights)} if shape.tp > 1 else {}
+    replica = Layout.build(weights, shape.tp, shard=cut)
     return trainer, replica
 
 
@@ -157,30 +204,35 @@ def _median_s(fn: Any, repeat: int = 7, *, cold: bool = False) -> float:
 
 
 def _calibrate_collectives(
-    rank: int, args: argparse.Namespace, group: Any, members: Sequence[int]
+    rank: int,
+    args: argparse.Namespace,
+    group: Any,
+    members: Sequence[int],
+    broadcast: Broadcast = BROADCAST,
 ) -> list[float]:
     """Control collectives and bucket launches on ``group`` (of ``members``, the first the
     source), paced at the grid's latency and a rate so high that the bytes cost nothing: what
-    each takes beyond the latency is software. (collective seconds, launch seconds), medians of
-    10 rounds; [] off the group."""
+    a round (a broadcast, paced as ``broadcast``, then an all-gather) takes beyond its
+    latencies is the software of two collectives. (collective seconds, launch seconds),
+    medians of 10 rounds; [] off the group."""
     if rank not in members:
         return []
     latency = args.latency_ms / 1e3
-    ops = PacedCollectives(group, EmulatedNic(Link(1e12, latency)))
+    ops = PacedCollectives(group, EmulatedNic(Link(1e12, latency)), broadcast=broadcast)
     header = torch.zeros(2, dtype=torch.int64)
     votes = [torch.zeros(1, dtype=torch.int32) for _ in members]
     mine = torch.ones(1, dtype=torch.int32)
-    launch, each = [], []
+    launch, rounds = [], []
     for _ in range(10):
         t0 = time.perf_counter()
         work = ops.broadcast(header, members[0])
         launch.append(time.perf_counter() - t0)
         work.wait()
-        t1 = time.perf_counter()
         ops.all_gather(votes, mine).wait()
-        t2 = time.perf_counter()
-        each += [t1 - t0, t2 - t1]
-    return [max(0.0, statistics.median(each) - latency), statistics.median(launch)]
+        rounds.append(time.perf_counter() - t0)
+    # The all-gather ends once the farthest member had the broadcast (its hops) and joined.
+    latencies = (broadcast.hops(len(members)) + 1) * latency
+    return [max(0.0, (statistics.median(rounds) - latencies) / 2), statistics.median(launch)]
 
 
 def _calibrate_copies(
@@ -236,13 +288,14 @@ def _bench_process(rank: int, args: argparse.Namespace, cells: list[Cell]) -> di
         n: build_sync_groups(t, r, timeout_s=timeout) for n, (t, r) in ONE_SOURCE_RANKS.items()
     }
     sharded_groups = {
-        n: build_sharded_sync_groups(TRAINERS, r, timeout_s=timeout)
-        for n, r in SHARDED_REPLICAS.items()
+        (shape.name, n): build_sharded_sync_groups(shape.trainers, r, timeout_s=timeout)
+        for shape in SHAPES
+        for n, r in shape.replicas.items()
     }
     weights = _weights(args, seed=rank)
     model = _weights(args, seed=0)  # the sharded cells' model, whole, the same on every rank
-    trainer_layout, replica_layout = _layouts(model)
-    plan = TransferPlan.between(trainer_layout, replica_layout)
+    layouts = {shape.name: _layouts(model, shape) for shape in SHAPES}
+    plans = {name: TransferPlan.between(*pair) for name, pair in layouts.items()}
     dist.barrier()
     calibration = _calibrate_copies(rank, args, weights)
     collectives: list[list[float]] = []
@@ -256,9 +309,17 @@ def _bench_process(rank: int, args: argparse.Namespace, cells: list[Cell]) -> di
         return rollout, buffer
 
     whole = served(weights)
-    position = sharded_groups[3].position(rank)  # (replica, k) of a sharded replica rank
-    shard = served(replica_layout.shard(model, position[1])) if position is not None else whole
-    own = trainer_layout.shard(model, rank) if rank in TRAINERS else {}
+    # Per sharded shape, this rank's: its shards to send (a trainer rank), or its slice to
+    # serve (a replica rank, by its position k).
+    own: dict[str, dict[str, torch.Tensor]] = {}
+    shards: dict[str, tuple[IdleFlatRollout, WeightBuffer]] = {}
+    for shape in SHAPES:
+        trainer_layout, replica_layout = layouts[shape.name]
+        position = sharded_groups[(shape.name, max(shape.replicas))].position(rank)
+        if rank in shape.trainers:
+            own[shape.name] = trainer_layout.shard(model, shape.trainers.index(rank))
+        elif position is not None:
+            shards[shape.name] = served(replica_layout.shard(model, position[1]))
 
     # One NIC and one pair of transfers per cell and rank, kept across iterations (their
     # manifest caches warm up in the first, discarded, iteration).
@@ -269,22 +330,31 @@ def _bench_process(rank: int, args: argparse.Namespace, cells: list[Cell]) -> di
         if rank not in cell.ranks:
             roles.append(None)
         elif cell.sharded:
-            sg = sharded_groups[cell.replicas]
+            shape = cell.shape
+            sg = sharded_groups[(shape.name, cell.replicas)]
             first = sg.replicas[0]
             p2r = (
                 PacedShardedTransfer(
-                    sg.p2r, plan, source_ranks=TRAINERS, target_ranks=first, nic=nic, config=config
+                    sg.p2r,
+                    plans[shape.name],
+                    source_ranks=shape.trainers,
+                    target_ranks=first,
+                    nic=nic,
+                    config=config,
+                    **SHARDED_OPTIONS.get(cell.topology, {}),
                 )
-                if rank in TRAINERS + first
+                if rank in shape.trainers + first
                 else None
             )
             where = sg.position(rank)
             r2r = (
                 PacedWeightTransfer(sg.r2r[where[1]], first[where[1]], nic=nic, config=config)
-                if where is not None
+                if where is not None and cell.replicas > 1
                 else None
             )
-            roles.append(_Role(rank in TRAINERS, p2r, r2r, own, *shard))
+            trainer = rank in shape.trainers
+            mine = whole if trainer else shards[shape.name]
+            roles.append(_Role(trainer, p2r, r2r, own.get(shape.name, {}), *mine))
         else:
             g = groups[cell.replicas]
             p2r = (
@@ -306,11 +376,14 @@ def _bench_process(rank: int, args: argparse.Namespace, cells: list[Cell]) -> di
         # beside the cells they predict.
         dist.barrier()
         collectives.append(_calibrate_collectives(rank, args, groups[3].p2r, (0, 1)))
-        # Four ranks in one collective outnumber the two cores: the sharded cells' votes.
+        # Four ranks in one collective outnumber the two cores: the sharded cells' votes (both
+        # shapes' P2R groups have four ranks). Their broadcasts are never a cell's (the sharded
+        # P2R sends point to point): paced as a chain, every member one latency away.
         dist.barrier()
-        p2r_ranks = (*TRAINERS, *SHARDED_REPLICAS[3][0])
+        sg = sharded_groups[(BALANCED.name, 3)]
+        p2r_ranks = (*BALANCED.trainers, *BALANCED.replicas[3][0])
         sharded_collectives.append(
-            _calibrate_collectives(rank, args, sharded_groups[3].p2r, p2r_ranks)
+            _calibrate_collectives(rank, args, sg.p2r, p2r_ranks, Broadcast.CHAIN)
         )
         for i, cell in enumerate(cells):
             v = next(version)
@@ -340,18 +413,23 @@ def _bench_process(rank: int, args: argparse.Namespace, cells: list[Cell]) -> di
     if rank != 0:
         return {"calibration": calibration}
     manifest = WeightManifest.build(weights, bucket_bytes=config.bucket_bytes)
-    gpu_manifest = WeightManifest.build(
-        replica_layout.shard(model, 0), bucket_bytes=config.bucket_bytes
-    )
+    gpu_manifests = {
+        name: WeightManifest.build(replica.shard(model, 0), bucket_bytes=config.bucket_bytes)
+        for name, (_, replica) in layouts.items()
+    }
     return {
         "calibration": calibration,
         "samples": samples,
         "model_bytes": manifest.nbytes,
         "buckets": list(manifest.bucket_nbytes),
         "manifest_bytes": len(manifest.to_bytes()),
-        "gpu_manifest_bytes": len(gpu_manifest.to_bytes()),
-        "plan_bytes_sent": [plan.bytes_sent(i) for i in range(TP)],
-        "plan_bytes_received": [plan.bytes_received(i) for i in range(TP)],
+        "gpu_manifest_bytes": {n: len(m.to_bytes()) for n, m in gpu_manifests.items()},
+        "plan_bytes_sent": {
+            s.name: [plans[s.name].bytes_sent(i) for i in range(len(s.trainers))] for s in SHAPES
+        },
+        "plan_bytes_received": {
+            s.name: [plans[s.name].bytes_received(i) for i in range(s.tp)] for s in SHAPES
+        },
     }
 
 
@@ -365,8 +443,9 @@ def _sync(cell: Cell, version: int, role: _Role | None) -> float | None:
         p2r.send(role.weights, version=version)
         return None
     flat, buffer = role.served.flat, role.buffer
-    # The sharded relay is never pipelined: it receives all of its shard, then sends it on.
-    relays = cell.topology in (Topology.PIPELINED_RELAY, Topology.SHARDED_TWO_HOP)
+    # The sharded two-hop relay receives all of its shard, then sends it on; the pipelined
+    # relays pass each bucket on as it arrives.
+    relays = cell.topology in RELAYS
     if not cell.staged:
         if p2r is not None and relays and r2r is not None:
             p2r.relay(flat.tensors, r2r, storage=flat.storage)
@@ -396,7 +475,7 @@ def _sync(cell: Cell, version: int, role: _Role | None) -> float | None:
 
 def _scenario(args: argparse.Namespace, result: dict[str, Any], cell: Cell) -> Scenario:
     """The model's view of ``cell``: the sharded cells' replica GPUs each hold a slice of
-    every tensor (tensor parallel), their manifests measured."""
+    every tensor (tensor parallel), their manifests measured; every broadcast gloo's."""
     sharded = cell.sharded
     return Scenario(
         model_bytes=result["model_bytes"],
@@ -405,12 +484,15 @@ def _scenario(args: argparse.Namespace, result: dict[str, Any], cell: Cell) -> S
         nic=Link(cell.rate_mb_s * 1e6, args.latency_ms / 1e3),
         staged=cell.staged,
         tensors=args.tensors,
-        manifest_bytes=result["gpu_manifest_bytes" if sharded else "manifest_bytes"],
+        manifest_bytes=(
+            result["gpu_manifest_bytes"][cell.shape.name] if sharded else result["manifest_bytes"]
+        ),
         trainer_ranks=cell.trainer_ranks,
-        gpus_per_replica=TP if sharded else 1,
+        gpus_per_replica=cell.shape.tp if sharded else 1,
         tensors_per_gpu=args.tensors if sharded else None,
         trainer_packs=True,
         replica_copies=cell.staged,
+        broadcast=BROADCAST,
     )
 
 
@@ -499,11 +581,15 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     cells = [
-        Cell(topology, replicas, staged, rate)
+        Cell(topology, replicas, staged, rate, shape)
         for rate in args.rates
         for replicas in (2, 3)
         for staged in (False, True)
-        for topology in IMPLEMENTED
+        for topology, shape in [
+            *((t, BALANCED) for t in IMPLEMENTED),
+            # The unbalanced sharded plan: three trainer ranks into each one-rank replica.
+            *([(Topology.SHARDED_TWO_HOP, UNBALANCED)] if replicas in UNBALANCED.replicas else []),
+        ]
     ]
     values = run_group(
         _bench_process,
@@ -536,14 +622,23 @@ def main(argv: list[str] | None = None) -> int:
         f"{costs.copy_bytes_per_s / 1e9:.2f} GB/s, install {costs.install_s * 1e3:.2f} ms + "
         f"{costs.install_bytes_per_s / 1e9:.2f} GB/s"
     )
+
+    def megabytes(nbytes: list[int]) -> str:
+        return " + ".join(f"{n / 1e6:.1f}" for n in nbytes) + " MB"
+
     sent, received = result["plan_bytes_sent"], result["plan_bytes_received"]
     print(
         f"\ngrid: {result['model_bytes'] / 1e6:.1f} MB in {args.tensors} tensors, "
         f"{len(result['buckets'])} buckets of {args.bucket_mb:g} MiB; one source and the "
         f"pipelined relay: a trainer rank + 2 or 3 replicas of one rank; sharded_two_hop: "
-        f"2 trainer ranks (sending {sent[0] / 1e6:.1f} + {sent[1] / 1e6:.1f} MB) + 2 or 3 "
-        f"replicas of 2 ranks (receiving {received[0] / 1e6:.1f} + {received[1] / 1e6:.1f} "
-        f"MB); emulated NIC latency {args.latency_ms:g} ms; median of {args.iterations}"
+        + "; ".join(
+            f"{shape.name}, {'/'.join(map(str, shape.replicas))} replicas (trainer ranks "
+            f"sending {megabytes(sent[shape.name])}, replica ranks receiving "
+            f"{megabytes(received[shape.name])})"
+            for shape in SHAPES
+        )
+        + f"; broadcasts as gloo sends them; emulated NIC latency {args.latency_ms:g} ms, "
+        f"egress and ingress paced; median of {args.iterations}"
     )
     width = max(len(cell.name) for cell in cells) + 2
     header = (
@@ -569,6 +664,7 @@ def main(argv: list[str] | None = None) -> int:
                 "rate_mb_s": cell.rate_mb_s,
                 "trainer_ranks": cell.trainer_ranks,
                 "gpus_per_replica": scenario.gpus_per_replica,
+                "shape": cell.shape_name,
                 "refit_predicted_s": predicted.refit_s,
                 "refit_measured_s": refit,
                 "refit_measured_all_s": [s[0] for s in got],
@@ -582,9 +678,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{cell.name:<{width}}{predicted.refit_s * 1e3:>9.0f}ms{refit * 1e3:>8.0f}ms"
             f"{error:>8.1%}{predicted.stall_s * 1e3:>10.1f}ms{stall * 1e3:>8.1f}ms"
         )
-    # The sharded design with its relay pipelined: the model's alone.
-    for rate in args.rates:
-        cell = Cell(Topology.SHARDED_TWO_HOP, 3, False, rate)
+    # The sharded design with its relay pipelined: the model's alone, until it is measured.
+    for rate in args.rates if not Topology.SHARDED_PIPELINED.implemented else ():
+        cell = Cell(Topology.SHARDED_TWO_HOP, 3, False, rate, BALANCED)
         scenario = _scenario(args, result, cell)
         modelled = estimate(Topology.SHARDED_PIPELINED, scenario, sharded_costs)
         name = cell.name.replace(Topology.SHARDED_TWO_HOP.value, modelled.topology.value)
@@ -593,9 +689,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{modelled.stall_s * 1e3:>10.1f}ms{'-':>10}   modelled, not implemented"
         )
     max_error = max(r["error"] for r in rows)
+    unbalanced_rows = [r for r in rows if r["shape"] == UNBALANCED.name]
+    max_unbalanced_error = max(r["error"] for r in unbalanced_rows)
     stall_errors = [r["stall_error"] for r in rows if r["staged"]]
 
     def measured(topology: Topology, rate: float, staged: bool = False) -> dict[str, Any]:
+        """A 3-replica cell: one trainer rank, or the balanced sharded shape."""
         return next(
             r
             for r in rows
@@ -603,6 +702,7 @@ def main(argv: list[str] | None = None) -> int:
             and r["replicas"] == 3
             and r["rate_mb_s"] == rate
             and r["staged"] == staged
+            and r["shape"] != UNBALANCED.name
         )
 
     # The best implemented topology (fastest measured refit), 3 replicas in place, against one
@@ -623,7 +723,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(
         f"\nmax prediction error (refit, {len(rows)} cells): {max_error:.1%} (target <= 20%); "
-        f"staged stall: up to {max(stall_errors):.0%} (an install of a few ms, noisy)"
+        f"the unbalanced sharded plan's ({UNBALANCED.name}, {len(unbalanced_rows)} cells): "
+        f"{max_unbalanced_error:.1%}; staged stall: up to {max(stall_errors):.0%} (an install "
+        "of a few ms, noisy)"
     )
     print(
         "emulated speedup, the best implemented topology over one source, 3 replicas, in place: "
@@ -711,7 +813,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "max_prediction_error": round(max_error, 4),
         "max_prediction_error_of": f"refit, |predicted - measured| / measured, {len(rows)} cells "
-        "(one source, pipelined relay, sharded two-hop)",
+        f"(one source, pipelined relay, sharded two-hop: {BALANCED.name} and {UNBALANCED.name})",
+        "max_prediction_error_unbalanced": round(max_unbalanced_error, 4),
+        "grid_broadcast": BROADCAST.value,
         "emulated_speedup": round(min(speedups.values()), 3),
         "emulated_speedup_by_rate": {f"{r:g}": round(v, 3) for r, v in speedups.items()},
         "emulated_speedup_predicted": {
@@ -743,7 +847,9 @@ def main(argv: list[str] | None = None) -> int:
         "grid_cells": len(rows),
         "trainer_ranks_measured": sorted({r["trainer_ranks"] for r in rows}),
         "two_trainer_ranks": "measured: sharded_two_hop, 2 trainer ranks into replicas of 2 "
-        "tensor-parallel ranks, 2 and 3 replicas, staged and in place",
+        "tensor-parallel ranks, 2 and 3 replicas, staged and in place; and 3 trainer ranks into "
+        "3 replicas of 1 rank (unbalanced: the replica rank's ingress bounds P2R), staged and "
+        "in place",
         "calibration": {k: float(f"{v:.4g}") for k, v in calibration.items()},
         "wall_s": round(wall, 1),
     }

@@ -32,8 +32,16 @@ The rules, in order of importance:
    R2R GPU ``k`` to GPU ``k``: each of the first replica's GPUs broadcasts its shard to the
    same GPU of the others. *Sharded, pipelined* (modelled, not implemented): the same first
    hop, the second overlapped with it: the pipelined relay, per GPU.
-   A broadcast is a bandwidth-optimal (chain) broadcast: the source's link carries the bytes
-   once, whatever the group's size, as NCCL's is.
+   A broadcast is as :attr:`Scenario.broadcast` says (:class:`Broadcast`). By default a
+   bandwidth-optimal chain, as NCCL runs one: the source's link carries the bytes once,
+   whatever the group's size. Gloo (``ProcessGroupGloo`` on CPU tensors runs
+   ``gloo::broadcast``) sends a binomial tree of whole messages instead: the root sends
+   ``ceil(log2 n)`` full copies to a group of ``n``, one after another, and a member forwards
+   only what it received whole, so the broadcast is one link at ``rate / ceil(log2 n)`` with
+   ``floor(log2 n)`` latencies. Measured here (``benchmarks/gloo_broadcast.py``, torch 2.13:
+   the bytes each process wrote to its sockets during a 67 MB broadcast): the root wrote 1.0
+   copy to 1 receiver, 2.0 to 2, 2.0 to 3 (and the first receiver forwarded 1.0 to the
+   third).
 4. **Staged or in place.** In place, generation parks first and the transfer writes the served
    tensors: the stall is the park and the whole transfer. Staged, the transfer lands in a
    staging area while generation goes on; the stall is the park and the install (a copy of the
@@ -59,6 +67,7 @@ from dataclasses import dataclass, field, replace
 
 __all__ = [
     "FLEET_1T",
+    "Broadcast",
     "Fleet",
     "Link",
     "Phase",
@@ -89,6 +98,50 @@ class Link:
     def seconds(self, nbytes: float) -> float:
         """Time for ``nbytes`` to arrive: the latency plus the bytes at the rate."""
         return self.latency_s + nbytes / self.rate_bytes_per_s
+
+
+class Broadcast(enum.Enum):
+    """How a broadcast's bytes travel through its group, and so what each link carries.
+
+    Both send every member the whole message; they differ in who sends how many copies, and
+    in how many link latencies the last member waits (:meth:`link` folds both into one link).
+    """
+
+    CHAIN = "chain"
+    """A bandwidth-optimal chain, pipelined in chunks, as NCCL runs one: every link carries
+    the bytes once, whatever the group's size; one latency (the chunks overlap the hops)."""
+    GLOO = "gloo"
+    """``gloo::broadcast`` (what ``ProcessGroupGloo`` runs for CPU tensors): a binomial tree of
+    whole messages. In round ``i`` every member that has the message sends all of it to the
+    member ``2**i`` ranks further (counting from the root); a member forwards only once it
+    received the whole message. The root sends ``ceil(log2 n)`` copies to a group of ``n``,
+    the busiest link; the deepest member is ``floor(log2 n)`` hops away."""
+
+    def copies(self, members: int) -> int:
+        """Full copies the busiest member's link sends in a broadcast to ``members`` (the
+        source included): 1 for a chain, ``ceil(log2 members)`` for gloo's tree."""
+        if members < 2:
+            return 0
+        return 1 if self is Broadcast.CHAIN else math.ceil(math.log2(members))
+
+    def hops(self, members: int) -> int:
+        """Link latencies before the last member has the message: 1 for a chain,
+        ``floor(log2 members)`` for gloo's tree (each hop a whole message's store and
+        forward)."""
+        if members < 2:
+            return 0
+        return 1 if self is Broadcast.CHAIN else int(math.log2(members))
+
+    def link(self, link: Link, members: int) -> Link:
+        """The broadcast to ``members`` over ``link`` as one link: ``copies`` messages through
+        the busiest sender at ``link``'s rate, then ``hops`` latencies. Exact for a chain. For
+        gloo's tree the root's copies are the bottleneck of a stream of messages, and the last
+        member has a message ``copies`` messages and ``hops`` latencies after the root began
+        it when one member is both deepest and served in the last round (groups of 2-4, 6-8,
+        12-16, ...); in other groups (5, 9-11, ...) that is an upper bound: the deepest member
+        is served earlier, the last-served one nearer."""
+        copies = max(1, self.copies(members))
+        return Link(link.rate_bytes_per_s / copies, link.latency_s * max(1, self.hops(members)))
 
 
 @dataclass(frozen=True)
@@ -205,8 +258,20 @@ class Scenario:
     """Sharded topologies: the tensors each replica GPU holds, whose manifest and checks it
     pays for (``tensors`` with tensor parallelism: a slice of each). ``None``: ``tensors /
     gpus_per_replica`` (each GPU its own tensors, as expert parallelism places experts)."""
+    broadcast: Broadcast = Broadcast.CHAIN
+    """How every broadcast of the sync runs (:class:`Broadcast`): NCCL's chain by default;
+    ``Broadcast.GLOO`` (or ``"gloo"``) for gloo's binomial tree, where an R2R broadcast to
+    ``n`` replicas costs the source ``ceil(log2 n)`` copies."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.broadcast, Broadcast):
+            try:
+                object.__setattr__(self, "broadcast", Broadcast(self.broadcast))
+            except ValueError:
+                raise ValueError(
+                    f"Scenario.broadcast must be one of {[b.value for b in Broadcast]}, got "
+                    f"{self.broadcast!r}"
+                ) from None
         for name in ("model_bytes", "bucket_bytes", "replicas", "tensors"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Scenario.{name} must be >= 1, got {getattr(self, name)!r}")
@@ -389,14 +454,16 @@ def estimate(
             slow = per_gpu / first_link_bytes
             first = Link(s.nic.rate_bytes_per_s * slow, s.nic.latency_s)
             phases = _relayed(shard, costs, per_gpu, first, gather=None)
-        busiest = first_link_bytes
+        # The first link's busier side, or the R2R source's copies of its GPU's shard.
+        busiest = max(first_link_bytes, s.broadcast.copies(s.replicas) * per_gpu)
     else:
         if topology is Topology.PIPELINED_RELAY:
             phases = _relayed(s, costs, s.model_bytes, s.nic, gather=s.gather)
         else:
             phases = _one_source(s, costs)
         per_gpu = math.ceil(s.model_bytes / s.gpus_per_replica)
-        busiest = s.model_bytes  # through the one source's link (and the relay's)
+        # Through the one source's link, and the R2R source's (the relay's) in its copies.
+        busiest = max(1, s.broadcast.copies(s.replicas)) * s.model_bytes
     transfer_s = sum(p.seconds for p in phases)
     park = Phase("park", costs.park_s)
     if s.staged:
@@ -419,7 +486,8 @@ def _control(link: Link, costs: SyncCosts, nbytes: int = 0) -> float:
 
 
 def _manifest(s: Scenario, costs: SyncCosts, link: Link) -> float:
-    """Header and manifest broadcasts, the receivers' validation: before the vote."""
+    """Header and manifest broadcasts over ``link`` (the broadcast's, :meth:`Broadcast.link`),
+    the receivers' validation: before the vote."""
     return (
         _control(link, costs)
         + _control(link, costs, s.manifest_bytes)
@@ -462,17 +530,25 @@ def _receiver_stages(s: Scenario, costs: SyncCosts) -> list[Stage]:
 
 
 def _hop(
-    s: Scenario, costs: SyncCosts, name: str, *, packs: bool, gather: Link | None
+    s: Scenario,
+    costs: SyncCosts,
+    name: str,
+    *,
+    packs: bool,
+    gather: Link | None,
+    members: int,
 ) -> tuple[Phase, ...]:
-    """One broadcast hop, alone: manifest, vote, every bucket, commit vote."""
+    """One broadcast hop to a group of ``members`` (the source included), alone: manifest,
+    vote, every bucket, commit vote (the votes are all-gathers: one latency each)."""
+    link = s.broadcast.link(s.nic, members)
     stages = [
         *_source_stages(s, costs, name, packs=packs, gather=gather),
-        Stage.link(name, s.nic),
+        Stage.link(name, link),
         *_receiver_stages(s, costs),
     ]
     run = pipeline(stages, s.buckets())
     wire = run.busy_at(name)
-    control = _manifest(s, costs, s.nic) + 2 * _control(s.nic, costs)
+    control = _manifest(s, costs, link) + 2 * _control(s.nic, costs)
     return (
         Phase("control", control),
         Phase(f"wire: {name}", wire),
@@ -481,10 +557,10 @@ def _hop(
 
 
 def _one_source(s: Scenario, costs: SyncCosts) -> tuple[Phase, ...]:
-    p2r = _hop(s, costs, "P2R link", packs=s.trainer_packs, gather=s.gather)
+    p2r = _hop(s, costs, "P2R link", packs=s.trainer_packs, gather=s.gather, members=2)
     if s.replicas == 1:
         return _merge(p2r)
-    r2r = _hop(s, costs, "R2R link", packs=s.replica_copies, gather=None)
+    r2r = _hop(s, costs, "R2R link", packs=s.replica_copies, gather=None, members=s.replicas)
     return _merge((*p2r, *r2r))
 
 
@@ -500,17 +576,18 @@ def _relayed(
     which forwards each bucket to the others' broadcast as it arrives."""
     if s.replicas == 1:
         one = replace(s, model_bytes=nbytes, nic=first)
-        return _merge(_hop(one, costs, "P2R link", packs=s.trainer_packs, gather=gather))
+        return _merge(_hop(one, costs, "P2R link", packs=s.trainer_packs, gather=gather, members=2))
     buckets = s.buckets(nbytes)
+    r2r = s.broadcast.link(s.nic, s.replicas)
     # Before the first bucket: the P2R manifest (the relay validates it), the R2R manifest
     # (the others validate it), the R2R vote, then the P2R vote.
-    control = _manifest(s, costs, first) + _manifest(s, costs, s.nic)
+    control = _manifest(s, costs, first) + _manifest(s, costs, r2r)
     control += 2 * _control(s.nic, costs)
     stages = [
         *_source_stages(s, costs, "P2R link", packs=s.trainer_packs, gather=gather),
         Stage.link("P2R link", first),
         Stage("hand-off", per_bucket_s=costs.forward_s),
-        Stage.link("R2R link", s.nic),
+        Stage.link("R2R link", r2r),
         *_receiver_stages(s, costs),
     ]
     run = pipeline(stages, buckets)
@@ -556,7 +633,9 @@ def _sharded_two_hop(shard: Scenario, costs: SyncCosts, first_link_bytes: int) -
     )
     if shard.replicas == 1:
         return _merge(p2r)
-    r2r = _hop(shard, costs, "R2R link", packs=shard.replica_copies, gather=None)
+    r2r = _hop(
+        shard, costs, "R2R link", packs=shard.replica_copies, gather=None, members=shard.replicas
+    )
     return _merge((*p2r, *r2r))
 
 

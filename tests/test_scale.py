@@ -26,6 +26,7 @@ from rollout_sync.distributed import find_free_port, standalone_group
 from rollout_sync.flat import FlatWeights
 from rollout_sync.scale import (
     FLEET_1T,
+    Broadcast,
     Link,
     Phase,
     Scenario,
@@ -108,6 +109,35 @@ def test_a_pipeline_of_two_hops_against_the_same_hops_in_series() -> None:
     assert relay.busiest_link_bytes == one_source.busiest_link_bytes == 1_000_000
 
 
+def test_a_gloo_broadcast_costs_its_root_a_copy_per_round_of_its_binomial_tree() -> None:
+    # 1 MB to 3 replicas. P2R (two members) is one copy whatever the algorithm; R2R to the
+    # other two is one copy by NCCL's chain, two by gloo's tree (the root sends to each).
+    chain = estimate(Topology.ONE_SOURCE, _scenario(replicas=3))
+    gloo = estimate(Topology.ONE_SOURCE, _scenario(replicas=3, broadcast="gloo"))
+    p2r = 3 * LATENCY + 1.0 + LATENCY + LATENCY
+    assert chain.refit_s == pytest.approx(2 * p2r)
+    assert gloo.refit_s == pytest.approx(p2r + 3 * LATENCY + 2.0 + LATENCY + LATENCY)
+    assert gloo.phase_s("wire: R2R link") == pytest.approx(2.0)
+    assert (chain.busiest_link_bytes, gloo.busiest_link_bytes) == (1_000_000, 2_000_000)
+    assert gloo.scenario.broadcast is Broadcast.GLOO
+    # To 4 replicas: still two copies from the root, but the fourth is two hops away, so the
+    # header, the manifest and the buckets take two latencies each.
+    four = estimate(Topology.ONE_SOURCE, _scenario(replicas=4, broadcast=Broadcast.GLOO))
+    assert four.refit_s == pytest.approx(
+        p2r + 2 * LATENCY * 2 + LATENCY + 2.0 + 2 * LATENCY + LATENCY
+    )
+    # The pipelined relay to 3 replicas: its R2R link, two copies of every bucket, is the
+    # bottleneck: the first bucket's P2R (0.25 s), then 4 buckets of 0.5 s, not (4 + 1) x 0.25.
+    relay = estimate(
+        Topology.PIPELINED_RELAY, _scenario(bucket_bytes=250_000, replicas=3, broadcast="gloo")
+    )
+    assert relay.refit_s == pytest.approx(6 * LATENCY + 0.25 + 2.0 + 2 * LATENCY + LATENCY)
+    assert Broadcast.GLOO.link(Link(1e6, LATENCY), 3) == Link(0.5e6, LATENCY)
+    assert Broadcast.CHAIN.link(Link(1e6, LATENCY), 8) == Link(1e6, LATENCY)
+    with pytest.raises(ValueError, match="broadcast"):
+        _scenario(broadcast="tree")
+
+
 def _sharded(**changes: Any) -> Scenario:
     # 2 MB over 2 trainer ranks into replicas of 2 GPUs: 1 MB per trainer rank and per GPU, in
     # buckets of 0.5 s on a 1 MB/s link.
@@ -149,6 +179,11 @@ def test_the_sharded_two_hop_design_is_p2r_by_shards_then_r2r_per_gpu_in_series(
     assert Topology("sharded") is Topology.SHARDED_PIPELINED  # and its value from before
     # With one replica, P2R alone.
     assert estimate(Topology.SHARDED_TWO_HOP, _sharded(replicas=1)).refit_s == pytest.approx(p2r)
+    # On gloo, R2R to 3 replicas sends each GPU's shard twice from the first replica's GPU.
+    gloo = estimate(Topology.SHARDED_TWO_HOP, _sharded(replicas=3, broadcast="gloo"))
+    assert gloo.phase_s("wire: R2R link") == pytest.approx(2.0)
+    assert gloo.refit_s == pytest.approx(p2r + r2r + 1.0)
+    assert gloo.busiest_link_bytes == 2_000_000
 
 
 def test_the_sharded_first_link_is_the_busier_of_trainer_egress_and_gpu_ingress() -> None:
