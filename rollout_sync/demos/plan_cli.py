@@ -20,6 +20,7 @@ from ..plan import (
     ModelSpec,
     Plan,
     build_plan,
+    dtype_bytes,
     model_from_file,
     parse_bytes,
     parse_rate,
@@ -130,6 +131,11 @@ def _positive(flag: str, text: str) -> float:
 
 
 def _model(args: argparse.Namespace) -> ModelSpec:
+    if args.dtype is not None:
+        try:
+            dtype_bytes(args.dtype)
+        except ValueError as exc:
+            _refuse(f"--dtype: {exc}")
     if args.model is not None:
         if args.params is not None or args.tensors is not None:
             _refuse("give the model one way: --params and --tensors, or --model FILE (not both)")
@@ -148,8 +154,8 @@ def _model(args: argparse.Namespace) -> ModelSpec:
     tensors = _whole("--tensors", args.tensors)
     try:
         return ModelSpec.of(params, tensors, args.dtype or "bfloat16")
-    except ValueError as exc:
-        _refuse(f"--dtype: {exc}" if "dtype" in str(exc) else f"--params: {exc}")
+    except ValueError as exc:  # the dtype is known: the parameter count is below 1
+        _refuse(f"--params: {exc}")
 
 
 def _fleet(args: argparse.Namespace) -> FleetSpec:
