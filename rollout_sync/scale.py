@@ -748,6 +748,26 @@ FLEET_1T = Fleet(
         ("device_install_bytes_per_s", "device staging: an HBM copy, 1.5 TB/s (assumed)"),
         ("park_s", "one decode step of a 1T MoE replica: 50 ms (assumed)"),
         ("collective_s, bucket_s, forward_s", "NCCL launch and host reads (assumed)"),
+        (
+            "gpus_per_node",
+            "8 H100 on one NVLink switch (HGX H100), as vLLM's run: 32 x 8 -> 16 x 8",
+        ),
+        (
+            "bucket_bytes",
+            "32 MiB (assumed, no published run's size): its wire time at 50 GB/s, 0.67 ms, "
+            "dwarfs a bucket's 20 us latency and 20 us launch; two buffers cost 64 MiB per GPU",
+        ),
+        (
+            "install_s",
+            "50 ms (assumed): the fixed part of an install (names, shapes, dtypes checked, a "
+            "copy launched per tensor) took 7 ms for 2,188 tensors on this repo's 2-core CPU "
+            "(IdleFlatRollout.load_weights, nothing to copy); rounded up for a GPU's launches",
+        ),
+        (
+            "checksum_bytes_per_s",
+            "500 GB/s (assumed): bucket_checksum's few passes of 64-bit sums over HBM (3.35 TB/s "
+            "on an H100 SXM); unused in the fleet's scenarios, which run without checksums",
+        ),
     ),
 )
 """The fleet vLLM's sharded engine published on, so the numbers compare (docs/scale.md)."""

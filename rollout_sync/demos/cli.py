@@ -1,5 +1,6 @@
 """The ``rollout-sync`` command: ``rollout-sync demo`` runs the main job and prints a report;
-``rollout-sync plot`` draws a trace written earlier."""
+``rollout-sync plot`` draws a trace written earlier; ``rollout-sync plan`` chooses a weight-sync
+design for a model and a fleet (:mod:`rollout_sync.demos.plan_cli`)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from .distributed import (
     run_demo_under_torchrun,
     run_distributed_demo,
 )
+from .plan_cli import add_plan_parser, run_plan
 
 __all__ = ["main"]
 
@@ -248,6 +250,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="the picture (PNG; default: TRACE with the suffix .png)",
     )
     plot.add_argument("--dpi", type=int, default=PLOT_DPI, help=f"resolution (default {PLOT_DPI})")
+    add_plan_parser(commands)
     return parser
 
 
@@ -682,6 +685,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_demo(args, argv)
     if args.command == "plot":
         return _run_plot(args)
+    if args.command == "plan":
+        return run_plan(args)
     raise AssertionError(f"unhandled command {args.command!r}")
 
 
