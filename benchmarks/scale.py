@@ -13,8 +13,10 @@ link time dominates the two shared cores):
 2. **The grid.** Real syncs, the production code with only its collectives and sends paced:
    one source (P2R, then R2R) and the pipelined relay (``relay()``), a trainer rank (rank 0)
    and replicas of one rank (ranks 1-3), :class:`~rollout_sync.WeightTransfer` s; and the
-   sharded two-hop design, a :class:`~rollout_sync.transfer.ShardedTransfer` P2R with
-   ``relay()`` (not pipelined) into the R2R transfer of each rank position, in two shapes:
+   sharded designs, a :class:`~rollout_sync.transfer.ShardedTransfer` P2R with ``relay()`` into
+   the R2R transfer of each rank position: the two-hop relay (receive whole, then send) and the
+   pipelined one (``pipelined_relay=True``: each bucket passed on as its tensors arrive,
+   two-phase), the two-hop in two shapes, the pipelined in the first:
    balanced, two trainer ranks (0 and 1, each holding half of every tensor, as FSDP does) into
    replicas of two tensor-parallel ranks (ranks 2-7, tensors cut alternately column- and
    row-parallel, so each trainer rank sends to both ranks of the first replica); and
@@ -81,11 +83,16 @@ from rollout_sync.testing.emulated_nic import (
 from rollout_sync.transfer import Layout, TransferPlan, WeightManifest
 from rollout_sync.weights import check_weights_match
 
-GRID_TOPOLOGIES = (Topology.ONE_SOURCE, Topology.PIPELINED_RELAY, Topology.SHARDED_TWO_HOP)
-"""The topologies of the grid: each at every rate, 2 and 3 replicas, staged and in place.
-``Topology.SHARDED_PIPELINED`` joins them once it is implemented: its cells are built as the
-sharded two-hop's (:data:`SHARDED_TOPOLOGIES`), its P2R a ``ShardedTransfer`` with
-``pipelined_relay=True`` (:data:`SHARDED_OPTIONS`), driven by the same ``relay()``."""
+GRID_TOPOLOGIES = (
+    Topology.ONE_SOURCE,
+    Topology.PIPELINED_RELAY,
+    Topology.SHARDED_TWO_HOP,
+    Topology.SHARDED_PIPELINED,
+)
+"""The topologies of the grid: each at every rate, 2 and 3 replicas, staged and in place. The
+sharded pipelined relay's cells are built as the sharded two-hop's (:data:`SHARDED_TOPOLOGIES`),
+its P2R a ``ShardedTransfer`` with ``pipelined_relay=True`` (:data:`SHARDED_OPTIONS`), driven by
+the same ``relay()``."""
 IMPLEMENTED = tuple(t for t in GRID_TOPOLOGIES if t.implemented)
 SHARDED_TOPOLOGIES = (Topology.SHARDED_TWO_HOP, Topology.SHARDED_PIPELINED)
 SHARDED_OPTIONS: dict[Topology, dict[str, Any]] = {
@@ -490,6 +497,10 @@ def _scenario(args: argparse.Namespace, result: dict[str, Any], cell: Cell) -> S
         trainer_ranks=cell.trainer_ranks,
         gpus_per_replica=cell.shape.tp if sharded else 1,
         tensors_per_gpu=args.tensors if sharded else None,
+        # Both shapes cut every tensor along other dimensions on the two sides (the trainer's
+        # rows; the replicas' columns, or whole): every replica rank takes regions from every
+        # trainer rank.
+        sources_per_gpu=cell.trainer_ranks if sharded else None,
         trainer_packs=True,
         replica_copies=cell.staged,
         broadcast=BROADCAST,
@@ -757,7 +768,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{e.design + mark:<{design_width}}{e.refit_s:>9.3g}{e.stall_s:>9.3g}"
             f"{e.busiest_link_bytes / 1e9:>12.4g}  {_where(e)}"
         )
-    print("* modelled, not implemented (the sharded relay is not pipelined)")
+    if any(not e.implemented for e in estimates):
+        print("* modelled, not implemented")
 
     def fleet_row(topology: Topology, staged: bool) -> RefitEstimate:
         return next(e for e in estimates if e.topology is topology and e.scenario.staged == staged)
@@ -784,9 +796,9 @@ def main(argv: list[str] | None = None) -> int:
     sizes = _by_size(fleet)
     print(
         f"\nby model size (bf16, 4 replicas, the fleet's links and costs; refit in place "
-        f"unless said, s; '*' modelled, not implemented)\n{'params':>8}{'GB':>7}"
+        f"unless said, s)\n{'params':>8}{'GB':>7}"
         f"{'GPUs/rep':>9}{'one source':>11}{'relay':>8}{'relay staged stall':>19}"
-        f"{'sharded 2-hop':>14}{'2-hop staged':>13}{'sharded pipelined*':>19}{'light':>7}"
+        f"{'sharded 2-hop':>14}{'2-hop staged':>13}{'sharded pipelined':>19}{'light':>7}"
     )
     for row in sizes:
         print(
@@ -805,15 +817,16 @@ def main(argv: list[str] | None = None) -> int:
         f"best implemented design ({best.design}): refit {best.refit_s:.3g} s (first bar "
         f"<= 5 s: {'met' if first_bar else 'NOT met'}), stall {best.stall_s:.3g} s; staged: "
         f"refit {best_staged.refit_s:.3g} s, stall {best_staged.stall_s:.3g} s; one source "
-        f"{one_source.refit_s:.3g} s; pipelining the sharded relay would make it "
-        f"{pipelined.refit_s:.3g} s (modelled)"
+        f"{one_source.refit_s:.3g} s; the sharded two-hop (not pipelined) "
+        f"{fleet_row(Topology.SHARDED_TWO_HOP, staged=False).refit_s:.3g} s"
     )
 
     wall = time.perf_counter() - started
     summary = {
         "max_prediction_error": round(max_error, 4),
         "max_prediction_error_of": f"refit, |predicted - measured| / measured, {len(rows)} cells "
-        f"(one source, pipelined relay, sharded two-hop: {BALANCED.name} and {UNBALANCED.name})",
+        f"(one source, pipelined relay, sharded two-hop and sharded pipelined: {BALANCED.name}; "
+        f"sharded two-hop: {UNBALANCED.name})",
         "max_prediction_error_unbalanced": round(max_unbalanced_error, 4),
         "grid_broadcast": BROADCAST.value,
         "emulated_speedup": round(min(speedups.values()), 3),
@@ -822,9 +835,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{r:g}": round(v, 3) for r, v in predicted_speedups.items()
         },
         "emulated_speedup_best_topology": {f"{r:g}": t.value for r, t in best_by_rate.items()},
-        "emulated_speedup_compares": "the best implemented topology (measured; sharded_two_hop: "
-        "2 trainer ranks, replicas of 2 ranks) / one source (P2R then R2R from a single trainer "
-        "rank, the whole model), 3 replicas, in place, emulated NIC",
+        "emulated_speedup_compares": "the best implemented topology (measured; the sharded "
+        "ones: 2 trainer ranks, replicas of 2 ranks) / one source (P2R then R2R from a single "
+        "trainer rank, the whole model), 3 replicas, in place, emulated NIC",
         "emulated_speedup_pipelined_relay": {
             f"{r:g}": round(v, 3) for r, v in relay_speedups.items()
         },
@@ -838,6 +851,10 @@ def main(argv: list[str] | None = None) -> int:
         "fleet_1t_pipelined_relay_refit_s": round(relay.refit_s, 3),
         "fleet_1t_pipelined_relay_staged_refit_s": round(relay_staged.refit_s, 3),
         "fleet_1t_pipelined_relay_staged_stall_s": round(relay_staged.stall_s, 3),
+        "fleet_1t_sharded_pipelined_refit_s": round(pipelined.refit_s, 3),
+        "fleet_1t_sharded_two_hop_refit_s": round(
+            fleet_row(Topology.SHARDED_TWO_HOP, staged=False).refit_s, 3
+        ),
         "fleet_1t_sharded_pipelined_refit_s_modelled": round(pipelined.refit_s, 3),
         "fleet_1t_sharded_pipelined_staged_refit_s_modelled": round(pipelined_staged.refit_s, 3),
         "fleet_1t_sharded_pipelined_staged_stall_s_modelled": round(pipelined_staged.stall_s, 3),

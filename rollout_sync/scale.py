@@ -79,6 +79,7 @@ __all__ = [
     "Topology",
     "estimate",
     "pipeline",
+    "tree_depth",
 ]
 
 
@@ -262,6 +263,18 @@ class Scenario:
     """How every broadcast of the sync runs (:class:`Broadcast`): NCCL's chain by default;
     ``Broadcast.GLOO`` (or ``"gloo"``) for gloo's binomial tree, where an R2R broadcast to
     ``n`` replicas costs the source ``ceil(log2 n)`` copies."""
+    sources_per_gpu: int | None = None
+    """Sharded topologies: the trainer ranks whose shards each replica GPU takes regions from
+    (all of them when the two sides cut tensors along different dimensions, as FSDP's rows and
+    tensor parallelism's columns). A pipelined sharded relay passes a bucket on once its
+    tensors have arrived from every one of them, so it forwards in granules of that many
+    buckets. ``None``: ``ceil(trainer_ranks / gpus_per_replica)``, the fewest that cover a
+    GPU's shard."""
+    fanout: int | None = None
+    """The sharded two-hop design's R2R as a relay tree
+    (``build_sharded_sync_groups(..., fanout=f)``): each replica passes each bucket on to its
+    ``f`` children as it arrives, level after level (:func:`tree_depth` levels). ``None``: one
+    broadcast from the first replica."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.broadcast, Broadcast):
@@ -282,6 +295,17 @@ class Scenario:
             raise ValueError(f"Scenario.manifest_bytes must be >= 0, got {self.manifest_bytes}")
         if self.tensors_per_gpu is not None and self.tensors_per_gpu < 1:
             raise ValueError(f"Scenario.tensors_per_gpu must be >= 1, got {self.tensors_per_gpu}")
+        if self.sources_per_gpu is not None and self.sources_per_gpu < 1:
+            raise ValueError(f"Scenario.sources_per_gpu must be >= 1, got {self.sources_per_gpu}")
+        if self.fanout is not None and self.fanout < 1:
+            raise ValueError(f"Scenario.fanout must be >= 1 (or None), got {self.fanout}")
+
+    @property
+    def gpu_sources(self) -> int:
+        """:attr:`sources_per_gpu`, or its default."""
+        if self.sources_per_gpu is not None:
+            return self.sources_per_gpu
+        return min(self.trainer_ranks, math.ceil(self.trainer_ranks / self.gpus_per_replica))
 
     @property
     def gpu_tensors(self) -> int:
@@ -451,9 +475,7 @@ def estimate(
         if topology is Topology.SHARDED_TWO_HOP:
             phases = _sharded_two_hop(shard, costs, first_link_bytes)
         else:
-            slow = per_gpu / first_link_bytes
-            first = Link(s.nic.rate_bytes_per_s * slow, s.nic.latency_s)
-            phases = _relayed(shard, costs, per_gpu, first, gather=None)
+            phases = _sharded_pipelined(shard, costs, first_link_bytes)
         # The first link's busier side, or the R2R source's copies of its GPU's shard.
         busiest = max(first_link_bytes, s.broadcast.copies(s.replicas) * per_gpu)
     else:
@@ -633,10 +655,90 @@ def _sharded_two_hop(shard: Scenario, costs: SyncCosts, first_link_bytes: int) -
     )
     if shard.replicas == 1:
         return _merge(p2r)
+    if shard.fanout is not None:
+        return _merge((*p2r, *_tree(shard, costs, shard.fanout)))
     r2r = _hop(
         shard, costs, "R2R link", packs=shard.replica_copies, gather=None, members=shard.replicas
     )
     return _merge((*p2r, *r2r))
+
+
+def tree_depth(replicas: int, fanout: int) -> int:
+    """The levels of R2R below the first replica in a relay tree of ``fanout`` children per
+    replica (a heap: replica ``j``'s parent is ``(j - 1) // fanout``)."""
+    depth, reached, level = 0, 1, 1
+    while reached < replicas:
+        level *= fanout
+        reached += level
+        depth += 1
+    return depth
+
+
+def _tree(s: Scenario, costs: SyncCosts, fanout: int) -> tuple[Phase, ...]:
+    """R2R as a relay tree: every bucket through one broadcast per level (a replica and its
+    ``fanout`` children: one copy from the parent on NCCL's chain, ``ceil(log2 (f + 1))`` on
+    gloo's tree), each inner replica passing it on as it arrives (a hand-off); each level's
+    manifest, validation and manifest vote before the first bucket (a relay passes the manifest
+    on before it votes), each level's commit vote after the last."""
+    depth = tree_depth(s.replicas, fanout)
+    members = min(fanout, s.replicas - 1) + 1
+    link = s.broadcast.link(s.nic, members)
+    stages = [*_source_stages(s, costs, "R2R link", packs=s.replica_copies, gather=None)]
+    for level in range(depth):
+        if level:
+            stages.append(Stage(f"hand-off {level}", per_bucket_s=costs.forward_s))
+        stages.append(Stage.link("R2R link" if not level else f"R2R link {level}", link))
+    stages += _receiver_stages(s, costs)
+    run = pipeline(stages, s.buckets())
+    wire = run.busy_at("R2R link")
+    control = depth * (_manifest(s, costs, link) + 2 * _control(s.nic, costs))
+    return (
+        Phase("control", control),
+        Phase("wire: R2R link", wire),
+        Phase("pipeline", run.finish_s - wire),
+    )
+
+
+def _sharded_pipelined(
+    shard: Scenario, costs: SyncCosts, first_link_bytes: int
+) -> tuple[Phase, ...]:
+    """The pipelined sharded relay, from one GPU's ``shard``
+    (``ShardedTransfer(pipelined_relay=True)``): the sharded P2R's own checks and plan vote,
+    the R2R manifest (validated by the others) and its vote, then every bucket through
+    [trainer's pack, the first link (its busiest side's ``first_link_bytes`` per GPU's shard,
+    so slowed by their ratio), the relay's unpack, its R2R pack, the R2R broadcast, the
+    receivers' stages], then, two-phase, in series: the R2R commit vote, the P2R commit vote
+    and the relay's verdict. With one replica, the sharded P2R alone."""
+    if shard.replicas == 1:
+        return _sharded_two_hop(shard, costs, first_link_bytes)
+    nbytes = shard.model_bytes
+    first = Link(shard.nic.rate_bytes_per_s * nbytes / first_link_bytes, shard.nic.latency_s)
+    # The relay forwards a bucket once its tensors arrived from every source of its GPU: in
+    # granules of that many buckets.
+    granule = replace(shard, bucket_bytes=shard.bucket_bytes * shard.gpu_sources)
+    r2r = shard.broadcast.link(shard.nic, shard.replicas)
+    control = costs.manifest_s_per_tensor * shard.tensors + _control(shard.nic, costs)
+    control += _manifest(shard, costs, r2r) + _control(shard.nic, costs)
+    stages = [
+        *_source_stages(shard, costs, "P2R link", packs=True, gather=None),
+        Stage.link("P2R link", first),
+        Stage("unpack at the relay", costs.copy_bytes_per_s),
+        Stage("hand-off", per_bucket_s=costs.forward_s),
+        *([Stage("pack at the relay", costs.copy_bytes_per_s)] if shard.replica_copies else []),
+        Stage.link("R2R link", r2r),
+        *_receiver_stages(shard, costs),
+    ]
+    run = pipeline(stages, granule.buckets(nbytes))
+    control += 2 * _control(shard.nic, costs) + _control(r2r, costs)
+    wire_name, wire = max(
+        (("P2R link", run.busy_at("P2R link")), ("R2R link", run.busy_at("R2R link"))),
+        key=lambda item: item[1],
+    )
+    return (
+        Phase("control", control),
+        Phase(f"wire: {wire_name}", wire),
+        Phase("pipeline", run.finish_s - wire),
+    )
 
 
 def _merge(phases: Sequence[Phase]) -> tuple[Phase, ...]:
@@ -684,10 +786,14 @@ class Fleet:
         pipelined relay) the trainer's one sending rank gathers each bucket from all trainer
         GPUs: the node's others over NVLink, the rest through its NIC, overlapped by bucket;
         the sharded ones need no gather."""
-        remote = (self.trainer_gpus - self.gpus_per_node) / self.trainer_gpus
+        ranks = self.trainer_gpus
+        # The sending rank's share of each bucket that crosses its NIC (the other nodes') and
+        # its NVLink (its own node's others); a path that carries nothing bounds nothing.
+        remote = max(0, ranks - self.gpus_per_node) / ranks
+        local = (min(ranks, self.gpus_per_node) - 1) / ranks
         gather_rate = min(
-            self.nic.rate_bytes_per_s / remote,
-            self.nvlink.rate_bytes_per_s / ((self.gpus_per_node - 1) / self.trainer_gpus),
+            self.nic.rate_bytes_per_s / remote if remote else math.inf,
+            self.nvlink.rate_bytes_per_s / local if local else math.inf,
         )
         return Scenario(
             model_bytes=self.model_bytes,

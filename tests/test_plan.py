@@ -157,28 +157,31 @@ def test_fits_is_the_memory_per_gpu_against_free_memory() -> None:
 def test_the_recommendation_is_among_the_implemented_designs_that_fit() -> None:
     plan = _json(FLEET_70B_ARGV)
     chosen = _by_name(plan)[plan["recommended"]]
-    assert plan["recommended"] == "sharded_two_hop, in place"
+    assert plan["recommended"] == "sharded_pipelined, in place"
     assert chosen["implemented"] and chosen["fits"]
     faster = [d for d in plan["designs"] if d["refit_s"] < chosen["refit_s"]]
-    assert faster and all(not d["implemented"] or not d["fits"] for d in faster)
-    assert "fit in 20 GB per GPU" in plan["reason"] and "modelled only" in plan["reason"]
-    # With room for a second copy, device staging takes 5.2% longer here: outside the 5%.
+    assert all(not d["implemented"] or not d["fits"] for d in faster)
+    assert "fit in 20 GB per GPU" in plan["reason"]
+    # 20 GB holds no second copy of a GPU's 35 GB: the staged-in-device designs do not fit.
+    assert not _by_name(plan)["sharded_pipelined, staged in device memory"]["fits"]
+    # With room for it, device staging takes 9% longer here (its install): outside the 5%.
     roomy = _json([*FLEET_70B_ARGV, "--free-memory", "40GB"])
-    assert roomy["recommended"] == "sharded_two_hop, in place"
+    assert roomy["recommended"] == "sharded_pipelined, in place"
 
 
-def test_a_staged_design_within_5_percent_of_the_refit_is_chosen_for_its_stall(
-    fleet_1t: dict[str, Any],
-) -> None:
-    designs = _by_name(fleet_1t)
-    fastest, staged = designs["sharded_two_hop, in place"], designs[fleet_1t["recommended"]]
-    assert fleet_1t["recommended"] == "sharded_two_hop, staged in device memory"
+def test_a_staged_design_within_5_percent_of_the_refit_is_chosen_for_its_stall() -> None:
+    # At 25 GB/s per NIC the 1T fleet's wire doubles, and device staging's install (0.09 s)
+    # is within 5% of the fastest refit, for a stall of 0.14 s instead of the whole transfer.
+    slow = _json([*FLEET_1T_ARGV[: FLEET_1T_ARGV.index("--nic")], "--nic", "25GB/s"])
+    designs = _by_name(slow)
+    fastest, staged = designs["sharded_pipelined, in place"], designs[slow["recommended"]]
+    assert slow["recommended"] == "sharded_pipelined, staged in device memory"
     assert (
         staged["refit_s"] <= 1.05 * fastest["refit_s"]
         and staged["stall_s"] < 0.1 * (fastest["stall_s"])
     )
-    assert "Within 5% of the fastest refit" in fleet_1t["reason"]
-    assert "memory not checked" in fleet_1t["reason"]  # no --free-memory: 62.6 GB per GPU
+    assert "Within 5% of the fastest refit" in slow["reason"]
+    assert "memory not checked" in slow["reason"]  # no --free-memory: 62.6 GB per GPU
 
 
 def test_without_room_for_anything_none_is_recommended() -> None:
@@ -188,13 +191,16 @@ def test_without_room_for_anything_none_is_recommended() -> None:
 
 
 def test_implemented_comes_from_the_topology(monkeypatch: pytest.MonkeyPatch) -> None:
-    """When SHARDED_PIPELINED lands, the plan recommends it without a change here."""
+    """A topology the package does not run is modelled only, and never recommended."""
+    after = _json(FLEET_70B_ARGV)
+    assert all(d["implemented"] for d in after["designs"] if not d["delta"])
+    monkeypatch.setattr(
+        Topology, "implemented", property(lambda self: self is not Topology.SHARDED_PIPELINED)
+    )
     before = _json(FLEET_70B_ARGV)
     assert not _by_name(before)["sharded_pipelined, in place"]["implemented"]
-    monkeypatch.setattr(Topology, "implemented", property(lambda self: True))
-    after = _json(FLEET_70B_ARGV)
-    assert all(d["implemented"] for d in after["designs"])
-    assert after["recommended"] == "sharded_pipelined, in place"
+    assert before["recommended"] == "sharded_two_hop, in place"
+    assert "modelled only" in before["reason"]
 
 
 def test_delta_designs_are_modelled_only_and_never_recommended() -> None:

@@ -16,6 +16,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -499,3 +500,31 @@ def test_every_key_the_benchmark_prints_is_listed_in_the_docs() -> None:
     assert len(keys) == len(summary.keys) and "max_prediction_error" in keys
     documented = set(re.findall(r"`([a-z0-9_]+)`", (ROOT / "docs" / "scale.md").read_text()))
     assert sorted(keys - documented) == []
+
+
+def test_a_relay_tree_is_predicted_level_by_level() -> None:
+    """``Scenario.fanout``: the sharded two-hop's R2R as a relay tree, each level a broadcast
+    to a replica's children, pipelined; as wide as the fleet it is the one broadcast."""
+    from rollout_sync.scale import tree_depth
+
+    assert [tree_depth(7, f) for f in (1, 2, 3, 6)] == [6, 2, 2, 1]
+    assert tree_depth(1, 2) == 0
+    base = Scenario(
+        model_bytes=10**9,
+        bucket_bytes=10**7,
+        replicas=7,
+        nic=Link(1e9, 1e-3),
+        trainer_ranks=2,
+        gpus_per_replica=2,
+    )
+    flat = estimate(Topology.SHARDED_TWO_HOP, base)
+    wide = estimate(Topology.SHARDED_TWO_HOP, replace(base, fanout=6))
+    assert wide.refit_s == pytest.approx(flat.refit_s)
+    chain = estimate(Topology.SHARDED_TWO_HOP, replace(base, fanout=1))
+    # Six levels: the R2R wire once (pipelined), each level a bucket, a latency and its own
+    # manifest and votes more.
+    extra = chain.refit_s - flat.refit_s
+    per_level = 10**7 / 1e9 + 1e-3 + 4 * 1e-3  # a bucket, a latency; header, manifest, 2 votes
+    assert extra == pytest.approx(5 * per_level, rel=0.05)
+    with pytest.raises(ValueError, match="fanout"):
+        replace(base, fanout=0)

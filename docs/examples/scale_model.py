@@ -25,7 +25,7 @@ for topology in Topology:
 
 relay = estimate(Topology.PIPELINED_RELAY, scenario, costs)
 sharded = estimate(Topology.SHARDED, scenario, costs)
-assert relay.implemented and not sharded.implemented
+assert relay.implemented and sharded.implemented  # ShardedTransfer(pipelined_relay=True)
 # One source's NIC carries the whole model; sharded, each replica GPU takes a quarter.
 assert relay.busiest_link_bytes == 4 * sharded.busiest_link_bytes
 assert relay.refit_s > 140e9 / 50e9 > sharded.refit_s

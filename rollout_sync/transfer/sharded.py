@@ -195,12 +195,20 @@ def _check_coverage(
         )
 
 
-def _interleave(queues: Mapping[int, Sequence[_Bucket]]) -> list[tuple[int, _Bucket]]:
-    """Buckets round-robin over peers (in peer order): each peer's first, then each one's second."""
+def _interleave(
+    queues: Mapping[int, Sequence[_Bucket]], first: int = 0
+) -> list[tuple[int, _Bucket]]:
+    """Buckets round-robin over peers (in peer order, starting at the ``first``-th): each
+    peer's first, then each one's second. Source ranks start at their own index, so that they
+    do not all send to the same target rank at once (its ingress would take them in turn)."""
     order = []
     depth = max((len(q) for q in queues.values()), default=0)
+    peers = sorted(queues)
+    if peers:
+        start = first % len(peers)
+        peers = peers[start:] + peers[:start]
     for k in range(depth):
-        for peer in sorted(queues):
+        for peer in peers:
             if k < len(queues[peer]):
                 order.append((peer, queues[peer][k]))
     return order
@@ -456,7 +464,7 @@ class ShardedTransfer:
             size = max(self._largest.values(), default=0)
             self._buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in "ab"]
         in_flight: deque[tuple[dist.Work | None, str]] = deque()
-        for k, (target, bucket) in enumerate(_interleave(self._queues)):
+        for k, (target, bucket) in enumerate(_interleave(self._queues, self.index)):
             if len(in_flight) == 2:
                 self._wait(*in_flight.popleft(), version, 0)
             buffer = self._buffers[k % 2][: bucket.wire_bytes]
