@@ -20,7 +20,9 @@ from rollout_sync.demos.cli import main  # noqa: E402
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
 
 
-@pytest.mark.parametrize("flags", [[], ["--staged"], ["--lora"]], ids=["sync", "staged", "lora"])
+# The sync mode's run is the learning test's below (every check of the job, in sync mode, with
+# the trainer learning): one engine start fewer.
+@pytest.mark.parametrize("flags", [["--staged"], ["--lora"]], ids=["staged", "lora"])
 def test_the_multi_process_vllm_demo_reports_a_clean_guarded_run(
     flags: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -47,7 +49,7 @@ def test_the_multi_process_vllm_demo_reports_a_clean_guarded_run(
     assert report["rollout_staleness_max"] >= report["rollout_staleness_p50"] >= 0
     assert "OK:" in out
     assert report["sync_mode"] == ("staged" if flags == ["--staged"] else "sync")
-    if flags:
+    if flags:  # every case
         # Staged (the model's weights) or an adapter (always staged): generation is parked
         # for the install into the engine only, not for the wire.
         assert report["stall_ms_p50"] < report["sync_ms_p50"]
@@ -55,3 +57,26 @@ def test_the_multi_process_vllm_demo_reports_a_clean_guarded_run(
         # Only the adapter moved, and what every replica served of it is the trainer's.
         assert report["lora"] and 0 < report["adapter_mb"] < report["model_mb"] / 4
         assert report["bytes_per_sync"] == pytest.approx(report["adapter_mb"] * 1e6)
+
+
+def test_demo_learn_on_vllm_learns_from_the_replicas_rollouts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`rollout-sync demo --learn --backend vllm`, as documented: the trainer's fp32 Llama
+    master learns from the rollouts two bf16 vLLM replicas generated in flight (each token's
+    log-probability after temperature, vLLM's processed_logprobs); every check of the job
+    holds and the reward climbs in the default 40 steps (~70 s, two engine starts included)."""
+    assert main(["demo", "--learn", "--backend", "vllm", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (report["backend"], report["replicas"], report["steps"]) == ("vllm", 2, 40)
+    assert report["torn_reads"] == 0 and report["bit_identical"] is True
+    assert report["payloads_lost"] == 0 and report["failed_commands"] == 0
+    assert report["rollouts_invalid"] == 0 and report["results_failed"] == 0
+    chance = 8 / 512
+    assert report["reward_last"] >= max(3 * chance, report["reward_first"] + 0.2)
+    assert report["staleness_p99"] <= 4  # --max-staleness's default: older was dropped
+    # The replicas' behaviour log-probabilities (bf16, after temperature) and the fp32
+    # master's agree: the ratios sit at 1, apart from staleness.
+    assert abs(report["importance_weight_p50"] - 1) < 0.05
+    assert math.isfinite(report["importance_weight_p99"]) and report["clipped_fraction"] < 0.1
+    assert report["tokens_per_s"] > 0 and 0 <= report["replica_idle_fraction"] < 1

@@ -227,6 +227,8 @@ def test_a_registration_is_checked_when_it_is_made(toy: ToyRegistration) -> None
         register_engine("toy2", toy.factory, default_replicas=0)
     with pytest.raises(TypeError, match="the factory must be callable"):
         register_engine("toy2", cast(Any, "not a factory"))
+    with pytest.raises(TypeError, match="learner must be callable"):
+        register_engine("toy2", toy.factory, learner=cast(Any, "not a learner"))
     assert "toy2" not in registered_engines()
     assert repr(registered_engine(TOY)) == (
         "<RegisteredEngine 'toy': staged, sync; 5 replicas; local only; starts within 7 s; "

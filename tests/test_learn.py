@@ -132,6 +132,35 @@ def test_the_learner_weighs_by_the_behaviour_logprobs_it_was_sent() -> None:
         assert torch.equal(learner.served[name], param.detach().to(torch.bfloat16))
 
 
+def test_the_learner_trains_a_transformers_llama_master_served_in_the_checkpoints_names() -> None:
+    """The vLLM replicas' model: a float32 LlamaForCausalLM master behind CausalLMPolicy, its
+    tokens' log-probabilities those of a plain forward, its served copy named like the
+    checkpoint vLLM loads and cast to bf16."""
+    pytest.importorskip("transformers")
+    from rollout_sync.learn.models import CausalLMPolicy
+    from rollout_sync.testing.tiny_llama import TINY_LLAMA, tiny_llama
+
+    task = TokenSetTask(vocab_size=int(TINY_LLAMA["vocab_size"]))
+    policy = CausalLMPolicy(tiny_llama(seed=0, std=0.02))
+    learner = PolicyLearner(policy, task=task, lr=5e-3, temperature=0.5)
+    prompts, completions = [(0, 9, 9), (1, 9, 9)], [(64, 65, 300), (72, 2, 1)]
+    current, mask = sequence_logprobs(policy, prompts, completions, temperature=0.5)
+    with torch.no_grad():
+        logits = policy.module(torch.tensor([prompts[0] + completions[0]])).logits[0, 2:5]
+    plain = torch.log_softmax(logits / 0.5, -1).gather(1, torch.tensor([[64], [65], [300]]))
+    assert torch.allclose(current[0].detach(), plain.squeeze(1), atol=1e-5) and bool(mask.all())
+    assert set(learner.served) == set(tiny_llama().state_dict())
+    assert {t.dtype for t in learner.served.values()} == {torch.bfloat16}
+    group = [
+        Rollout("g", p, c, current[i].detach() - 0.1, torch.zeros(3, dtype=torch.int64))
+        for i, (p, c) in enumerate(zip(prompts, completions, strict=True))
+    ]
+    step = learner.step([group])
+    assert step.reward == pytest.approx((2 / 3 + 1 / 3) / 2) and 0 < step.changed_fraction <= 1
+    with pytest.raises(ValueError, match="master is float32"):
+        CausalLMPolicy(tiny_llama().to(torch.bfloat16))
+
+
 def test_a_policy_learns_the_task_and_a_frozen_one_on_the_same_seed_does_not() -> None:
     def learnt(lr: float) -> tuple[float, float]:
         history = learn_in_process(LearnConfig(lr=lr), 30, seed=0)
@@ -173,7 +202,10 @@ def test_demo_learn_learns_from_the_replicas_rollouts_in_flight(
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--learn", "--backend", "vllm"], "--backend vllm is not learnt"),
+        (
+            ["--learn", "--backend", "torn_read"],
+            "torn_read has none: use --backend torch_lm or vllm",
+        ),
         (["--learn", "--in-process"], "drop --in-process"),
         (["--learn", "--lora"], "drop --lora"),
         (["--learn", "--trainer-ranks", "2"], "one fp32 master on one rank"),

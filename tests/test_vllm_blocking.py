@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 import pytest
+import torch
 from vllm_helpers import (  # first: it sets the environment vLLM reads at import
     NO_FORWARD_DURING,
     World,
@@ -23,6 +24,7 @@ pytest.importorskip("transformers")
 from rollout_sync import SpanKind
 from rollout_sync.backends.vllm import KVCachePolicy, VLLMBlockingBackend, greedy_params
 from rollout_sync.backends.vllm.client import GuardedWeightSyncClient, LLMWeightSyncClient
+from rollout_sync.testing.tiny_llama import tiny_llama
 from rollout_sync.trace import find_overlaps
 
 pytestmark = pytest.mark.vllm
@@ -38,6 +40,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World[VLLMBlocki
         tmp_path_factory.mktemp("tiny_llama_blocking"),
         model_seed=3,
         weights_seed=2000,
+        # Sampled tokens' log-probabilities after temperature (the greedy tests ask for none).
+        logprobs_mode="processed_logprobs",
     ) as w:
         yield w
 
@@ -58,6 +62,35 @@ def _sync_at_step(world: World, step: int, action: Callable[[], None]) -> Callab
 @pytest.mark.timeout(120)
 def test_greedy_output_equals_transformers(world: World) -> None:
     check_greedy_output_equals_transformers(world)
+
+
+@pytest.mark.timeout(120)
+def test_sampled_tokens_carry_their_log_probabilities_after_temperature(world: World) -> None:
+    """``processed_logprobs``: each sampled token's log-probability is ``log_softmax(logits /
+    T)`` of a transformers forward of the same weights; at ``T != 1`` the raw ones differ."""
+    from vllm import SamplingParams
+
+    version = world.sync()
+    reference = tiny_llama()
+    reference.load_state_dict(dict(world.weights_of(version)))
+    temperature, prompts = 1.7, [[1, 5, 9, 33, 7], [3, 4, 5]]
+    params = SamplingParams(
+        temperature=temperature, max_tokens=12, logprobs=0, seed=7, ignore_eos=True
+    )
+    results = world.backend.generate(prompts, params, timeout=60)
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.ok and len(result.token_logprobs) == len(result.token_ids) == 12
+        with torch.no_grad():
+            ids = torch.tensor([prompt + list(result.token_ids)])
+            logits = reference(ids).logits[0, len(prompt) - 1 : -1]
+        sampled = torch.tensor(result.token_ids).unsqueeze(1)
+        processed = torch.log_softmax(logits / temperature, -1).gather(1, sampled).squeeze(1)
+        raw = torch.log_softmax(logits, -1).gather(1, sampled).squeeze(1)
+        got = torch.tensor(result.token_logprobs)
+        assert torch.allclose(got, processed, atol=1e-3), (got, processed)
+        assert (got - raw).abs().max() > 0.05
+    # A request that asks for none gets none.
+    assert world.backend.generate([[3, 4, 5]], greedy_params(4))[0].token_logprobs == ()
 
 
 def _generate_through_a_step_hook_sync(world: World) -> tuple[list[int], list[int], int, int]:

@@ -400,11 +400,46 @@ def test_version_history_dates_a_timestamp() -> None:
     assert history.at(19.0) == 1 and history.at(20.0) == 3
 
 
-def _output(tokens: list[int], reason: str | None, metrics: object = None) -> SimpleNamespace:
+def _output(
+    tokens: list[int], reason: str | None, metrics: object = None, logprobs: object = None
+) -> SimpleNamespace:
     """The parts of a vLLM ``RequestOutput`` the backend reads."""
     return SimpleNamespace(
-        outputs=[SimpleNamespace(token_ids=tokens, finish_reason=reason)], metrics=metrics
+        outputs=[SimpleNamespace(token_ids=tokens, finish_reason=reason, logprobs=logprobs)],
+        metrics=metrics,
     )
+
+
+def test_a_result_carries_each_sampled_tokens_logprob_or_says_it_is_missing() -> None:
+    def position(sampled: int, logprob: float) -> dict[int, SimpleNamespace]:
+        # logprobs=0: the sampled token; a larger logprobs adds the top ones beside it.
+        return {sampled: SimpleNamespace(logprob=logprob), 99: SimpleNamespace(logprob=-0.1)}
+
+    request = VLLMRequest("r", [1, 2], VersionHistory())
+    request._update(_output([5], None, logprobs=[position(5, -1.5)]))
+    request._update(_output([5, 6], "length", logprobs=[position(5, -1.5), position(6, -0.25)]))
+    request._complete(None)
+    result = request.result(timeout=1)
+    assert result.token_logprobs == (-1.5, -0.25) and result.ok
+    unasked = VLLMRequest("u", [1], VersionHistory())
+    unasked._update(_output([3], "length"))
+    unasked._complete(None)
+    assert unasked.result(timeout=1).token_logprobs == ()
+    short = VLLMRequest("s", [1], VersionHistory())
+    short._update(_output([3, 4], "length", logprobs=[position(3, -2.0)]))
+    short._complete(None)
+    broken = short.result(timeout=1)
+    assert not broken.ok and "no logprob" in str(broken.error)
+
+
+def test_an_engine_config_reports_the_logprobs_it_is_asked_for(tmp_path: Path) -> None:
+    assert VLLMEngineConfig(tmp_path).to_engine_kwargs()["logprobs_mode"] == "raw_logprobs"
+    processed = VLLMEngineConfig(tmp_path, logprobs_mode="processed_logprobs")
+    assert processed.to_engine_kwargs()["logprobs_mode"] == "processed_logprobs"
+    with pytest.raises(ValueError, match="logprobs_mode must be one of"):
+        VLLMEngineConfig(tmp_path, logprobs_mode="raw_logits")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="pass it as logprobs_mode= only"):
+        VLLMEngineConfig(tmp_path, engine_kwargs={"logprobs_mode": "processed_logprobs"})
 
 
 def test_results_are_dated_by_the_engine_timestamps() -> None:

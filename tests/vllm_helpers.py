@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import torch
 
@@ -140,9 +140,11 @@ def running_world(
     model_seed: int,
     weights_seed: int,
     first_sync: Callable[[World[B]], None] | None = None,
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs",
     **backend_kwargs: Any,
 ) -> Iterator[World[B]]:
-    """A tiny random Llama (float32) in ``model_dir``, served by ``backend_class``.
+    """A tiny random Llama (float32) in ``model_dir``, served by ``backend_class`` (reporting
+    log-probabilities in ``logprobs_mode``).
 
     The engine starts lazily in a first guarded sync (``first_sync`` runs inside it, after the
     start) and is shut down when the ``with`` block ends.
@@ -154,6 +156,7 @@ def running_world(
             model_dir,
             dtype="float32",
             kv_cache_memory_bytes=64 << 20,
+            logprobs_mode=logprobs_mode,
             # The production extension plus a stall RPC, for the pause-timeout test.
             engine_kwargs={"worker_extension_cls": STALLING_WORKER_EXTENSION},
         ),

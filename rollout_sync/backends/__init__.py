@@ -32,8 +32,8 @@ whole registration), :func:`engine_factory` (its factory alone) and :func:`regis
   to know without building the engine: the sync modes it runs, how long it takes to start,
   whether it starts processes of its own, the default replica count, the launchers that can
   place it, what it needs installed (``requires``), the trainer's weights in the engine's
-  names (``trainer_model``), the LoRA adapter it serves (``adapter``) and its one-process demo
-  (``in_process``).
+  names (``trainer_model``), the LoRA adapter it serves (``adapter``), what the learning job
+  trains on it (``learner``) and its one-process demo (``in_process``).
 
 Registering imports nothing: the factory (and every callable of the registration) may import
 its engine's modules when it is called, which is how the demo registers ``vllm`` without
@@ -51,7 +51,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -67,6 +67,9 @@ from .torch_lm import TorchLMStatistics as TorchLMStatistics
 from .torch_lm import TorchLMStreamBackend as TorchLMStreamBackend
 from .torch_lm import tiny_lm_weights as tiny_lm_weights
 
+if TYPE_CHECKING:  # rollout_sync.learn builds on this package: no import at run time
+    from ..learn.models import LearnerModel
+
 __all__ = [
     "LAUNCHERS",
     "AdapterModel",
@@ -75,6 +78,7 @@ __all__ = [
     "EngineRequest",
     "InProcessRequest",
     "InProcessRun",
+    "LearnerFactory",
     "RegisteredEngine",
     "TinyCausalLM",
     "TinyLMConfig",
@@ -142,6 +146,14 @@ AdapterModel = Callable[[Any], tuple[LoRAConfig, dict[str, tuple[int, int]]]]
 of its target modules (what :func:`~rollout_sync.lora.random_adapter` draws a set from)."""
 
 
+LearnerFactory = Callable[[Any], "LearnerModel"]
+"""``learner(config)``: what the learning job (``rollout-sync demo --learn``) trains on this
+engine, a :class:`~rollout_sync.learn.models.LearnerModel`: how to build the trainer's float32
+master with the weights the replicas start from, the dtype they serve, the vocabulary and
+context, the default learning rate. Called before anything starts (it must not build the
+model: its ``build`` does, in the trainer's process)."""
+
+
 @dataclass(frozen=True)
 class InProcessRequest:
     """What an engine's one-process demo receives (``rollout-sync demo --in-process``)."""
@@ -190,6 +202,11 @@ class RegisteredEngine:
     ``"ray"``, ``"torchrun"``); ``None``: any."""
     adapter: AdapterModel | None = None
     """The LoRA adapter the engine serves (``--lora``); ``None``: it serves none."""
+    learner: LearnerFactory | None = None
+    """What the learning job trains on this engine (:data:`LearnerFactory`); ``None``: the
+    learning job does not run on it (``--learn`` refuses it, naming the engines that have one).
+    An engine with a learner builds its replicas for the learning job when the job's config
+    asks (the demo's: ``config.learn``): fed the task's prompts, shipping rollouts."""
     requires: Callable[[], object] | None = None
     """Raises an :class:`ImportError` whose message says what to install when the engine
     cannot run here (vLLM's: :func:`~rollout_sync.backends.vllm.require_vllm`, whose error is
@@ -207,6 +224,8 @@ class RegisteredEngine:
             )
         if not callable(self.factory):
             raise TypeError(f"{where}: the factory must be callable, not {self.factory!r}")
+        if self.learner is not None and not callable(self.learner):
+            raise TypeError(f"{where}: learner must be callable or None, not {self.learner!r}")
         if not self.modes or not all(isinstance(m, SyncMode) for m in self.modes):
             raise ValueError(f"{where}: modes must be one or more SyncMode, not {self.modes!r}")
         if not (math.isfinite(self.start_s) and self.start_s >= 0):
@@ -233,6 +252,7 @@ class RegisteredEngine:
             ("starts processes", self.starts_processes),
             ("trainer model", self.trainer_model is not None),
             ("lora", self.adapter is not None),
+            ("learner", self.learner is not None),
             ("requires", self.requires is not None),
             ("in-process", self.in_process is not None),
         )
@@ -266,6 +286,7 @@ def register_engine(
     default_replicas: int = 3,
     launchers: Iterable[str] | None = None,
     adapter: AdapterModel | None = None,
+    learner: LearnerFactory | None = None,
     requires: Callable[[], object] | None = None,
     in_process: InProcessRun | None = None,
     replace: bool = False,
@@ -292,6 +313,7 @@ def register_engine(
         default_replicas=default_replicas,
         launchers=None if launchers is None else tuple(launchers),
         adapter=adapter,
+        learner=learner,
         requires=requires,
         in_process=in_process,
     )

@@ -5,6 +5,7 @@ design for a model and a fleet (:mod:`rollout_sync.demos.plan_cli`)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -21,7 +22,7 @@ import torch
 from ..backends import InProcessRequest, RegisteredEngine, registered_engine, registered_engines
 from ..backends.torch_lm import TinyLMConfig
 from ..errors import MatplotlibUnavailableError
-from ..learn import LearnConfig
+from ..learn import LearnConfig, TokenSetTask
 from ..sync.mode import SyncMode
 from ..trace import REPORT_METADATA_KEY, Timeline, read_chrome_trace
 from .distributed import (
@@ -34,6 +35,8 @@ from .distributed import (
     run_demo_under_torchrun,
     run_distributed_demo,
 )
+from .job import VLLM_LEARN_LR
+from .learning import learning_engines
 from .plan_cli import add_plan_parser, run_plan
 
 __all__ = ["main"]
@@ -123,14 +126,16 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--learn",
         action="store_true",
-        help="the trainer learns: it keeps an fp32 master of the tiny LM and takes an AdamW "
-        "step (GRPO advantages, truncated importance weights) each step on the rollouts the "
-        "replicas generated for a toy task with a verifiable reward and sent over the payload "
-        "transport; the replicas serve bfloat16. The report adds reward_first, reward_last, "
-        "reward_curve, staleness, importance weights, the changed fraction per sync, "
-        f"tokens_per_s and replica_idle_fraction. The default {LEARN_STEPS} steps take about "
-        "20 s on two cores. torch_lm, the plain job (one trainer rank, --tp 1), sync or "
-        "--staged, local, torchrun or ray (docs/learning.md)",
+        help="the trainer learns: it keeps an fp32 master of the replicas' model and takes an "
+        "AdamW step (GRPO advantages, truncated importance weights) each step on the rollouts "
+        "the replicas generated for a toy task with a verifiable reward and sent over the "
+        "payload transport; the replicas serve bfloat16. The report adds reward_first, "
+        "reward_last, reward_curve, staleness, importance weights, the changed fraction per "
+        f"sync, tokens_per_s and replica_idle_fraction. The default {LEARN_STEPS} steps take "
+        "about 20 s on two cores on torch_lm (the tiny torch LM; local, torchrun or ray), "
+        "about 70 s with --backend vllm (a tiny Llama on vLLM for CPU, serving bf16 with "
+        "vLLM's processed_logprobs, the log-probabilities after temperature; local). The "
+        "plain job (one trainer rank, --tp 1), sync or --staged (docs/learning.md)",
     )
     demo.add_argument(
         "--max-staleness",
@@ -144,8 +149,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "--lr",
         type=float,
         default=None,
-        help=f"with --learn: AdamW's learning rate (default {LearnConfig.lr:g}; 0 freezes the "
-        "policy)",
+        help=f"with --learn: AdamW's learning rate (default {LearnConfig.lr:g} on torch_lm, "
+        f"{VLLM_LEARN_LR:g} on vllm: what the engine's learner says; 0 freezes the policy)",
     )
     demo.add_argument(
         "--seed",
@@ -306,16 +311,9 @@ def _distributed_config(args: argparse.Namespace, mode: SyncMode) -> Distributed
     (:func:`~rollout_sync.demos.distributed.check_demo_config`); a bad one exits."""
     numel = max(1, int(args.model_mb * (1 << 20) / 4 / DistributedDemoConfig().num_tensors))
     start_s = _engine(args.backend).start_s
-    learn: LearnConfig | None = None
     model = TinyLMConfig()
     if args.learn:
-        learn = LearnConfig(
-            lr=LearnConfig.lr if args.lr is None else args.lr,
-            max_staleness=(
-                LearnConfig.max_staleness if args.max_staleness is None else args.max_staleness
-            ),
-        )
-        # The replicas serve bfloat16 from the trainer's fp32 master (docs/learning.md).
+        # torch_lm's replicas serve bfloat16 from the trainer's fp32 master (docs/learning.md).
         model = TinyLMConfig(dtype=torch.bfloat16, seed=args.seed)
     config = DistributedDemoConfig(
         replicas=args.replicas,
@@ -335,8 +333,9 @@ def _distributed_config(args: argparse.Namespace, mode: SyncMode) -> Distributed
         timeout_s=DistributedDemoConfig.timeout_s + start_s,
         seed=args.seed,
         model=model,
-        learn=learn,
     )
+    if args.learn:
+        config = dataclasses.replace(config, learn=_learn_config(args, config))
     try:
         check_demo_config(config)
     except ValueError as exc:
@@ -345,6 +344,21 @@ def _distributed_config(args: argparse.Namespace, mode: SyncMode) -> Distributed
         flags = "--learn, --backend, --mode" if args.learn else "--backend, --mode, --lora"
         raise SystemExit(f"{exc} (--replicas, --steps, {flags})") from None
     return config
+
+
+def _learn_config(args: argparse.Namespace, config: DistributedDemoConfig) -> LearnConfig:
+    """``--learn``'s settings on the config's engine: its learner's learning rate and a task
+    over its vocabulary, unless the command line says otherwise (an engine without a learner
+    gets the defaults, and the config's check refuses it)."""
+    learner = _engine(config.backend).learner
+    model = None if learner is None else learner(config)
+    return LearnConfig(
+        lr=args.lr if args.lr is not None else model.lr if model is not None else LearnConfig.lr,
+        max_staleness=(
+            LearnConfig.max_staleness if args.max_staleness is None else args.max_staleness
+        ),
+        task=TokenSetTask() if model is None else TokenSetTask(vocab_size=model.vocab_size),
+    )
 
 
 def _engine(name: str) -> RegisteredEngine:
@@ -398,10 +412,11 @@ def _refuse_learning_combinations(args: argparse.Namespace) -> None:
             f"--learn runs the multi-process demo with this package's trainer on the whole "
             f"model: drop {drop}"
         )
-    if args.backend not in (None, "torch_lm"):
+    if args.backend is not None and _engine(args.backend).learner is None:
         raise SystemExit(
-            f"--learn trains the tiny torch LM the torch_lm replicas serve; --backend "
-            f"{args.backend} is not learnt yet: drop --backend (docs/learning.md)"
+            f"--learn trains the model of an engine registered with a learner; --backend "
+            f"{args.backend} has none: use --backend {' or '.join(learning_engines())} "
+            "(docs/learning.md)"
         )
     if args.max_staleness is not None and args.max_staleness < 0:
         raise SystemExit(f"--max-staleness must be at least 0, not {args.max_staleness}")

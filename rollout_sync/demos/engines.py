@@ -10,6 +10,7 @@ imports: a replica looks its engine up in its own registry
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -24,6 +25,8 @@ from ..backends import (
 from ..backends.torch_lm import TinyCausalLM, tiny_lm_lora_shapes
 from ..backends.torch_lm.tensor_parallel import TensorParallel
 from ..backends.vllm import require_vllm
+from ..learn import LearnConfig
+from ..learn.models import LearnerModel, TinyLMPolicy
 from ..lora import LoRAConfig
 from ..payload import (
     PayloadSender,
@@ -107,6 +110,19 @@ def torch_lm_trainer(
     model = TinyCausalLM.build(config.model, seed=config.seed + _TRAINER_SEED)
     weights = {name: param.detach() for name, param in model.named_parameters()}
     return weights, drift_each_step(weights, seed=config.seed + _DRIFT_SEED)
+
+
+def torch_lm_learner(config: DistributedDemoConfig) -> LearnerModel:
+    """What ``--learn`` trains on ``torch_lm``: the tiny LM of ``config.model`` (its seed's
+    weights, which the replicas start from), served in ``config.model.dtype``."""
+    model = config.model
+    return LearnerModel(
+        build=partial(TinyLMPolicy.build, model),
+        served_dtype=model.dtype,
+        vocab_size=model.vocab_size,
+        max_seq_len=model.max_seq_len,
+        lr=LearnConfig.lr,
+    )
 
 
 def torch_lm_trainer_shards(
@@ -223,6 +239,12 @@ def _vllm_trainer(
     return vllm_trainer_model(config)
 
 
+def _vllm_learner(config: DistributedDemoConfig) -> LearnerModel:
+    from .vllm_replicas import vllm_learner_model
+
+    return vllm_learner_model(config)
+
+
 def _vllm_adapter(config: DistributedDemoConfig) -> tuple[LoRAConfig, dict[str, tuple[int, int]]]:
     from .vllm_replicas import vllm_adapter_model
 
@@ -244,6 +266,7 @@ register_engine(
     trainer_model=torch_lm_trainer,
     modes=(SyncMode.SYNC, SyncMode.STAGED),
     adapter=_torch_lm_adapter,
+    learner=torch_lm_learner,
     in_process=_stream_demo,
 )
 register_engine(
@@ -263,6 +286,7 @@ register_engine(
     default_replicas=2,
     launchers=("local",),
     adapter=_vllm_adapter,
+    learner=_vllm_learner,
     requires=require_vllm,
     in_process=_vllm_demo,
 )

@@ -34,6 +34,7 @@ from ..transfer.layout import Layout, region_of
 
 __all__ = [
     "DEMO_ADAPTER",
+    "VLLM_LEARN_LR",
     "VLLM_START_S",
     "DistributedDemoConfig",
     "build_engine",
@@ -97,10 +98,11 @@ class DistributedDemoConfig:
     lora_rank: int = 8
     """``lora``: the adapter's rank (its alpha is twice the rank)."""
     learn: LearnConfig | None = None
-    """The trainer learns (:mod:`rollout_sync.demos.learning`): an fp32 master of ``model``
-    and AdamW on the task's rollouts the replicas generate; it pushes ``model.dtype`` (give
-    ``model`` bfloat16 to serve bf16, as ``rollout-sync demo --learn`` does). torch_lm, the
-    plain job, sync or staged."""
+    """The trainer learns (:mod:`rollout_sync.demos.learning`): an fp32 master of the model the
+    engine's registration names (its ``learner``) and AdamW on the task's rollouts the replicas
+    generate. On torch_lm that is ``model`` and it pushes ``model.dtype`` (give ``model``
+    bfloat16 to serve bf16, as ``rollout-sync demo --learn`` does); on vllm the tiny Llama,
+    pushed in bf16. The plain job, sync or staged."""
 
     @property
     def sharded(self) -> bool:
@@ -114,6 +116,12 @@ DEMO_ADAPTER = "policy"
 VLLM_START_S = 150.0
 """Allowance for starting the vLLM replicas' engines (inside the first sync) on a busy machine:
 the ``vllm`` engine's ``start_s``."""
+
+
+VLLM_LEARN_LR = 5e-3
+"""AdamW's default learning rate for the tiny Llama under ``--learn``: measured, it learns the
+512-token task in the default 40 steps (3e-3, the tiny torch LM's, is slower; 1e-2 climbs
+faster but falls back)."""
 
 
 def build_engine(

@@ -1,14 +1,16 @@
 """``rollout-sync demo --learn``: the main job with a trainer that learns from the replicas' own
 rollouts (:mod:`rollout_sync.learn`; docs/learning.md).
 
-* **Replicas** (:class:`LearningLM`): the stream LM, serving the served dtype (bfloat16), fed
-  with the task's prompts a group at a time (``group_size`` samples of one prompt, each with a
-  seed of its own) and shipping each finished sample as a rollout payload: prompt, completion,
-  behaviour log-probabilities (after temperature) and every token's weight version. In flight
-  (the default) the queue is kept full through training steps and syncs; synchronously, each
-  replica generates its share of a step's groups on the version it serves, then waits, idle (a
-  ``generation_idle`` span), for the next version.
-* **Trainer** (:class:`LearningTrainer`): an fp32 master and AdamW
+* **Replicas**: fed with the task's prompts a group at a time (``group_size`` samples of one
+  prompt, each with a seed of its own) and shipping each finished sample as a rollout payload:
+  prompt, completion, behaviour log-probabilities (after temperature) and every token's weight
+  version. In flight (the default) the queue is kept full through training steps and syncs;
+  synchronously, each replica generates its share of a step's groups on the version it serves,
+  then waits, idle (a ``generation_idle`` span), for the next version. :class:`GroupFeed` is
+  that logic, whatever the engine; :class:`LearningLM` runs it on the stream LM (``torch_lm``),
+  :class:`~rollout_sync.demos.vllm_replicas.VLLMLearningReplica` on vLLM (``vllm``).
+* **Trainer** (:class:`LearningTrainer`): an fp32 master of the model the engine's registration
+  names (its ``learner``: :class:`~rollout_sync.learn.models.LearnerModel`) and AdamW
   (:class:`~rollout_sync.learn.PolicyLearner`); each step waits for enough whole, fresh groups
   (:class:`~rollout_sync.learn.RolloutGroups`), steps on them and hands the served copy to the
   job's usual push.
@@ -19,14 +21,17 @@ rollouts (:mod:`rollout_sync.learn`; docs/learning.md).
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 
+from ..backends import registered_engine, registered_engines
 from ..errors import LearningStarved, PayloadTimeout
 from ..learn import (
     InvalidRollout,
@@ -36,6 +41,7 @@ from ..learn import (
     rollout_from_payload,
     rollout_payload,
 )
+from ..learn.models import LearnerModel
 from ..metrics import percentile
 from ..payload import PayloadReceiver, PayloadSender, ReceivedPayload
 from ..scheduler import GenerationRequest, GenerationResult, SamplingParams, SchedulerTimeout
@@ -44,14 +50,37 @@ from .job import DistributedDemoConfig
 from .streaming_lm import StreamingLM
 
 __all__ = [
+    "GroupFeed",
     "LearningLM",
     "LearningTrainer",
+    "PromptGroup",
     "check_learning_config",
+    "learner_model",
+    "learning_engines",
     "learning_report",
 ]
 
-LEARNING_ENGINES = ("torch_lm",)
-"""The engines the learning job runs: the trainer's master is their model."""
+
+def learning_engines() -> list[str]:
+    """The registered engines the learning job runs on: those registered with a ``learner``."""
+    return [n for n in registered_engines() if registered_engine(n).learner is not None]
+
+
+def learner_model(config: DistributedDemoConfig) -> LearnerModel:
+    """What the learning job trains on ``config.backend``: its registration's ``learner``.
+
+    Raises:
+        KeyError: no engine is registered under that name.
+        ValueError: the engine was registered without a ``learner``; the message names those
+            with one.
+    """
+    learner = registered_engine(config.backend).learner
+    if learner is None:
+        raise ValueError(
+            f"engine {config.backend!r} was registered without a learner (the trainer has no "
+            f"master of its model); the learning job runs on {learning_engines()}"
+        )
+    return learner(config)
 
 
 def _learn_of(config: DistributedDemoConfig) -> LearnConfig:
@@ -70,11 +99,11 @@ def check_learning_config(config: DistributedDemoConfig) -> None:
     """
     learn = _learn_of(config)
     problems = []
-    if config.backend not in LEARNING_ENGINES:
-        problems.append(
-            f"the trainer learns the model of {list(LEARNING_ENGINES)}, not of engine "
-            f"{config.backend!r}"
-        )
+    model: LearnerModel | None = None
+    try:
+        model = learner_model(config)
+    except ValueError as exc:
+        problems.append(str(exc))
     if config.sharded:
         problems.append(
             "the trainer keeps one fp32 master on one rank and the replicas serve it whole "
@@ -84,19 +113,144 @@ def check_learning_config(config: DistributedDemoConfig) -> None:
         problems.append("the trainer trains the whole model, not a LoRA adapter")
     if config.mode.is_async:
         problems.append(f"the learning job runs the sync or staged mode, not {config.mode.value!r}")
-    if learn.task.vocab_size != config.model.vocab_size:
+    if model is not None and learn.task.vocab_size != model.vocab_size:
         problems.append(
             f"the task's vocabulary ({learn.task.vocab_size}) is not the model's "
-            f"({config.model.vocab_size})"
+            f"({model.vocab_size} on {config.backend}): LearnConfig(task=TokenSetTask("
+            f"vocab_size={model.vocab_size}))"
         )
-    if learn.task.prompt_length + learn.completion_tokens > config.model.max_seq_len:
+    if model is not None and (
+        learn.task.prompt_length + learn.completion_tokens > model.max_seq_len
+    ):
         problems.append("a prompt and its completion exceed the model's max_seq_len")
     if problems:
         raise ValueError("the learning job cannot run: " + "; ".join(problems))
 
 
+@dataclass(frozen=True)
+class PromptGroup:
+    """One group a replica generates: ``prompt`` sampled once per seed in ``seeds``."""
+
+    group: str
+    """The group's id, unique in the job (``"rank:n"``): a rollout's
+    :data:`~rollout_sync.learn.GROUP_KEY`."""
+    prompt: tuple[int, ...]
+    seeds: tuple[int, ...]
+
+
+class GroupFeed:
+    """What a learning replica's feeder thread runs, whatever its engine: the task's prompts a
+    group at a time, in flight or synchronously (:attr:`LearnConfig.inflight
+    <rollout_sync.learn.LearnConfig.inflight>`).
+
+    The engine is reached through three callables: ``put(group)`` submits the group's samples
+    and returns at once; ``backlog()`` counts the samples submitted and not yet taken;
+    ``take(timeout)`` ships the samples that finished, waiting up to ``timeout`` seconds for
+    the first, and returns how many it took (0: none finished). ``weight_version()`` is the
+    version the engine serves.
+
+    * **In flight**: whole groups keep the backlog at ``room`` samples (at least one group);
+      the engine generates through training steps and syncs.
+    * **Synchronously**: each version as it lands (the trainer's first push included: the
+      engine's own version 0 is never generated on), this replica's share of a step's groups,
+      shipped; then idle, a ``generation_idle`` span in ``timeline``, until the next version
+      (the owner calls :meth:`version_committed` on every commit).
+
+    Every wait is bounded (``0.05`` s a take, so a stop is seen; ``4 * timeout_s`` for a
+    version). Prompts and seeds are drawn from ``rng``: a prompt, then one seed per sample.
+    """
+
+    def __init__(
+        self,
+        learn: LearnConfig,
+        *,
+        replicas: int,
+        rank: int,
+        rng: random.Random,
+        room: int,
+        timeline: Timeline,
+        timeout_s: float,
+        stopping: threading.Event,
+        put: Callable[[PromptGroup], None],
+        backlog: Callable[[], int],
+        take: Callable[[float], int],
+        weight_version: Callable[[], int],
+    ) -> None:
+        self.learn = learn
+        self.replicas = replicas
+        self.rank = rank
+        self.room = max(room, learn.group_size)
+        self.timeline = timeline
+        self.timeout_s = timeout_s
+        self.stopping = stopping
+        self._rng = rng
+        self._put, self._backlog, self._take = put, backlog, take
+        self._weight_version = weight_version
+        self._groups_put = 0
+        self._versions = threading.Condition()
+
+    def __repr__(self) -> str:
+        how = "in flight" if self.learn.inflight else "synchronous"
+        return f"<GroupFeed rank {self.rank} {how}: {self._groups_put} groups put>"
+
+    def next_group(self) -> PromptGroup:
+        learn, rng = self.learn, self._rng
+        prompt = learn.task.prompt(rng)
+        group = f"{self.rank}:{self._groups_put}"
+        self._groups_put += 1
+        return PromptGroup(
+            group, prompt, tuple(rng.getrandbits(32) for _ in range(learn.group_size))
+        )
+
+    def version_committed(self) -> None:
+        """The engine committed a version: a synchronous feed waiting for one goes on."""
+        with self._versions:
+            self._versions.notify_all()
+
+    def stop(self) -> None:
+        """Stop feeding: a feed waiting for a version sees it now."""
+        self.stopping.set()
+        self.version_committed()
+
+    def run(self) -> None:
+        """Feed until :meth:`stop`; raises what the engine's callables raise."""
+        if self.learn.inflight:
+            self._in_flight()
+        else:
+            self._synchronously()
+
+    def _in_flight(self) -> None:
+        size = self.learn.group_size
+        while not self.stopping.is_set():
+            while self._backlog() + size <= self.room:
+                self._put(self.next_group())
+            self._take(0.05)  # bounded: a stop is seen
+
+    def _synchronously(self) -> None:
+        share = self.learn.replica_share(self.replicas)
+        served = 0  # the engine's own version 0: the trainer pushes its weights first
+        while not self.stopping.is_set():
+            idle_since = time.monotonic_ns()
+            with self._versions:
+                self._versions.wait_for(
+                    partial(self._moved_on_from, served), timeout=self.timeout_s * 4
+                )
+            self.timeline.add_span(SpanKind.GENERATION_IDLE, "waiting for weights", idle_since)
+            if self.stopping.is_set():
+                return
+            served = self._weight_version()
+            for _ in range(share):
+                self._put(self.next_group())
+            finished = 0
+            while finished < share * self.learn.group_size and not self.stopping.is_set():
+                finished += self._take(0.05)  # bounded: a stop is seen
+
+    def _moved_on_from(self, version: int) -> bool:
+        return self._weight_version() != version or self.stopping.is_set()
+
+
 class LearningLM(StreamingLM):
-    """A replica of the learning job: the stream LM fed the task's prompts a group at a time,
+    """A replica of the learning job on the stream LM: its feeder runs a :class:`GroupFeed`,
     shipping rollouts (:func:`~rollout_sync.learn.rollout_payload`)."""
 
     def __init__(
@@ -111,87 +265,56 @@ class LearningLM(StreamingLM):
         self.learn = _learn_of(config)
         self.rank = rank
         self._group_of: dict[int, str] = {}
-        self._groups_put = 0
-        self._versions = threading.Condition()
+        self.feed = GroupFeed(
+            self.learn,
+            replicas=config.replicas,
+            rank=rank,
+            rng=self._rng,
+            room=2 * self.scheduler.max_concurrent,
+            timeline=timeline,
+            timeout_s=config.timeout_s,
+            stopping=self._stopping,
+            put=self._put_group,
+            backlog=self._backlog,
+            take=self._take,
+            weight_version=lambda: self.weight_version,
+        )
 
     def commit_weight_version(self, version: int) -> None:
         super().commit_weight_version(version)
-        with self._versions:
-            self._versions.notify_all()
+        self.feed.version_committed()
 
     def stop(self, timeout: float = 30.0, *, finish_active: bool = False) -> None:
-        self._stopping.set()
-        with self._versions:  # a synchronous feeder waiting for a version sees the stop now
-            self._versions.notify_all()
+        self.feed.stop()
         super().stop(timeout, finish_active=finish_active)
 
-    def _put_group(self) -> None:
-        learn, rng = self.learn, self._rng
-        prompt = learn.task.prompt(rng)
-        group = f"{self.rank}:{self._groups_put}"
-        self._groups_put += 1
-        for _ in range(learn.group_size):
+    def _put_group(self, group: PromptGroup) -> None:
+        for seed in group.seeds:
             request = GenerationRequest(
-                prompt,
-                max_new_tokens=learn.completion_tokens,
-                sampling=SamplingParams(temperature=learn.temperature, seed=rng.getrandbits(32)),
+                group.prompt,
+                max_new_tokens=self.learn.completion_tokens,
+                sampling=SamplingParams(temperature=self.learn.temperature, seed=seed),
             )
-            self._group_of[self.put(request)] = group
+            self._group_of[self.put(request)] = group.group
+
+    def _backlog(self) -> int:
+        backlog = self.scheduler.statistics()
+        return backlog.queued + backlog.active
+
+    def _take(self, timeout: float) -> int:
+        try:
+            first = self.scheduler.get(timeout=timeout)
+        except SchedulerTimeout:
+            return 0
+        results = [first, *self.get_all()]
+        self._ship(results, self.demo.timeout_s)
+        return len(results)
 
     def _feed(self) -> None:
         try:
-            if self.learn.inflight:
-                self._feed_in_flight()
-            else:
-                self._feed_synchronously()
+            self.feed.run()
         except BaseException as exc:  # kept: stop() raises it
             self._feeder_error = exc
-
-    def _feed_in_flight(self) -> None:
-        """Whole groups keep the queue at twice ``max_concurrent`` (at least one group)."""
-        size = self.learn.group_size
-        room = max(2 * self.scheduler.max_concurrent, size)
-        while not self._stopping.is_set():
-            backlog = self.scheduler.statistics()
-            while backlog.queued + backlog.active + size <= room:
-                self._put_group()
-                backlog = self.scheduler.statistics()
-            try:
-                first = self.scheduler.get(timeout=0.05)  # bounded: a stop is seen
-            except SchedulerTimeout:
-                continue
-            self._ship([first, *self.get_all()], self.demo.timeout_s)
-
-    def _feed_synchronously(self) -> None:
-        """Each version as it lands (the trainer's first push included): this replica's share
-        of a step's groups, shipped; then idle until the next version."""
-        share = self.learn.replica_share(self.demo.replicas)
-        served = 0  # the engine's own version 0: the trainer pushes its weights first
-        while not self._stopping.is_set():
-            idle_since = time.monotonic_ns()
-            with self._versions:
-                self._versions.wait_for(
-                    partial(self._moved_on_from, served), timeout=self.demo.timeout_s * 4
-                )
-            assert self.timeline is not None
-            self.timeline.add_span(SpanKind.GENERATION_IDLE, "waiting for weights", idle_since)
-            if self._stopping.is_set():
-                return
-            served = self.weight_version
-            for _ in range(share):
-                self._put_group()
-            finished = 0
-            while finished < share * self.learn.group_size and not self._stopping.is_set():
-                try:
-                    first = self.scheduler.get(timeout=0.05)  # bounded: a stop is seen
-                except SchedulerTimeout:
-                    continue
-                results = [first, *self.get_all()]
-                finished += len(results)
-                self._ship(results, self.demo.timeout_s)
-
-    def _moved_on_from(self, version: int) -> bool:
-        return self.weight_version != version or self._stopping.is_set()
 
     def _payload(self, result: GenerationResult) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         tensors, metadata = rollout_payload(
@@ -220,11 +343,12 @@ class LearningTrainer:
         self.config = config
         self.receiver = receiver
         self.count = count
+        model = learner_model(config)
         self.learner = PolicyLearner(
-            config.model,
+            model.build(),
             task=learn.task,
             lr=learn.lr,
-            served_dtype=config.model.dtype,
+            served_dtype=model.served_dtype,
             temperature=learn.temperature,
             importance_cap=learn.importance_cap,
             importance_weights=learn.importance_weights,

@@ -106,6 +106,14 @@ class RequestFeeder:
     def start(self) -> None:
         self._thread.start()
 
+    def counts(self) -> dict[str, int]:
+        """Of the results so far: those that straddled a sync and those that failed."""
+        results = list(self.results)
+        return {
+            "results_straddled_sync": sum(r.ok and r.straddled for r in results),
+            "results_failed": sum(not r.ok for r in results),
+        }
+
     def stop(self, timeout: float) -> None:
         """Stop submitting; ship what is in flight. Raises :class:`ShutdownTimeout` after
         ``timeout`` and :class:`RuntimeError` (chained) if the feeder had failed."""

@@ -5,6 +5,9 @@
   staleness by version.
 * :mod:`~rollout_sync.learn.loss`: group-relative advantages, truncated importance weights.
 * :mod:`~rollout_sync.learn.policy`: the fp32 master, AdamW, the served bf16 copy.
+* :mod:`~rollout_sync.learn.models`: the models the learner trains (the tiny torch LM, a
+  transformers causal LM such as the vLLM replicas' Llama) and what an engine's registration
+  says the learning job trains on it (:class:`LearnerModel`).
 * :class:`LearnConfig`: the knobs ``rollout-sync demo --learn`` runs with (docs/learning.md).
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .loss import PolicyLoss, group_advantages, truncated_importance_loss
+from .models import CausalLMPolicy, LearnerModel, PolicyModel, TinyLMPolicy
 from .policy import LearnerStep, PolicyLearner, sequence_logprobs
 from .rollouts import (
     GROUP_KEY,
@@ -27,14 +31,18 @@ from .task import TokenSetTask
 
 __all__ = [
     "GROUP_KEY",
+    "CausalLMPolicy",
     "InvalidRollout",
     "LearnConfig",
+    "LearnerModel",
     "LearnerStep",
     "PolicyLearner",
     "PolicyLoss",
+    "PolicyModel",
     "Rollout",
     "RolloutGroups",
     "TakenGroups",
+    "TinyLMPolicy",
     "TokenSetTask",
     "group_advantages",
     "rollout_from_payload",

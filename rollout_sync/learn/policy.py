@@ -1,17 +1,18 @@
 """The learner: an fp32 master copy of the policy, AdamW, and the served copy it ships.
 
-:class:`PolicyLearner` holds the tiny LM's weights in float32 (the master, which the optimizer
-updates) and a copy in the served dtype (bfloat16 by default): the tensors the trainer pushes
-to the replicas, rewritten from the master after every step, and the count of their elements
-that changed (what a delta sync would ship). A step scores each rollout with the task's reward
-(from the tokens the replica generated), computes group-relative advantages, recomputes every
-generated token's log-probability under the master at the replicas' temperature, and takes one
-AdamW step on the truncated importance-weighted loss (:mod:`rollout_sync.learn.loss`).
+:class:`PolicyLearner` holds the policy's weights in float32 (the master, which the optimizer
+updates: the tiny torch LM, or any :class:`~rollout_sync.learn.models.PolicyModel` such as a
+transformers Llama) and a copy in the served dtype (bfloat16 by default): the tensors the
+trainer pushes to the replicas, rewritten from the master after every step, and the count of
+their elements that changed (what a delta sync would ship). A step scores each rollout with the
+task's reward (from the tokens the replica generated), computes group-relative advantages,
+recomputes every generated token's log-probability under the master at the replicas'
+temperature, and takes one AdamW step on the truncated importance-weighted loss
+(:mod:`rollout_sync.learn.loss`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,14 +20,27 @@ import torch
 
 from ..backends.torch_lm import TinyCausalLM, TinyLMConfig
 from .loss import group_advantages, truncated_importance_loss
+from .models import PolicyModel, TinyLMPolicy
 from .rollouts import Rollout
 from .task import TokenSetTask
 
 __all__ = ["LearnerStep", "PolicyLearner", "sequence_logprobs"]
 
 
+def _policy(model: PolicyModel | TinyCausalLM) -> PolicyModel:
+    if isinstance(model, PolicyModel):
+        return model
+    if isinstance(model, TinyCausalLM):
+        return TinyLMPolicy(model)
+    raise TypeError(
+        f"the learner computes log-probabilities of a PolicyModel (TinyLMPolicy, "
+        f"CausalLMPolicy) or a TinyCausalLM, not {type(model).__name__}: wrap a transformers "
+        "causal LM in rollout_sync.learn.models.CausalLMPolicy"
+    )
+
+
 def sequence_logprobs(
-    model: TinyCausalLM,
+    model: PolicyModel | TinyCausalLM,
     prompts: Sequence[Sequence[int]],
     completions: Sequence[Sequence[int]],
     temperature: float = 1.0,
@@ -36,20 +50,17 @@ def sequence_logprobs(
     the longest completion. One forward over the whole batch (no cache)."""
     if temperature <= 0:
         raise ValueError(f"log-probabilities of samples need a temperature above 0: {temperature}")
-    cfg = model.config
+    policy = _policy(model)
     rows = [list(p) + list(c) for p, c in zip(prompts, completions, strict=True)]
     batch, width = len(rows), max(len(r) for r in rows)
-    if width > cfg.max_seq_len:
-        raise ValueError(f"a sequence of {width} tokens exceeds max_seq_len {cfg.max_seq_len}")
+    if width > policy.max_seq_len:
+        raise ValueError(f"a sequence of {width} tokens exceeds max_seq_len {policy.max_seq_len}")
     tokens = torch.zeros(batch, width, dtype=torch.long)
     real = torch.zeros(batch, width, dtype=torch.bool)
     for b, row in enumerate(rows):
         tokens[b, : len(row)] = torch.tensor(row)
         real[b, : len(row)] = True
-    empty = torch.zeros(cfg.n_layers, batch, cfg.n_heads, 0, cfg.head_dim, dtype=cfg.dtype)
-    positions = torch.arange(width).expand(batch, width)
-    no_past = torch.zeros(batch, 0, dtype=torch.bool)
-    logits, _, _ = model(tokens, positions, empty, empty, no_past, real)
+    logits = policy.logits(tokens, real)
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     longest = max(len(c) for c in completions)
     out = torch.zeros(batch, longest)
@@ -80,17 +91,19 @@ class LearnerStep:
 
 
 class PolicyLearner:
-    """An fp32 master of a :class:`TinyCausalLM`, AdamW on it, and the served-dtype copy.
+    """An fp32 master of the policy, AdamW on it, and the served-dtype copy.
 
-    ``served`` are the tensors to push (named like the replicas' parameters, in
-    ``served_dtype``); they hold version 0 (the master built from ``model.seed``, cast) until
-    the first :meth:`step`. ``lr == 0`` freezes the policy (a counterfactual: same loop, no
-    learning).
+    ``model`` is the tiny LM's config (its master is built from ``model.seed``) or a
+    :class:`~rollout_sync.learn.models.PolicyModel` holding the float32 master itself (a
+    transformers Llama: :class:`~rollout_sync.learn.models.CausalLMPolicy`). ``served`` are
+    the tensors to push (named like the master's parameters, which are the replicas' names, in
+    ``served_dtype``); they hold version 0 (the master as built, cast) until the first
+    :meth:`step`. ``lr == 0`` freezes the policy (a counterfactual: same loop, no learning).
     """
 
     def __init__(
         self,
-        model: TinyLMConfig,
+        model: TinyLMConfig | PolicyModel,
         *,
         task: TokenSetTask,
         lr: float,
@@ -105,8 +118,13 @@ class PolicyLearner:
         self.temperature = temperature
         self.importance_cap = importance_cap
         self.importance_weights = importance_weights
-        master_config = dataclasses.replace(model, dtype=torch.float32)
-        self.master = TinyCausalLM.build(master_config).train()
+        self.policy = TinyLMPolicy.build(model) if isinstance(model, TinyLMConfig) else model
+        if not isinstance(self.policy, PolicyModel):
+            raise TypeError(
+                f"PolicyLearner trains a TinyLMConfig's model or a PolicyModel, not "
+                f"{type(model).__name__}"
+            )
+        self.master = self.policy.module.train()
         self.optimizer = torch.optim.AdamW(
             self.master.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
         )
@@ -137,7 +155,7 @@ class PolicyLearner:
             ]
         )
         prompts, completions = [r.prompt for r in rollouts], [r.tokens for r in rollouts]
-        current, mask = sequence_logprobs(self.master, prompts, completions, self.temperature)
+        current, mask = sequence_logprobs(self.policy, prompts, completions, self.temperature)
         behaviour = torch.zeros_like(current)
         for b, r in enumerate(rollouts):
             behaviour[b, : len(r.tokens)] = r.behaviour_logprobs

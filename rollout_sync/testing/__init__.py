@@ -24,8 +24,9 @@ race lives here as a subclass.
   :class:`PacedWeightTransfer` (a transfer whose collectives are paced at a set rate and latency,
   so that benchmarks on one machine compete for modelled links), :class:`PacedShardedTransfer`
   (the same for a sharded transfer's point-to-point buckets), :class:`NicStatistics`.
-* Models (:mod:`.tiny_llama`): :func:`build_tiny_llama`, :func:`random_llama_weights`,
-  :class:`greedy_reference`, :func:`find_sync_split` (``transformers`` imported lazily).
+* Models (:mod:`.tiny_llama`): :func:`build_tiny_llama`, :func:`tiny_llama`,
+  :func:`random_llama_weights`, :class:`greedy_reference`, :func:`find_sync_split`
+  (``transformers`` imported lazily).
 """
 
 from ..errors import ChildFailure as ChildFailure
@@ -74,6 +75,7 @@ from .tiny_llama import build_tiny_llama as build_tiny_llama
 from .tiny_llama import find_sync_split as find_sync_split
 from .tiny_llama import greedy_reference as greedy_reference
 from .tiny_llama import random_llama_weights as random_llama_weights
+from .tiny_llama import tiny_llama as tiny_llama
 from .vllm_worker import STALLING_WORKER_EXTENSION as STALLING_WORKER_EXTENSION
 from .vllm_worker import StallingWorkerExtension as StallingWorkerExtension
 
@@ -124,6 +126,7 @@ __all__ = [
     "run_group",
     "run_paused_contract",
     "run_processes",
+    "tiny_llama",
     "transfer_fault_hooks",
     "weights_digest",
 ]

@@ -1,9 +1,11 @@
 """A tiny random Llama, built locally with transformers: the model vLLM tests and demos serve.
 
 No hub access: the checkpoint is written from a config. Weights are drawn with std 0.5 rather
-than transformers' 0.02, so greedy decoding has clear winners (near-flat logits make argmax
-comparisons fragile). float32 throughout, so vLLM's output equals a transformers forward
-exactly. ``transformers`` is imported lazily (it comes with vLLM).
+than transformers' 0.02 by default, so greedy decoding has clear winners (near-flat logits make
+argmax comparisons fragile); a policy that must learn starts from ``std=0.02`` (near-uniform
+sampling, as transformers' own init), since from 0.5 every prompt has a few tokens it almost
+always emits. float32 throughout, so vLLM's output equals a transformers forward exactly.
+``transformers`` is imported lazily (it comes with vLLM).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ __all__ = [
     "find_sync_split",
     "greedy_reference",
     "random_llama_weights",
+    "tiny_llama",
 ]
 
 TINY_LLAMA: Mapping[str, Any] = {
@@ -38,36 +41,53 @@ TINY_LLAMA: Mapping[str, Any] = {
 
 
 def random_llama_weights(
-    names_and_shapes: Mapping[str, Sequence[int]], seed: int, dtype: torch.dtype = torch.float32
+    names_and_shapes: Mapping[str, Sequence[int]],
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    *,
+    std: float = 0.5,
 ) -> dict[str, torch.Tensor]:
     """A full set of random weights for the given names and shapes (a new policy version).
 
-    Norm weights are drawn around 1, everything else with std 0.5; deterministic in ``seed``.
+    Norm weights are drawn around 1 (std 0.1), everything else with ``std``; deterministic in
+    ``seed``.
     """
     generator = torch.Generator().manual_seed(seed)
     weights: dict[str, torch.Tensor] = {}
     for name, shape in names_and_shapes.items():
         noise = torch.randn(tuple(shape), generator=generator, dtype=torch.float32)
-        weights[name] = (1.0 + 0.1 * noise if "norm" in name else 0.5 * noise).to(dtype)
+        weights[name] = (1.0 + 0.1 * noise if "norm" in name else std * noise).to(dtype)
     return weights
 
 
-def build_tiny_llama(
-    directory: str | os.PathLike[str], *, seed: int = 0, **overrides: Any
-) -> dict[str, torch.Tensor]:
-    """Write a tiny random Llama checkpoint (config + safetensors) into ``directory``.
-
-    Returns its weights (checkpoint names). ``overrides`` change :data:`TINY_LLAMA` entries.
-    """
-    import safetensors.torch
+def tiny_llama(*, seed: int = 0, std: float = 0.5, **overrides: Any) -> Any:
+    """The tiny Llama in memory: a float32 ``transformers.LlamaForCausalLM`` of
+    :data:`TINY_LLAMA` (``overrides`` change entries) holding :func:`random_llama_weights` of
+    ``seed`` and ``std``; what :func:`build_tiny_llama` writes (its parameters are named like
+    the checkpoint's tensors)."""
     import transformers
 
     config = transformers.LlamaConfig(**{**TINY_LLAMA, **overrides})
     config.torch_dtype = torch.float32  # type: ignore[misc]  # a property in typing only
     model = transformers.LlamaForCausalLM(config)
     shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-    weights = random_llama_weights(shapes, seed)
-    model.load_state_dict(weights)
+    model.load_state_dict(random_llama_weights(shapes, seed, std=std))
+    return model
+
+
+def build_tiny_llama(
+    directory: str | os.PathLike[str], *, seed: int = 0, std: float = 0.5, **overrides: Any
+) -> dict[str, torch.Tensor]:
+    """Write a tiny random Llama checkpoint (config + safetensors) into ``directory``: the
+    weights of :func:`tiny_llama` (``seed``, ``std``, ``overrides``).
+
+    Returns its weights (checkpoint names).
+    """
+    import safetensors.torch
+
+    model = tiny_llama(seed=seed, std=std, **overrides)
+    config = model.config
+    weights = {name: t.detach().clone() for name, t in model.state_dict().items()}
     Path(directory).mkdir(parents=True, exist_ok=True)
     # Written by hand, not with save_pretrained: inside a torch.distributed job that one
     # writes on rank 0 only, and every rank here builds its own copy.

@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
+from typing import Any, Literal
 
 from ...errors import MissingDependencyError
 from .plugin import ENGINE_NAME as NATIVE_ENGINE
@@ -19,6 +19,7 @@ from .worker import WORKER_EXTENSION
 
 __all__ = [
     "INSTALL_HINT",
+    "LOGPROBS_MODES",
     "LORA_RANKS",
     "PauseMode",
     "VLLMEngineConfig",
@@ -74,6 +75,10 @@ class PauseMode(enum.Enum):
     ABORT = "abort"
     """Abort in-flight requests (they finish with ``finish_reason="abort"``)."""
 
+
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+"""The ``logprobs_mode`` values :class:`VLLMEngineConfig` runs (vLLM 0.32's log-probability
+modes; its ``"raw_logits"`` and ``"processed_logits"`` report logits instead)."""
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The ``max_lora_rank`` values vLLM accepts (vLLM 0.32's ``MaxLoRARanks``)."""
@@ -168,8 +173,27 @@ class VLLMEngineConfig:
     lora: VLLMLoRASettings | None = None
     """Serve LoRA adapters (:class:`VLLMLoRASettings`); ``None``: none (vLLM's LoRA off).
     Only at ``tensor_parallel_size=1``: the adapter read-back compares whole slots."""
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+    """Which log-probabilities the engine reports (vLLM's engine argument, one of
+    :data:`LOGPROBS_MODES`; a result's
+    :attr:`~rollout_sync.backends.vllm.VLLMGeneration.token_logprobs`). vLLM's default,
+    ``"raw_logprobs"``, takes them from the model's logits before temperature, penalties, top-k
+    and top-p; ``"processed_logprobs"`` from the distribution each token was sampled from, after
+    them: the behaviour log-probabilities an RL learner's importance weights need (at
+    temperature 1 and without the rest the two agree)."""
 
     def __post_init__(self) -> None:
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"VLLMEngineConfig: logprobs_mode must be one of {LOGPROBS_MODES}, got "
+                f"{self.logprobs_mode!r} (vLLM's logits modes report logits, not "
+                "log-probabilities: pass those through engine_kwargs and read vLLM's outputs)"
+            )
+        if "logprobs_mode" in self.engine_kwargs:
+            raise ValueError(
+                "VLLMEngineConfig: engine_kwargs['logprobs_mode'] is set from logprobs_mode= "
+                f"({self.logprobs_mode!r}): pass it as logprobs_mode= only"
+            )
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(
@@ -242,6 +266,7 @@ class VLLMEngineConfig:
             # Per-request engine timestamps (scheduled, first and last token) date each
             # result's weight versions; they exist only with stats on.
             "disable_log_stats": False,
+            "logprobs_mode": self.logprobs_mode,
         }
         if self.max_model_len is not None:
             kwargs["max_model_len"] = self.max_model_len

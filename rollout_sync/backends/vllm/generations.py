@@ -58,6 +58,13 @@ class VLLMGeneration:
     (empty on the base model). Exact under the pause, as :attr:`arrival_versions` are: an
     adapter install commits its version inside the pause, after every earlier output
     arrived. vLLM labels no adapter version of its own."""
+    token_logprobs: tuple[float, ...] = ()
+    """For each output token, the log-probability vLLM reported for it (the request asked for
+    some: ``SamplingParams(logprobs=0)`` or more); empty when it asked for none. Which one
+    depends on the engine's :attr:`~rollout_sync.backends.vllm.VLLMEngineConfig.logprobs_mode`:
+    vLLM's default, ``"raw_logprobs"``, is taken from the model's logits before temperature;
+    ``"processed_logprobs"`` is that of the distribution the token was sampled from (after
+    temperature, top-k and top-p): the behaviour log-probability an RL learner needs."""
 
     @property
     def token_weight_versions(self) -> tuple[int, ...]:
@@ -82,6 +89,19 @@ class VLLMGeneration:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+def _sampled_logprobs(tokens: Sequence[int], logprobs: Any) -> tuple[tuple[float, ...], str | None]:
+    """Each sampled token's entry of vLLM's per-position logprobs (a list of ``{token id:
+    Logprob}``, or its ``FlatLogprobs``, which indexes the same way), ``()`` when none were
+    asked for; and an error when they do not cover every token (vLLM always reports the
+    sampled token, so that is a broken result, reported on it, never a short tuple)."""
+    if not logprobs:
+        return (), None
+    try:
+        return tuple(float(logprobs[i][token].logprob) for i, token in enumerate(tokens)), None
+    except (IndexError, KeyError, TypeError):
+        return (), f"vLLM reported no logprob for some of the {len(tokens)} generated tokens"
 
 
 class VersionHistory:
@@ -141,6 +161,7 @@ class VLLMRequest:
         self._scheduled_ts = 0.0
         self._last_token_ts = 0.0
         self._weight_versions: Any = None
+        self._logprobs: Any = None
         self._arrival_versions: list[int] = []
         self._result: VLLMGeneration | None = None
         self.submitted_at = time.monotonic()
@@ -164,6 +185,8 @@ class VLLMRequest:
                 self._finish_reason = completion.finish_reason
                 # vLLM's spans, kept as they are; converted once, in _complete.
                 self._weight_versions = getattr(completion, "weight_versions", None) or None
+                # Cumulative, like the tokens: converted once, in _complete.
+                self._logprobs = completion.logprobs
             if metrics is not None:
                 self._scheduled_ts = float(getattr(metrics, "scheduled_ts", 0.0) or 0.0)
                 self._last_token_ts = float(getattr(metrics, "last_token_ts", 0.0) or 0.0)
@@ -174,6 +197,7 @@ class VLLMRequest:
             if self._result is not None:
                 return
             ended = time.monotonic()
+            logprobs, broken = _sampled_logprobs(self._tokens, self._logprobs)
             admitted = self._scheduled_ts or self.submitted_at
             completed = self._last_token_ts or ended
             self._result = VLLMGeneration(
@@ -183,7 +207,7 @@ class VLLMRequest:
                 finish_reason=self._finish_reason,
                 admitted_version=self._versions.at(admitted),
                 completed_version=self._versions.at(completed),
-                error=error,
+                error=error or broken,
                 weight_versions=(
                     None
                     if self._weight_versions is None
@@ -195,6 +219,7 @@ class VLLMRequest:
                 arrival_versions=tuple(self._arrival_versions[: len(self._tokens)]),
                 adapter=self.adapter,
                 token_adapter_versions=tuple(self._adapter_stamps[: len(self._tokens)]),
+                token_logprobs=logprobs,
             )
             self._cond.notify_all()
 
