@@ -277,7 +277,6 @@ def apply_delta(target: torch.Tensor, delta: TensorDelta, *, name: str = "tensor
     """
     check_delta(delta, target, name=name)
     bits = _bits(target)
-    size = target.element_size()
     undo = Overwritten(target, [], [])
     for block in delta.blocks:
         n = _block_size(delta.numel, block.index)
