@@ -25,6 +25,7 @@ The families, in the order a weight sync meets them:
 * engines and threads: :class:`GenerationTimeout` (``SchedulerTimeout`` is the same class),
   :class:`EngineCallTimeout`, :class:`CommandTimeout`, :class:`RunInterrupted`,
   :class:`InstallTimeout`, :class:`ShutdownTimeout`, :class:`WeightSyncThreadError`;
+* deltas: :class:`DeltaError` (a delta refused before any write);
 * the learning loop (``rollout_sync.learn``, ``rollout-sync demo --learn``):
   :class:`InvalidRollout`, :class:`LearningStarved`;
 * an optional dependency that is missing (vLLM, Ray, Redis, matplotlib, cosmos-rl):
@@ -53,6 +54,7 @@ __all__ = [
     "CollectiveTimeout",
     "CommandTimeout",
     "CosmosRLVersionError",
+    "DeltaError",
     "EgressHoldTimeout",
     "EngineCallTimeout",
     "EngineOutOfStepError",
@@ -762,6 +764,13 @@ class InstallTimeout(RolloutSyncTimeout):
 
 class ShutdownTimeout(RolloutSyncTimeout):
     """A thread, engine or sender did not stop within its limit."""
+
+
+class DeltaError(RolloutSyncError, ValueError):
+    """A delta that cannot apply to its target (:mod:`rollout_sync.transfer.delta`): a size or
+    dtype that differs, a block out of range or order, a byte count that does not match, a
+    position out of range, unsorted or repeated. Raised before anything is written; the
+    message names the tensor and the block. Also a :class:`ValueError`."""
 
 
 class InvalidRollout(RolloutSyncError, ValueError):
