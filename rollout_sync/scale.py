@@ -619,6 +619,12 @@ def _relayed(
     relay_done = run.done_at("hand-off") + relay_tail + _control(first, costs)
     end = max(run.finish_s, relay_done)
     control += _control(s.nic, costs)
+    return _two_links(run, control, end)
+
+
+def _two_links(run: PipelineRun, control: float, end: float) -> tuple[Phase, ...]:
+    """A relayed sync's phases: its controls, the busier of its two links' wire time, and the
+    rest of the pipeline up to ``end``."""
     wire_name, wire = max(
         (("P2R link", run.busy_at("P2R link")), ("R2R link", run.busy_at("R2R link"))),
         key=lambda item: item[1],
@@ -730,15 +736,7 @@ def _sharded_pipelined(
     ]
     run = pipeline(stages, granule.buckets(nbytes))
     control += 2 * _control(shard.nic, costs) + _control(r2r, costs)
-    wire_name, wire = max(
-        (("P2R link", run.busy_at("P2R link")), ("R2R link", run.busy_at("R2R link"))),
-        key=lambda item: item[1],
-    )
-    return (
-        Phase("control", control),
-        Phase(f"wire: {wire_name}", wire),
-        Phase("pipeline", run.finish_s - wire),
-    )
+    return _two_links(run, control, run.finish_s)
 
 
 def _merge(phases: Sequence[Phase]) -> tuple[Phase, ...]:
