@@ -235,10 +235,16 @@ class InstallStrategy(abc.ABC):
         bracket of its own named ``name`` (for a receiver of another wire: the Fast-LLM
         receiver's stream)."""
 
-    @abc.abstractmethod
     def reseed(self, transfer: SupportsWeightTransfer) -> TransferStats:
-        """Take part in a recovery's re-seed transfer (send the served version as its source,
-        else receive it; the receive lands whole or tears, in place)."""
+        """Take part in a recovery's re-seed transfer: send the served version as its source,
+        else receive it in place, parked (it lands whole or tears), whatever the mode: a
+        replica being re-seeded serves nothing worth keeping. The async modes' strategy runs it
+        on its weight-sync thread instead."""
+        if transfer.is_source:
+            with self.bracket("_send_reseed", pause=False, hold=True):
+                return self.send(transfer, self.served_to_send)
+        with self.bracket("_receive_reseed", pause=True, hold=True):
+            return self.receive_in_place(transfer)
 
     def discard(self) -> None:
         """Throw away what is pending: the groups it came over are gone (a recovery)."""

@@ -40,13 +40,6 @@ class InPlace(InstallStrategy):
         with self.bracket(name, pause=self.host.guarded, hold=self.host.guarded):
             return self.receive_in_place(transfer)
 
-    def reseed(self, transfer: SupportsWeightTransfer) -> TransferStats:
-        if transfer.is_source:
-            with self.bracket("_send_reseed", pause=False, hold=True):
-                return self.send(transfer, self.served_to_send)
-        with self.bracket("_receive_reseed", pause=True, hold=True):
-            return self.receive_in_place(transfer)
-
     # -- the bodies (the worker's decorated handlers run them too) ------------------------
 
     def receive_p2r(self, forward: SupportsWeightTransfer | None) -> TransferStats:

@@ -58,13 +58,6 @@ class Staged(InstallStrategy):
         with self.bracket(name, pause=False, hold=self.host.guarded, mode=SyncMode.STAGED) as b:
             return self._stage(b, transfer, None, install=True, target=Target())
 
-    def reseed(self, transfer: SupportsWeightTransfer) -> TransferStats:
-        if transfer.is_source:
-            with self.bracket("_send_reseed", pause=False, hold=True):
-                return self.send(transfer, self.served_to_send)
-        with self.bracket("_receive_reseed", pause=True, hold=True):
-            return self.receive_in_place(transfer)
-
     def discard(self) -> None:
         super().discard()
         for staging in self.stagings.values():
