@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from sharded_helpers import equal, large_model, rows_to_columns, served
 
 from rollout_sync import RolloutWorker, WeightBroadcastCallback
 from rollout_sync.errors import (
@@ -76,14 +77,6 @@ def _layouts() -> tuple[Layout, Layout]:
     return trainer, replica
 
 
-def _served(backend: IdleFlatRollout) -> dict[str, torch.Tensor]:
-    return {n: t.clone() for n, t in backend.served_weights().items()}
-
-
-def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
-
-
 def _job_child(rank: int) -> dict[str, Any]:
     """Trainers 0, 1; replicas [2, 3] and [4, 5]."""
     trainer_layout, replica_layout = _layouts()
@@ -132,26 +125,26 @@ def _job_child(rank: int) -> dict[str, Any]:
             assert worker.handle(P2R(step=1, relay=True)).ok
         else:
             assert worker.handle(R2R(step=1)).ok
-        out["v1"] = _equal(_served(backend), replica_layout.shard(_model(1), k))
+        out["v1"] = equal(served(backend), replica_layout.shard(_model(1), k))
         if j == 0:
             p2r = worker.p2r
             assert isinstance(p2r, ShardedTransfer)
             other = TransferConfig(bucket_bytes=2048, checksums=True, timeout_s=20)
             odd = groups.p2r_transfer(plan, config=other if rank == 3 else config)
             assert odd is not None
-            before = _served(backend)
+            before = served(backend)
             out["mismatch"] = _raised(lambda: odd.receive(backend.served_weights()))
             bad = dict(backend.served_weights())
             if rank == 2:
                 bad["norm"] = torch.zeros(3)
             out["rejected"] = _raised(lambda: p2r.receive(bad))
-            out["untouched"] = _equal(_served(backend), before)
+            out["untouched"] = equal(served(backend), before)
             result = worker.handle(P2R(step=2))
             out["corrupt"] = SyncOutcome.of(result, backend)
             assert worker.handle(P2R(step=3, relay=True)).ok
         else:
             assert worker.handle(R2R(step=3)).ok
-        out["v3"] = _equal(_served(backend), replica_layout.shard(_model(3), k))
+        out["v3"] = equal(served(backend), replica_layout.shard(_model(3), k))
         out["version"] = backend.weight_version
     finally:
         worker.close(10)
@@ -209,27 +202,13 @@ FAST_S = 5.0
 """A failure seen "at once": a dead peer's closed connection, or a peer's abort flag."""
 
 
-def _large_model(version: int) -> dict[str, torch.Tensor]:
-    """Eight 256x256 fp32 tensors (2 MiB): buckets too large for a socket's buffers, so a send
-    waits for its receive, as on a real job."""
-    g = torch.Generator().manual_seed(version)
-    return {f"w{i}": torch.randn(256, 256, generator=g) for i in range(8)}
-
-
-def _killed_layouts() -> tuple[Layout, Layout]:
-    model = _large_model(0)
-    trainer = Layout.build(model, 2, shard=dict.fromkeys(model, 0))
-    replica = Layout.build(model, 2, shard=dict.fromkeys(model, 1))
-    return trainer, replica
-
-
 def _killed_child(rank: int) -> dict[str, Any]:
     """Trainers 0, 1; replica 0 = ranks 2, 3 (P2R, then the R2R source), replica 1 = 4, 5.
 
     Version 2's P2R: trainer rank 1 dies between two buckets of a receiving rank (after some
     replica rank took its first bucket, before its second leaves). Then the R2R of version 2,
     then a re-seed of replica 0 from replica 1's whole version 1 over the R2R group."""
-    trainer_layout, replica_layout = _killed_layouts()
+    trainer_layout, replica_layout = rows_to_columns()
     plan = TransferPlan.between(trainer_layout, replica_layout)
     groups = build_sharded_sync_groups(TRAINERS, [(2, 3), (4, 5)], timeout_s=KILLED_LIMIT_S)
     config = TransferConfig(bucket_bytes=64 * 1024, checksums=True, timeout_s=KILLED_LIMIT_S)
@@ -237,11 +216,11 @@ def _killed_child(rank: int) -> dict[str, Any]:
     if rank in TRAINERS:
         transfer = groups.p2r_transfer(plan, config=config)
         assert transfer is not None
-        transfer.send(trainer_layout.shard(_large_model(1), rank), version=1)
+        transfer.send(trainer_layout.shard(large_model(1), rank), version=1)
         transfer.hooks = transfer_fault_hooks()  # trainer rank 1 dies mid-version 2
         started = time.monotonic()
         error = _raised(
-            lambda: transfer.send(trainer_layout.shard(_large_model(2), rank), version=2)
+            lambda: transfer.send(trainer_layout.shard(large_model(2), rank), version=2)
         )
         elapsed = time.monotonic() - started
         store.set("trainer_done", "1")
@@ -250,7 +229,7 @@ def _killed_child(rank: int) -> dict[str, Any]:
         store.wait([f"done/{r}" for r in (2, 3, 4, 5)], datetime.timedelta(seconds=60))
         return {"error": error, "elapsed": elapsed}
     j, k = groups.position(rank)  # type: ignore[misc]
-    backend = IdleFlatRollout(replica_layout.shard(_large_model(0), k))
+    backend = IdleFlatRollout(replica_layout.shard(large_model(0), k))
     worker = RolloutWorker(
         backend,
         p2r=groups.p2r_transfer(plan, config=config),
@@ -282,7 +261,7 @@ def _killed_child(rank: int) -> dict[str, Any]:
         reseed = WeightTransfer(r2r.group, groups.replicas[1][k], config=config)
         stats = worker.reseed(reseed)
         out["reseeded"] = (stats.version, backend.weight_version, _servable(backend))
-        out["whole_v1"] = _equal(_served(backend), replica_layout.shard(_large_model(1), k))
+        out["whole_v1"] = equal(served(backend), replica_layout.shard(large_model(1), k))
         return out
     finally:
         worker.close(10)
@@ -294,7 +273,7 @@ def _killed_child(rank: int) -> dict[str, Any]:
 
 def _written(backend: IdleFlatRollout, layout: Layout, k: int) -> bool:
     """Whether any element of this replica rank's tensors differs from version 1."""
-    return not _equal(_served(backend), layout.shard(_large_model(1), k))
+    return not equal(served(backend), layout.shard(large_model(1), k))
 
 
 def _servable(backend: IdleFlatRollout) -> bool | str:
@@ -375,7 +354,7 @@ def _chain_child(rank: int) -> dict[str, Any]:
         assert result.ok, result.error
     finally:
         worker.close(10)
-    whole = _equal(_served(backend), replica_layout.shard(_model(1), k))
+    whole = equal(served(backend), replica_layout.shard(_model(1), k))
     return {"roles": roles, "whole": whole, "version": backend.weight_version}
 
 
@@ -391,7 +370,7 @@ def test_replicas_relay_rank_to_rank_along_a_chain() -> None:
 def _tree_killed_child(rank: int) -> dict[str, Any]:
     """The chain of ``_chain_child`` with the large model; version 2's inner relay rank 4 dies
     between two buckets of its leaf rank 6 (after rank 6 took bucket 1)."""
-    trainer_layout, replica_layout = _killed_layouts()
+    trainer_layout, replica_layout = rows_to_columns()
     plan = TransferPlan.between(trainer_layout, replica_layout)
     groups = build_sharded_sync_groups(TRAINERS, [(2, 3), (4, 5), (6, 7)], fanout=1)
     config = TransferConfig(bucket_bytes=64 * 1024, checksums=True, timeout_s=KILLED_LIMIT_S)
@@ -400,11 +379,11 @@ def _tree_killed_child(rank: int) -> dict[str, Any]:
         transfer = groups.p2r_transfer(plan, config=config)
         assert transfer is not None
         for version in (1, 2):
-            transfer.send(trainer_layout.shard(_large_model(version), rank), version=version)
+            transfer.send(trainer_layout.shard(large_model(version), rank), version=version)
         store.wait([f"done/{r}" for r in (2, 3, 5, 6, 7)], datetime.timedelta(seconds=60))
         return {}
     j, k = groups.position(rank)  # type: ignore[misc]
-    backend = IdleFlatRollout(replica_layout.shard(_large_model(0), k))
+    backend = IdleFlatRollout(replica_layout.shard(large_model(0), k))
     worker = RolloutWorker(
         backend,
         p2r=groups.p2r_transfer(plan, config=config),
@@ -423,7 +402,7 @@ def _tree_killed_child(rank: int) -> dict[str, Any]:
         started = time.monotonic()
         result = worker.handle(command(step=2, **({"relay": True} if j == 0 else {})))
         outcome = SyncOutcome.of(result, backend, elapsed_s=time.monotonic() - started)
-        written = not _equal(_served(backend), replica_layout.shard(_large_model(1), k))
+        written = not equal(served(backend), replica_layout.shard(large_model(1), k))
         return {"outcome": outcome, "written": written, "servable": _servable(backend)}
     finally:
         worker.close(10)

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from sharded_helpers import equal, large_model, rows_to_columns, served
 
 from rollout_sync import RolloutWorker, SyncMode
 from rollout_sync.errors import WeightTransferError
@@ -29,7 +30,7 @@ from rollout_sync.testing import (
     run_group,
     transfer_fault_hooks,
 )
-from rollout_sync.transfer import Layout, TransferConfig, TransferHooks, TransferPlan
+from rollout_sync.transfer import TransferConfig, TransferHooks, TransferPlan
 from rollout_sync.worker import P2R, R2R
 
 TRAINERS = (0, 1)
@@ -38,31 +39,10 @@ LIMIT_S = 15.0
 FAST_S = 5.0
 
 
-def _model(version: int) -> dict[str, torch.Tensor]:
-    """Eight 256x256 fp32 tensors (2 MiB): many buckets, and sends that wait for receives."""
-    g = torch.Generator().manual_seed(version)
-    return {f"w{i}": torch.randn(256, 256, generator=g) for i in range(8)}
-
-
-def _layouts() -> tuple[Layout, Layout]:
-    model = _model(0)
-    trainer = Layout.build(model, 2, shard=dict.fromkeys(model, 0))
-    replica = Layout.build(model, 2, shard=dict.fromkeys(model, 1))
-    return trainer, replica
-
-
-def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
-
-
-def _served(backend: IdleFlatRollout) -> dict[str, torch.Tensor]:
-    return {n: t.clone() for n, t in backend.served_weights().items()}
-
-
 def _job(rank: int, *, pipelined: bool, mode: SyncMode, faults: bool) -> dict[str, Any]:
     """Versions 1 and 2 through the worker; with ``faults`` the R2R transfers get fault hooks
     (version 2 is where the test's kill strikes)."""
-    trainer_layout, replica_layout = _layouts()
+    trainer_layout, replica_layout = rows_to_columns()
     plan = TransferPlan.between(trainer_layout, replica_layout)
     groups = build_sharded_sync_groups(TRAINERS, REPLICAS, timeout_s=LIMIT_S)
     config = TransferConfig(bucket_bytes=64 * 1024, checksums=True, timeout_s=LIMIT_S)
@@ -74,7 +54,7 @@ def _job(rank: int, *, pipelined: bool, mode: SyncMode, faults: bool) -> dict[st
         errors = []
         for version in (1, 2):
             try:
-                transfer.send(trainer_layout.shard(_model(version), rank), version=version)
+                transfer.send(trainer_layout.shard(large_model(version), rank), version=version)
             except WeightTransferError as exc:
                 errors.append(exc)
         store.set(f"trainer_done/{rank}", "1")
@@ -82,7 +62,7 @@ def _job(rank: int, *, pipelined: bool, mode: SyncMode, faults: bool) -> dict[st
         store.wait([f"done/{r}" for r in replica_ranks if r != 3], datetime.timedelta(seconds=60))
         return {"errors": errors}
     j, k = groups.position(rank)  # type: ignore[misc]
-    backend = IdleFlatRollout(replica_layout.shard(_model(0), k))
+    backend = IdleFlatRollout(replica_layout.shard(large_model(0), k))
     events: list[tuple[str, int, float]] = []
     p2r = groups.p2r_transfer(plan, config=config, pipelined_relay=pipelined)
     r2r = groups.r2r_transfer(config=config)
@@ -100,7 +80,7 @@ def _job(rank: int, *, pipelined: bool, mode: SyncMode, faults: bool) -> dict[st
             )
         result = worker.handle(command)
         assert result.ok, result.error
-        out["v1"] = _equal(_served(backend), replica_layout.shard(_model(1), k))
+        out["v1"] = equal(served(backend), replica_layout.shard(large_model(1), k))
         out["events"] = list(events)
         if faults and r2r is not None:
             r2r.hooks = transfer_fault_hooks()  # the victim's sends, its leaf's arrivals
@@ -110,7 +90,7 @@ def _job(rank: int, *, pipelined: bool, mode: SyncMode, faults: bool) -> dict[st
             worker.handle(command), backend, elapsed_s=time.monotonic() - started
         )
         out["whole"] = {
-            v: _equal(_served(backend), replica_layout.shard(_model(v), k)) for v in (1, 2)
+            v: equal(served(backend), replica_layout.shard(large_model(v), k)) for v in (1, 2)
         }
         return out
     finally:
@@ -197,7 +177,7 @@ def test_without_the_verdict_the_same_kill_leaves_the_replicas_on_mixed_versions
 
 
 def test_a_pipelined_sharded_relay_refuses_a_relay_tree() -> None:
-    trainer_layout, replica_layout = _layouts()
+    trainer_layout, replica_layout = rows_to_columns()
     plan = TransferPlan.between(trainer_layout, replica_layout)
     tree = ShardedSyncGroups(TRAINERS, ((2, 3), (4, 5), (6, 7)), None, (), fanout=1)
     with pytest.raises(ValueError, match="relay tree"):
