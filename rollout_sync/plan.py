@@ -48,7 +48,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .scale import FLEET_1T, Fleet, Link, RefitEstimate, Scenario, Topology, estimate
+from .scale import FLEET_1T, Fleet, Link, RefitEstimate, Topology, estimate
 
 __all__ = [
     "CLOSE_REFIT",
@@ -574,18 +574,6 @@ def fleet_of(model: ModelSpec, spec: FleetSpec, base: Fleet = FLEET_1T) -> Fleet
     )
 
 
-def _scenario(fleet: Fleet, *, staged: bool) -> Scenario:
-    """``fleet.scenario``, also for a trainer within one node: there its gather divides by the
-    share of ranks beyond the node (zero), so the gather is NVLink's alone, from the node's
-    other ranks (the same formula with nothing remote)."""
-    if 1 < fleet.trainer_gpus <= fleet.gpus_per_node:
-        alone = replace(fleet, trainer_gpus=1).scenario(staged=staged)
-        others = (fleet.trainer_gpus - 1) / fleet.trainer_gpus
-        gather = Link(fleet.nvlink.rate_bytes_per_s / others, fleet.nic.latency_s)
-        return replace(alone, trainer_ranks=fleet.trainer_gpus, gather=gather)
-    return fleet.scenario(staged=staged)
-
-
 def _design(
     fleet: Fleet,
     topology: Topology,
@@ -595,7 +583,7 @@ def _design(
     free: int | None,
 ) -> Design:
     """One design on ``fleet``; ``delta``: the encoded delta's bytes, for a delta design."""
-    scenario = _scenario(fleet, staged=staging is not Staging.NONE)
+    scenario = fleet.scenario(staged=staging is not Staging.NONE)
     costs = fleet.costs
     if staging is Staging.DEVICE:
         costs = replace(costs, install_bytes_per_s=fleet.device_install_bytes_per_s)

@@ -30,8 +30,9 @@ The rules, in order of importance:
    commit vote), the first link's load ``max(bytes / trainer ranks, bytes / replica GPUs)``
    (the busiest trainer rank's egress or replica GPU's ingress); then, once that is complete,
    R2R GPU ``k`` to GPU ``k``: each of the first replica's GPUs broadcasts its shard to the
-   same GPU of the others. *Sharded, pipelined* (modelled, not implemented): the same first
-   hop, the second overlapped with it: the pipelined relay, per GPU.
+   same GPU of the others. *Sharded, pipelined* (``ShardedTransfer(pipelined_relay=True)``):
+   the same first hop, the second overlapped with it: the pipelined relay, per GPU, forwarding
+   in granules of :attr:`Scenario.sources_per_gpu` buckets, two-phase.
    A broadcast is as :attr:`Scenario.broadcast` says (:class:`Broadcast`). By default a
    bandwidth-optimal chain, as NCCL runs one: the source's link carries the bytes once,
    whatever the group's size. Gloo (``ProcessGroupGloo`` on CPU tensors runs

@@ -316,9 +316,16 @@ class LearningLM(StreamingLM):
         except BaseException as exc:  # kept: stop() raises it
             self._feeder_error = exc
 
+    def _ship(self, results: Sequence[GenerationResult], timeout: float) -> None:
+        try:
+            super()._ship(results, timeout)
+        finally:  # shipped, cancelled or failed: each request's group is done with
+            for result in results:
+                self._group_of.pop(result.request_id, None)
+
     def _payload(self, result: GenerationResult) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         tensors, metadata = rollout_payload(
-            self._group_of.pop(result.request_id),
+            self._group_of[result.request_id],
             result.prompt,
             result.tokens,
             result.logprobs,
