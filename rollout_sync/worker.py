@@ -61,7 +61,6 @@ from .guard import SyncReport, device_fence, holds_payload_egress, weight_sync_h
 from .staging import StagingArea
 from .sync.buffered import Buffered
 from .sync.contract import InstallStrategy, SupportsWeightTransfer, check_transfer
-from .sync.in_place import InPlace
 from .sync.mode import SyncMode
 from .sync.slot import BackgroundEngine, EngineSlot
 from .sync.slot import reload_received as reload_received  # their old home: importable
@@ -239,10 +238,6 @@ class RolloutWorker:
             self._strategy if isinstance(self._strategy, Staged) else Staged(self, self._slot)
         )
         """Adapter syncs: always staged (the mode's own strategy when it stages already)."""
-        self._in_place = (
-            self._strategy if isinstance(self._strategy, InPlace) else InPlace(self, self._slot)
-        )
-        """The bodies of the decorated in-place handlers (``receive_weights_p2r``, ...)."""
         self._stopped = False
         self._interrupted: str | None = None
         self._generation_steps = 0
@@ -533,13 +528,15 @@ class RolloutWorker:
         return self._adapters.for_adapter(command)
 
     def _receive_p2r(self, command: P2R) -> TransferStats:
-        return self._in_place.receive_p2r(self._in_place.relay_target(command))
+        # The mode's strategy writes in place here too, so what it keeps (a staging copy that
+        # mirrors the served weights, the trainer's checksums) follows the write.
+        return self._strategy.receive_p2r(self._strategy.relay_target(command))
 
     def _receive_r2r(self, command: R2R) -> TransferStats:
-        return self._in_place.receive_r2r()
+        return self._strategy.receive_r2r()
 
     def _send_r2r(self, command: R2R) -> TransferStats:
-        return self._in_place.send_r2r()
+        return self._strategy.send_r2r()
 
     receive_weights_p2r = weight_sync_handler(_receive_p2r)
     """P2R receive, guarded: pause, hold egress, lazy init, transfer, fence, release."""

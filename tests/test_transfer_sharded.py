@@ -440,3 +440,43 @@ def test_a_relay_tree_of_fanout_two_is_a_heap_and_fanout_none_one_broadcast() ->
     assert flat.children(0) == [1, 2, 3, 4, 5, 6] and flat.parent(6) == 0
     with pytest.raises(ValueError, match="fanout >= 1"):
         build_sharded_sync_groups((0,), replicas, fanout=0)
+
+
+def _write_fails_child(rank: int) -> dict[str, Any]:
+    """Trainers 0, 1; one replica of ranks 2, 3. Rank 2's handling of its second bucket raises
+    an error of a type nobody raises on purpose (after its first bucket was written)."""
+    trainer_layout, replica_layout = rows_to_columns()
+    plan = TransferPlan.between(trainer_layout, replica_layout)
+    groups = build_sharded_sync_groups(TRAINERS, [(2, 3)], timeout_s=KILLED_LIMIT_S)
+    config = TransferConfig(bucket_bytes=64 * 1024, checksums=True, timeout_s=KILLED_LIMIT_S)
+    transfer = groups.p2r_transfer(plan, config=config)
+    assert transfer is not None
+    started = time.monotonic()
+    if rank in TRAINERS:
+        error = _raised(
+            lambda: transfer.send(trainer_layout.shard(large_model(1), rank), version=1)
+        )
+        return {"error": error, "elapsed": time.monotonic() - started}
+
+    def broken(k: int, bucket: torch.Tensor) -> None:
+        if rank == 2 and k == 1:
+            raise RuntimeError("the engine's copy failed")
+
+    transfer.hooks = TransferHooks(after_receive=broken)
+    into = replica_layout.shard(large_model(0), rank - 2)
+    error = _raised(lambda: transfer.receive(into))
+    return {"error": error, "elapsed": time.monotonic() - started}
+
+
+@pytest.mark.timeout(120)
+def test_a_write_that_fails_part_way_tears_its_rank_and_fails_every_rank_fast() -> None:
+    """Fail closed, and nobody waits out a limit: the failing rank keeps receiving (its sources
+    are not left blocked), votes no and raises the transfer's typed error saying it wrote; its
+    peers fail at the commit vote, at once."""
+    results = run_group(_write_fails_child, 4, timeout_s=120, group_timeout_s=KILLED_LIMIT_S)
+    own = results[2]["error"]
+    assert isinstance(own, WeightTransferError) and own.targets_torn, own
+    assert "RuntimeError" in str(own)  # the cause, named (chained in the process)
+    for rank in (0, 1, 2, 3):
+        assert isinstance(results[rank]["error"], WeightTransferError), results[rank]
+        assert results[rank]["elapsed"] < FAST_S, results[rank]

@@ -370,6 +370,26 @@ class InstallStrategy(abc.ABC):
         slot.landed(stats.version)
         return stats
 
+    # -- the in-place bodies: InPlace's, and the worker's decorated handlers' in every mode --
+
+    def receive_p2r(self, forward: SupportsWeightTransfer | None) -> TransferStats:
+        """The trainer's version into the served tensors (relayed through ``forward``)."""
+        assert self.host.p2r is not None
+        self.meet_trainer(forward)
+        stats = self.receive_in_place(self.host.p2r, forward)
+        self.keep_origin(stats)
+        return stats
+
+    def receive_r2r(self) -> TransferStats:
+        """The R2R source's version into the served tensors."""
+        assert self.host.r2r is not None
+        return self.receive_in_place(self.host.r2r)
+
+    def send_r2r(self) -> TransferStats:
+        """Broadcast the served version to the others."""
+        assert self.host.r2r is not None
+        return self.send(self.host.r2r, self.served_to_send)
+
     def before_in_place_write(self) -> None:  # noqa: B027 - a hook: only staging needs it
         """Called before an in-place receive writes the served tensors."""
 

@@ -39,20 +39,3 @@ class InPlace(InstallStrategy):
     def receive(self, transfer: SupportsWeightTransfer, name: str) -> TransferStats:
         with self.bracket(name, pause=self.host.guarded, hold=self.host.guarded):
             return self.receive_in_place(transfer)
-
-    # -- the bodies (the worker's decorated handlers run them too) ------------------------
-
-    def receive_p2r(self, forward: SupportsWeightTransfer | None) -> TransferStats:
-        assert self.host.p2r is not None
-        self.meet_trainer(forward)
-        stats = self.receive_in_place(self.host.p2r, forward)
-        self.keep_origin(stats)
-        return stats
-
-    def receive_r2r(self) -> TransferStats:
-        assert self.host.r2r is not None
-        return self.receive_in_place(self.host.r2r)
-
-    def send_r2r(self) -> TransferStats:
-        assert self.host.r2r is not None
-        return self.send(self.host.r2r, self.served_to_send)

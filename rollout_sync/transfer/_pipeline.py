@@ -32,6 +32,12 @@ from ..trace import SpanKind, Timeline
 from .manifest import WeightManifest
 
 
+def void_checksum(device: torch.device) -> torch.Tensor:
+    """The checksum sent with a void bucket: one no bucket has (a bucket's weighted sum is
+    never negative), so a receiver that verifies refuses the bucket and writes none of it."""
+    return torch.tensor([0, -1], dtype=torch.int64, device=device)
+
+
 @dataclass(frozen=True)
 class _Link:
     """The transfer a pipeline launches its collectives on, and waits and votes through."""
@@ -139,7 +145,7 @@ class _Forward:
             return
         device = self.transfer.device
         zeros = torch.zeros(max(self.manifest.bucket_nbytes), dtype=torch.uint8, device=device)
-        checksum = torch.zeros(2, dtype=torch.int64, device=device)
+        checksum = void_checksum(device)
         for k in range(self.launched, self.buckets):
             flat = zeros[: self.manifest.bucket_nbytes[k]]
             self.launch(k, flat, checksum if self.manifest.checksums else None)

@@ -195,6 +195,17 @@ def _check_coverage(
         )
 
 
+def _forward_failed(error: Exception, version: int) -> WeightTransferError:
+    """A pipelined relay's own failure to pass a version on (not a peer's), typed."""
+    failed = WeightTransferError(
+        f"passing version {version} on failed on this rank: {type(error).__name__}: {error}",
+        operation=f"forward version {version}",
+        version=version,
+    )
+    failed.__cause__ = error
+    return failed
+
+
 def _interleave(
     queues: Mapping[int, Sequence[_Bucket]], first: int = 0
 ) -> list[tuple[int, _Bucket]]:
@@ -222,9 +233,18 @@ class _Progress:
     source, the source's global rank); nothing is written from it on."""
     refusal: BaseException | None = None
     """This rank's ``verify`` refused what landed intact (voted no, raised after the vote)."""
+    write_error: BaseException | None = None
+    """Writing a bucket into this rank's tensors raised: nothing more is written, the rank
+    keeps receiving (no source is left waiting) and votes no; raised after the vote as a
+    :class:`~rollout_sync.errors.WeightTransferError` saying what was written."""
     checksums_verified: int = 0
     buckets: int = 0
     nbytes: int = 0
+
+    @property
+    def writing(self) -> bool:
+        """Whether buckets are still written (none arrived corrupted, no write failed)."""
+        return not self.failed_buckets and self.write_error is None
 
 
 class _Arrivals:
@@ -244,7 +264,7 @@ class _Arrivals:
         """Receive until every tensor of ``names`` this rank receives has arrived whole;
         whether they all did (``False``: they never will)."""
         while any(self.missing.get(n, 0) > 0 for n in names):
-            if self.done or self.failure is not None or progress.failed_buckets:
+            if self.done or self.failure is not None or not progress.writing:
                 return False
             self._step()
         return True
@@ -535,7 +555,7 @@ class ShardedTransfer:
             self._receive_buckets(into, version, progress, write_kind)
         except WeightTransferError as exc:
             failure = exc
-        if failure is None and not progress.failed_buckets and verify is not None:
+        if failure is None and progress.writing and verify is not None:
             try:
                 verify(into)
             except Exception as exc:  # noqa: BLE001 - this rank's refusal: voted, then raised
@@ -641,27 +661,33 @@ class ShardedTransfer:
             steps = begin_send(into, version=version, storage=storage, decision=True)
         except WeightTransferError as exc:  # a downstream rank refused the manifest, or died
             forward_error = exc
+        except Exception as exc:  # noqa: BLE001 - this rank's own: begin_send aborted them
+            forward_error = _forward_failed(exc, version)
         progress = _Progress()
         arriving = _Arrivals(self._specs, self._receive_steps(into, version, progress, write_kind))
         if steps is not None:
             for k in range(steps.num_buckets):
-                whole = arriving.until_complete(steps.bucket_names(k), progress)
+                whole = forward_error is None and arriving.until_complete(
+                    steps.bucket_names(k), progress
+                )
                 try:
                     steps.launch(k) if whole else steps.launch_void(k)
                 except WeightTransferError as exc:  # a downstream rank died or timed out
                     forward_error, steps = exc, None
                     break
+                except Exception as exc:  # noqa: BLE001 - packing failed here: the rest go void
+                    forward_error = _forward_failed(exc, version)
         arriving.drain()  # every source's buckets are taken, whatever happened downstream
-        if arriving.failure is None and not progress.failed_buckets and verify is not None:
+        if arriving.failure is None and progress.writing and verify is not None:
             try:
                 verify(into)
             except Exception as exc:  # noqa: BLE001 - this rank's refusal: voted, then raised
                 progress.refusal = exc
-        whole = arriving.failure is None and not progress.failed_buckets
-        whole = whole and progress.refusal is None
+        whole = arriving.failure is None and progress.writing and progress.refusal is None
         if steps is not None:
             try:
-                refused = steps.vote(ok=whole)
+                # Yes only if what went on is the version: not after a local forwarding failure.
+                refused = steps.vote(ok=whole and forward_error is None)
             except WeightTransferError as exc:
                 forward_error, steps = exc, None
             else:
@@ -762,16 +788,19 @@ class ShardedTransfer:
             with self._span(op):
                 self._wait(work, op, version, len(progress.tensors_written))
             view = buffer[: bucket.wire_bytes]
-            if self.hooks.after_receive is not None:
-                self.hooks.after_receive(k, view)
             progress.buckets += 1
             progress.nbytes += sum(s.move.nbytes for s in bucket.slots)
             written = False
-            if not progress.failed_buckets and self._verified(bucket, view, progress):
-                self._unpack(into, bucket, view, progress, write_kind, version)
-                written = True
-            elif not progress.failed_buckets:
-                progress.failed_buckets.append((k, bucket.index + 1, src))
+            try:
+                if self.hooks.after_receive is not None:
+                    self.hooks.after_receive(k, view)
+                if progress.writing and self._verified(bucket, view, progress):
+                    self._unpack(into, bucket, view, progress, write_kind, version)
+                    written = True
+                elif progress.writing:
+                    progress.failed_buckets.append((k, bucket.index + 1, src))
+            except Exception as exc:  # noqa: BLE001 - this rank's own: voted no, then raised
+                progress.write_error = progress.write_error or exc
             post(source)
             yield bucket if written else None
 
@@ -895,7 +924,7 @@ class ShardedTransfer:
             # A collective failed: the group may be broken; do not wait on it again.
             raise failure
         corrupt = progress.failed_buckets
-        no = corrupt or progress.refusal is not None
+        no = corrupt or progress.refusal is not None or progress.write_error is not None
         vote = _NO if no else _FORWARD_FAILED if forwarded is False else _YES
         mine = torch.tensor([vote], dtype=torch.int64, device=self.device)
         rows = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in self.ranks]
@@ -905,6 +934,16 @@ class ShardedTransfer:
         votes = torch.cat(rows).tolist()
         failed = [rank for rank, v in zip(self.ranks, votes, strict=True) if v == _NO]
         not_forwarded = [r for r, v in zip(self.ranks, votes, strict=True) if v == _FORWARD_FAILED]
+        if progress.write_error is not None:
+            error = progress.write_error
+            raise WeightTransferError(
+                f"writing version {version} on rank {self.rank} failed part-way "
+                f"({type(error).__name__}: {error}); {written} tensor(s) written, so this "
+                f"rank's part is torn; rank(s) {failed} voted no",
+                operation=op,
+                version=version,
+                tensors_written=written,
+            ) from error
         if progress.refusal is not None:
             raise progress.refusal
         if corrupt:

@@ -89,7 +89,7 @@ from ._barrier import (
     barrier_mismatch,
     header_kind,
 )
-from ._pipeline import _Forward, _InFlight, _Link
+from ._pipeline import _Forward, _InFlight, _Link, void_checksum
 from .config import TransferConfig, TransferHooks, TransferStats
 from .manifest import OriginChecksums, WeightManifest, bucket_checksum
 
@@ -1278,6 +1278,17 @@ class StepwiseSend:
         """Pack bucket ``k`` from the weights (they must hold the version now) and start its
         broadcast (its checksum's too)."""
         self._check_order(k)
+        try:
+            self._pack_and_launch(k)
+        except WeightTransferError:
+            raise
+        except Exception:
+            # Packing failed here: bucket k still goes out (void), so the receivers reach the
+            # commit vote, where this source says no, instead of their limit.
+            self._launch_zeros(k)
+            raise
+
+    def _pack_and_launch(self, k: int) -> None:
         flat = self.spans[k]
         with torch.no_grad():
             if flat is None:
@@ -1305,12 +1316,15 @@ class StepwiseSend:
         relay's own receive failed), so the receivers reach the commit vote, where this source
         says no, instead of waiting out their limit."""
         self._check_order(k)
+        self._launch_zeros(k)
+
+    def _launch_zeros(self, k: int) -> None:
         self.in_flight.finish_through(k - len(self.buffers))
         device = self.transfer.device
         flat = torch.zeros(self.manifest.bucket_nbytes[k], dtype=torch.uint8, device=device)
         self.in_flight.launch(flat, k)
         if self.manifest.checksums:
-            self.in_flight.launch(torch.zeros(2, dtype=torch.int64, device=device), k, "checksum")
+            self.in_flight.launch(void_checksum(device), k, "checksum")
 
     def vote(self, *, ok: bool) -> list[int]:
         """Finish every broadcast, then the commit vote (this source's ``ok``); the ranks that

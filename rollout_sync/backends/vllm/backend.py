@@ -746,10 +746,12 @@ class _VLLMBackendBase(RolloutBase, Generic[A]):
         return request, lora
 
     def _end_request(self, request: VLLMRequest, error: str | None) -> None:
-        request._complete(error)
-        with self._requests_lock:
-            if self._in_flight.pop(request.request_id, None) is not None:
-                self._finished += 1
+        try:
+            request._complete(error)
+        finally:  # a request that could not complete still leaves the in-flight table
+            with self._requests_lock:
+                if self._in_flight.pop(request.request_id, None) is not None:
+                    self._finished += 1
 
     @property
     def requests_in_flight(self) -> int:
