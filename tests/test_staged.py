@@ -395,3 +395,20 @@ def test_version_skew_and_sync_window_token_rates_measure_what_the_report_says()
     forwards.append(span(SpanKind.FORWARD, 3.9, 4.0, batch=2))
     inside, outside = token_rates_in_windows(forwards, [span(SpanKind.SYNC, 2.0, 3.0)])
     assert inside == pytest.approx(8.0) and outside == pytest.approx(4 / 3)
+
+
+@pytest.mark.timeout(30)
+def test_a_decorated_in_place_handler_on_a_staged_worker_voids_the_staging_copy() -> None:
+    """``receive_weights_p2r`` writes the served tensors in place in every mode; on a STAGED
+    worker the staging copy then no longer mirrors them, so it is voided (a later staged sync
+    starts from the served weights again, not from the older copy)."""
+    rollout = _recording()
+    worker = RolloutWorker(rollout, mode=SyncMode.STAGED)
+    _sync(worker, WireTransfer(1, _weights(1.0)))
+    staging = worker.staging
+    assert staging is not None and staging.state is StagingState.SERVED
+    worker.p2r = WireTransfer(2, _weights(2.0))
+    worker.receive_weights_p2r(P2R(step=2))
+    assert rollout.weight_version == 2
+    assert torch.equal(rollout.served_weights()["a"], torch.full((4,), 2.0))
+    assert staging.state is StagingState.VOID, "the copy still claims to mirror version 1"
