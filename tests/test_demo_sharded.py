@@ -80,7 +80,11 @@ def test_every_replica_rank_gets_the_command_of_its_position(pipelined_relay: bo
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_the_sharded_demo_is_clean_bit_identical_and_loses_no_payload() -> None:
+@pytest.mark.parametrize("pipelined_relay", [False, True], ids=["p2r_then_r2r", "pipelined"])
+def test_the_sharded_demo_is_clean_bit_identical_and_loses_no_payload(
+    pipelined_relay: bool,
+) -> None:
+    """`--trainer-ranks 2 --tp 2`, and with `--pipelined-relay` the pipelined sharded relay."""
     timeline = Timeline()
     steps = 4
     # Short generations: every leader finishes (and ships) some within the run's steps however
@@ -93,6 +97,7 @@ def test_the_sharded_demo_is_clean_bit_identical_and_loses_no_payload() -> None:
         checksums=True,
         min_new_tokens=2,
         max_new_tokens=8,
+        pipelined_relay=pipelined_relay,
         **_FAST,
     )
     report = run_distributed_demo(config, timeline)
@@ -104,7 +109,8 @@ def test_the_sharded_demo_is_clean_bit_identical_and_loses_no_payload() -> None:
     assert report["step_mismatches"] == 0 and report["trainer_shard_mismatches"] == 0
     assert report["bit_identical"]
     assert report["final_versions"] == [steps] * 2
-    assert report["syncs"] == steps * (1 + 2)  # per replica: a P2R, then an R2R on each
+    # Per step: the first replica's P2R, then an R2R on each (relayed: its P2R passes it on).
+    assert report["syncs"] == steps * (2 if pipelined_relay else 1 + 2)
     assert report["torn_reads"] == 0 and report["torn_forwards_detected"] == 0
     assert report["forward_write_overlaps"] == 0 and report["egress_overlaps"] == 0
     assert timeline.overlaps() == []

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,26 +178,29 @@ def test_a_policy_learns_the_task_and_a_frozen_one_on_the_same_seed_does_not() -
 
 
 def test_demo_learn_learns_from_the_replicas_rollouts_in_flight(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    """The documented command: staged, in flight, over the payload transport; every check of
-    the job holds, and the reward climbs."""
-    code = main(
-        ["demo", "--learn", "--staged", "--replicas", "2", "--max-staleness", "1", "--json"]
-    )
-    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    """docs/learning.md's command, `demo --learn --staged --plot learn.png`: staged, in flight,
+    over the payload transport; every check of the job holds, the reward climbs, the replicas
+    kept generating through the steps (the synchronous loop idles them a third of the time),
+    and the picture has the reward curve."""
+    pytest.importorskip("matplotlib")
+    picture = tmp_path / "learn.png"
+    code = main(["demo", "--learn", "--staged", "--plot", str(picture), "--json"])
+    out = capsys.readouterr().out
+    report = json.loads(out.strip().splitlines()[-1])
     assert code == 0
     assert report["steps"] == 40 and report["sync_mode"] == "staged"
     assert report["torn_reads"] == 0 and report["bit_identical"] is True
     assert report["payloads_lost"] == 0 and report["failed_commands"] == 0
     assert report["reward_last"] >= max(3 * TASK.chance, report["reward_first"] + 0.2)
     assert len(report["reward_curve"]) == 40
-    assert report["staleness_p99"] <= 1  # what was older was dropped
+    assert report["staleness_p99"] <= 4  # --max-staleness's default: what was older was dropped
     assert 0 < report["changed_fraction_p50"] <= 1
-    assert report["replica_idle_fraction"] < 0.5
+    assert report["replica_idle_fraction"] < 0.1  # in flight: parked only for the installs
     for key in ("importance_weight_p50", "importance_weight_p99", "clipped_fraction"):
         assert math.isfinite(report[key])
-    assert report["tokens_per_s"] > 0 and report["tokens_dropped_stale"] >= 0
+    assert picture.stat().st_size > 0 and f"plot: {picture}" in out
 
 
 @pytest.mark.parametrize(
