@@ -46,14 +46,9 @@ from ..testing.fast_llm_trainer import FastLLMTrainerStandIn
 from ..testing.redis_server import RedisServer
 from ..trace import SpanKind, Timeline, torn_forwards
 from ..transfer import TransferConfig, WeightTransfer
-from .distributed import (
-    DistributedDemoConfig,
-    add_process_spans,
-    decode_step_ms_p50,
-    demo_limit_s,
-    park_steps,
-)
+from .distributed import DistributedDemoConfig, demo_limit_s
 from .engines import torch_lm_trainer
+from .report import add_process_spans, decode_step_ms_p50, park_steps
 from .streaming_lm import StreamingLM
 
 __all__ = ["FastLLMDemoConfig", "run_fast_llm_demo"]
