@@ -63,7 +63,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -79,216 +79,23 @@ from ..errors import (
 )
 from ..trace import SpanKind, Timeline
 from ..weights import WeightSpec, check_weights_match
+from ._sharded_buckets import _Bucket, _buckets, _check_coverage, _interleave, _Progress
+from ._sharded_relay import PipelinedRelay
 from .config import TransferConfig, TransferHooks, TransferStats
-from .layout import Box, region_of
+from .layout import region_of
 from .manifest import OriginChecksums, bucket_checksum
-from .plan import Move, TransferPlan
-from .weight_transfer import StepwiseSend, wait_transfer_work
+from .plan import TransferPlan
+from .weight_transfer import wait_transfer_work
 
 __all__ = ["ShardedTransfer"]
 
-_ALIGN = 8
-_CHECKSUM_BYTES = 16
 _YES = 1
 _NO = 0
 _FORWARD_FAILED = 2
 """A pipelined relay's commit vote: its own part is whole, passing it on failed."""
 
 
-@dataclass(frozen=True)
-class _Slot:
-    move: Move
-    offset: int
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True)
-class _Bucket:
-    """One message from one source rank to one target rank."""
-
-    index: int
-    """Its position among the pair's buckets (the message tag)."""
-    slots: tuple[_Slot, ...]
-    data_bytes: int
-    """Payload and alignment padding, a multiple of 8."""
-    checksummed: bool
-
-    @property
-    def wire_bytes(self) -> int:
-        return self.data_bytes + (_CHECKSUM_BYTES if self.checksummed else 0)
-
-
-def _narrow(move: Move, dim: int, start: int, stop: int, unit: int) -> Move:
-    """``move`` cut to ``[start, stop)`` of its region along ``dim`` (``unit``: bytes per index)."""
-
-    def cut(box: Box) -> Box:
-        out = list(box)
-        out[dim] = (box[dim][0] + start, box[dim][0] + stop)
-        return tuple(out)
-
-    return replace(
-        move,
-        source_box=cut(move.source_box),
-        target_box=cut(move.target_box),
-        nbytes=unit * (stop - start),
-    )
-
-
-def _split(move: Move, limit: int) -> list[Move]:
-    """``move`` cut into regions of at most ``limit`` bytes each (along its outermost
-    dimensions), so that no bucket outgrows the bucket size."""
-    if move.nbytes <= limit:
-        return [move]
-    shape = [stop - start for start, stop in move.source_box]
-    dim = next(d for d, n in enumerate(shape) if n > 1)
-    unit = move.nbytes // shape[dim]
-    if unit > limit:  # one index along ``dim`` is still too large: cut each one further
-        return [
-            part
-            for i in range(shape[dim])
-            for part in _split(_narrow(move, dim, i, i + 1, unit), limit)
-        ]
-    step = limit // unit
-    return [
-        _narrow(move, dim, i, min(i + step, shape[dim]), unit) for i in range(0, shape[dim], step)
-    ]
-
-
-def _buckets(
-    moves: list[Move], dtypes: Mapping[str, torch.dtype], bucket_bytes: int, checksums: bool
-) -> list[_Bucket]:
-    """The moves packed into buckets whose bytes on the wire (payload, alignment, checksum)
-    are at most ``bucket_bytes``; a region larger than that is cut (:func:`_split`)."""
-    limit = max(_ALIGN, (bucket_bytes - (_CHECKSUM_BYTES if checksums else 0)) // _ALIGN * _ALIGN)
-    out: list[_Bucket] = []
-    slots: list[_Slot] = []
-    used = 0
-    for move in (part for m in moves for part in _split(m, limit)):
-        size = -(-move.nbytes // _ALIGN) * _ALIGN
-        if slots and used + size > limit:
-            out.append(_Bucket(len(out), tuple(slots), used, checksums))
-            slots, used = [], 0
-        slots.append(_Slot(move, used, dtypes[move.tensor]))
-        used += size
-    if slots:
-        out.append(_Bucket(len(out), tuple(slots), used, checksums))
-    return out
-
-
-def _check_coverage(
-    queues: Mapping[int, Sequence[_Bucket]], specs: Mapping[str, WeightSpec], target: int
-) -> None:
-    """Refuse a plan whose moves into this target rank do not add up to each of its tensors'
-    bytes (a region missing, or sent twice): it would leave a tensor partly old. A plan that
-    :meth:`TransferPlan.between` builds covers every element exactly once by construction; this
-    checks a plan made by other means by its byte counts."""
-    covered: dict[str, int] = dict.fromkeys(specs, 0)
-    for queue in queues.values():
-        for bucket in queue:
-            for slot in bucket.slots:
-                covered[slot.move.target_local] += slot.move.nbytes
-    wrong = {n: (b, specs[n].nbytes) for n, b in covered.items() if b != specs[n].nbytes}
-    if wrong:
-        raise ValueError(
-            f"the plan does not cover target rank {target}'s tensors exactly once "
-            f"(bytes planned, bytes held): {wrong}"
-        )
-
-
-def _forward_failed(error: Exception, version: int) -> WeightTransferError:
-    """A pipelined relay's own failure to pass a version on (not a peer's), typed."""
-    failed = WeightTransferError(
-        f"passing version {version} on failed on this rank: {type(error).__name__}: {error}",
-        operation=f"forward version {version}",
-        version=version,
-    )
-    failed.__cause__ = error
-    return failed
-
-
-def _interleave(
-    queues: Mapping[int, Sequence[_Bucket]], first: int = 0
-) -> list[tuple[int, _Bucket]]:
-    """Buckets round-robin over peers (in peer order, starting at the ``first``-th): each
-    peer's first, then each one's second. Source ranks start at their own index, so that they
-    do not all send to the same target rank at once (its ingress would take them in turn)."""
-    order = []
-    depth = max((len(q) for q in queues.values()), default=0)
-    peers = sorted(queues)
-    if peers:
-        start = first % len(peers)
-        peers = peers[start:] + peers[:start]
-    for k in range(depth):
-        for peer in peers:
-            if k < len(queues[peer]):
-                order.append((peer, queues[peer][k]))
-    return order
-
-
-@dataclass
-class _Progress:
-    tensors_written: set[str] = field(default_factory=set)
-    failed_buckets: list[tuple[int, int, int]] = field(default_factory=list)
-    """The first corrupted bucket: (its place among this rank's receives, its number from its
-    source, the source's global rank); nothing is written from it on."""
-    refusal: BaseException | None = None
-    """This rank's ``verify`` refused what landed intact (voted no, raised after the vote)."""
-    write_error: BaseException | None = None
-    """Writing a bucket into this rank's tensors raised: nothing more is written, the rank
-    keeps receiving (no source is left waiting) and votes no; raised after the vote as a
-    :class:`~rollout_sync.errors.WeightTransferError` saying what was written."""
-    checksums_verified: int = 0
-    buckets: int = 0
-    nbytes: int = 0
-
-    @property
-    def writing(self) -> bool:
-        """Whether buckets are still written (none arrived corrupted, no write failed)."""
-        return not self.failed_buckets and self.write_error is None
-
-
-class _Arrivals:
-    """A pipelined relay's view of its receive: which of its tensors have arrived whole.
-
-    Drives the receive (:meth:`ShardedTransfer._receive_steps`) only as far as the next hop
-    needs; a collective's failure stops it (:attr:`failure`), a bucket that arrived corrupted
-    stops the writing (the receive goes on, so no source is left waiting)."""
-
-    def __init__(self, specs: Mapping[str, WeightSpec], steps: Iterator[_Bucket | None]) -> None:
-        self.missing = {name: spec.nbytes for name, spec in specs.items()}
-        self.steps = steps
-        self.failure: WeightTransferError | None = None
-        self.done = False
-
-    def until_complete(self, names: Sequence[str], progress: _Progress) -> bool:
-        """Receive until every tensor of ``names`` this rank receives has arrived whole;
-        whether they all did (``False``: they never will)."""
-        while any(self.missing.get(n, 0) > 0 for n in names):
-            if self.done or self.failure is not None or not progress.writing:
-                return False
-            self._step()
-        return True
-
-    def drain(self) -> None:
-        """Take every bucket still to come (unless a collective failed)."""
-        while not self.done and self.failure is None:
-            self._step()
-
-    def _step(self) -> None:
-        try:
-            bucket = next(self.steps)
-        except StopIteration:
-            self.done = True
-            return
-        except WeightTransferError as exc:
-            self.failure = exc
-            return
-        if bucket is not None:
-            for slot in bucket.slots:
-                self.missing[slot.move.target_local] -= slot.move.nbytes
-
-
-class ShardedTransfer:
+class ShardedTransfer(PipelinedRelay):
     """Move versions from ``source_ranks`` to ``target_ranks`` of ``group`` along ``plan``.
 
     One object per (group, plan); reuse it across syncs. Source ranks call :meth:`send` with
@@ -614,129 +421,6 @@ class ShardedTransfer:
             transfer_s=stats.transfer_s + sent.total_s,
             total_s=stats.total_s + sent.total_s,
         )
-
-    def _relay_pipelined(
-        self,
-        into: Mapping[str, torch.Tensor],
-        forward: object,
-        allow_subset: bool,
-        write_kind: str,
-        storage: torch.Tensor | None,
-        verify: Callable[[Mapping[str, torch.Tensor]], None] | None,
-    ) -> TransferStats:
-        """The pipelined relay, per rank (the module docstring): receive this rank's part and
-        pass each bucket of ``forward`` (an R2R :class:`~rollout_sync.WeightTransfer` this rank
-        is the source of) on as soon as its tensors have all arrived; then the R2R commit vote
-        (this rank's yes: its part arrived whole), the P2R commit vote (every rank of this hop:
-        its part whole, and passed on), and the verdict to the R2R group: commit only if every
-        rank of both hops said yes.
-
-        Raises:
-            RelayForwardError: this rank's part arrived whole, passing it on failed.
-            WeightTransferError (``complete``): this rank's part arrived and went on whole; the
-                version does not commit everywhere (another relay's next hop failed).
-            Otherwise as :meth:`receive`.
-        """
-        start = time.perf_counter()
-        own = self._check(into, "served weights", require_all=not allow_subset)
-        begin_send = getattr(forward, "begin_send", None)
-        if own is None and begin_send is None:
-            own = WeightMismatchError(
-                [f"the next hop {forward!r} cannot send in steps (no begin_send)"],
-                context=f"the pipelined relay on rank {self.rank}",
-            )
-        try:
-            version = self._plan_vote(None, own)
-        except (WeightTransferError, WeightMismatchError) as exc:
-            abort = getattr(forward, "abort", None)
-            if abort is not None:  # the downstream replicas fail now, not at their limit
-                reason = f"the relay's receive failed: {type(exc).__name__}"
-                abort(reason, version=getattr(exc, "version", None))
-            raise
-        voted = time.perf_counter()
-        assert begin_send is not None
-        steps: StepwiseSend | None = None
-        forward_error: WeightTransferError | None = None
-        try:
-            steps = begin_send(into, version=version, storage=storage, decision=True)
-        except WeightTransferError as exc:  # a downstream rank refused the manifest, or died
-            forward_error = exc
-        except Exception as exc:  # noqa: BLE001 - this rank's own: begin_send aborted them
-            forward_error = _forward_failed(exc, version)
-        progress = _Progress()
-        arriving = _Arrivals(self._specs, self._receive_steps(into, version, progress, write_kind))
-        if steps is not None:
-            for k in range(steps.num_buckets):
-                whole = forward_error is None and arriving.until_complete(
-                    steps.bucket_names(k), progress
-                )
-                try:
-                    steps.launch(k) if whole else steps.launch_void(k)
-                except WeightTransferError as exc:  # a downstream rank died or timed out
-                    forward_error, steps = exc, None
-                    break
-                except Exception as exc:  # noqa: BLE001 - packing failed here: the rest go void
-                    forward_error = _forward_failed(exc, version)
-        arriving.drain()  # every source's buckets are taken, whatever happened downstream
-        if arriving.failure is None and progress.writing and verify is not None:
-            try:
-                verify(into)
-            except Exception as exc:  # noqa: BLE001 - this rank's refusal: voted, then raised
-                progress.refusal = exc
-        whole = arriving.failure is None and progress.writing and progress.refusal is None
-        if steps is not None:
-            try:
-                # Yes only if what went on is the version: not after a local forwarding failure.
-                refused = steps.vote(ok=whole and forward_error is None)
-            except WeightTransferError as exc:
-                forward_error, steps = exc, None
-            else:
-                if refused:
-                    forward_error = ChecksumMismatchError(
-                        f"ranks {refused} failed to receive version {version} from relay rank "
-                        f"{self.rank}",
-                        operation=steps.op,
-                        version=version,
-                        tensors_written=0,
-                        buckets=(),
-                        failed_ranks=refused,
-                    )
-        commits = False
-        try:
-            not_forwarded = self._commit_vote(
-                version,
-                progress,
-                arriving.failure,
-                receiving=True,
-                forwarded=whole and forward_error is None,
-            )
-            commits = not not_forwarded
-        finally:
-            if steps is not None and steps.voted_yes:
-                try:
-                    steps.decide(commit=commits)
-                except WeightTransferError as exc:
-                    forward_error = forward_error or exc
-        written = len(progress.tensors_written)
-        if forward_error is not None:
-            raise RelayForwardError(
-                f"received version {version} whole on rank {self.rank}, but passing it on "
-                f"failed: {forward_error}",
-                operation=f"relay version {version}",
-                version=version,
-                tensors_written=written,
-                cause=forward_error,
-            ) from forward_error
-        if not commits:
-            raise WeightTransferError(
-                f"version {version} reached rank {self.rank} whole and went on, but relay "
-                f"rank(s) {not_forwarded} could not pass it on: it does not commit everywhere",
-                operation=f"relay version {version}",
-                version=version,
-                tensors_written=written,
-                complete=True,
-            )
-        return self._stats("relay", version, progress, start, voted, time.perf_counter())
 
     def _receive_buckets(
         self,
