@@ -61,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # The path is set up above, so a source checkout runs without installing the package.
 from rollout_sync import SyncMode, TransferConfig, WeightBuffer, build_sync_groups
+from rollout_sync.plan import CLOSE_REFIT
 from rollout_sync.scale import (
     FLEET_1T,
     Broadcast,
@@ -552,7 +553,7 @@ def _by_size(fleet: Fleet) -> list[dict[str, Any]]:
     return rows
 
 
-def _best(estimates: list[RefitEstimate], tolerance: float = 0.05) -> RefitEstimate:
+def _best(estimates: list[RefitEstimate], tolerance: float = CLOSE_REFIT) -> RefitEstimate:
     """The implemented design with the shortest refit; a staged one within ``tolerance`` of it
     instead (about the same refit for a much shorter stall)."""
     implemented = [e for e in estimates if e.implemented]

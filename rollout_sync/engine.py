@@ -118,7 +118,7 @@ from .lora import SupportsLoRA as SupportsLoRA
 from .staging import StagingArea as StagingArea
 from .staging import check_two_communicators as check_two_communicators
 from .sync.mode import SyncMode
-from .worker import BackgroundEngine as BackgroundEngine
+from .sync.slot import BackgroundEngine as BackgroundEngine
 
 __all__ = [
     "BackgroundEngine",

@@ -62,6 +62,7 @@ __all__ = [
     "delta_bytes",
     "dtype_bytes",
     "fleet_of",
+    "format_bytes",
     "model_from_config",
     "model_from_file",
     "model_from_index",
@@ -643,7 +644,8 @@ def build_plan(
     )
 
 
-def _size(nbytes: float) -> str:
+def format_bytes(nbytes: float) -> str:
+    """``nbytes`` in decimal units, three figures (``62.5 GB``)."""
     for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if nbytes >= scale:
             return f"{nbytes / scale:.3g} {unit}"
@@ -658,8 +660,8 @@ def _recommend(ranked: tuple[Design, ...], free: int | None) -> tuple[Design | N
         smallest = min(implemented, key=lambda d: d.memory_bytes_per_gpu)
         assert free is not None  # without free memory every design "fits"
         return None, (
-            f"No implemented design fits in {_size(free)} per GPU: the smallest, "
-            f"{smallest.name}, needs {_size(smallest.memory_bytes_per_gpu)} (the bucket "
+            f"No implemented design fits in {format_bytes(free)} per GPU: the smallest, "
+            f"{smallest.name}, needs {format_bytes(smallest.memory_bytes_per_gpu)} (the bucket "
             "buffers). Free some memory, or use smaller buckets."
         )
     fastest = fitting[0]
@@ -670,7 +672,7 @@ def _recommend(ranked: tuple[Design, ...], free: int | None) -> tuple[Design | N
     ]
     pick = min(close, key=lambda d: (d.stall_s, d.refit_s)) if close else fastest
     among = "the implemented designs" + (
-        f" that fit in {_size(free)} per GPU" if free is not None else ""
+        f" that fit in {format_bytes(free)} per GPU" if free is not None else ""
     )
     if pick is fastest:
         why = f"The fastest refit, {pick.refit_s:.3g} s, among {among}."
@@ -684,13 +686,13 @@ def _recommend(ranked: tuple[Design, ...], free: int | None) -> tuple[Design | N
         stall = f"Stall {pick.stall_s:.3g} s: generation stops for the whole transfer."
     else:
         stall = f"Stall {pick.stall_s:.3g} s: generation stops only for the park and the install."
-    memory = f"Needs {_size(pick.memory_bytes_per_gpu)} of device memory per GPU beyond the weights"
+    needs = format_bytes(pick.memory_bytes_per_gpu)
+    memory = f"Needs {needs} of device memory per GPU beyond the weights"
     if pick.staging is Staging.DEVICE:
         memory += " (its shard staged, and the bucket buffers)"
     elif pick.staging is Staging.HOST:
-        memory += (
-            f" (the bucket buffers) and {_size(pick.host_memory_bytes_per_gpu)} of host memory"
-        )
+        host = format_bytes(pick.host_memory_bytes_per_gpu)
+        memory += f" (the bucket buffers) and {host} of host memory"
     else:
         memory += " (the bucket buffers)"
     memory += "." if free is not None else "; memory not checked: no free memory given."

@@ -368,7 +368,6 @@ class LearningTrainer:
         self.ratios: list[float] = []
         self.clipped = 0
         self.changed_fractions: list[float] = []
-        self.trained_tokens = 0
         self.received_tokens = 0
         self.window_ns = (0, 0)
         """From the first step's start to the last step's end (``time.monotonic_ns``)."""
@@ -408,7 +407,6 @@ class LearningTrainer:
         self.ratios += result.ratios
         self.clipped += result.clipped
         self.changed_fractions.append(result.changed_fraction)
-        self.trained_tokens += result.tokens
         self.window_ns = (self.window_ns[0] or started, time.monotonic_ns())
         return {
             "reward": result.reward,
@@ -423,12 +421,10 @@ class LearningTrainer:
             "rewards": self.rewards,
             "staleness": self.staleness,
             "tokens_dropped_stale": self.groups.tokens_dropped,
-            "sequences_dropped_stale": self.groups.sequences_dropped,
             "importance_weight_p50": percentile(self.ratios, 50),
             "importance_weight_p99": percentile(self.ratios, 99),
             "clipped_fraction": self.clipped / len(self.ratios) if self.ratios else 0.0,
             "changed_fractions": self.changed_fractions,
-            "trained_tokens": self.trained_tokens,
             "received_tokens": self.received_tokens,
             "rollouts_invalid": self.invalid,
             "window_ns": self.window_ns,

@@ -21,6 +21,7 @@ from ..plan import (
     Plan,
     build_plan,
     dtype_bytes,
+    format_bytes,
     model_from_file,
     parse_bytes,
     parse_rate,
@@ -234,13 +235,6 @@ def run_plan(args: argparse.Namespace) -> int:
 # -- the words ----------------------------------------------------------------------------------
 
 
-def _size(nbytes: float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.3g} {unit}"
-    return f"{nbytes:.0f} B"
-
-
 def _count(n: float) -> str:
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6)):
         if n >= scale:
@@ -281,17 +275,18 @@ def format_plan(plan: Plan) -> str:
     free = (
         "not given: fits unchecked (?)"
         if f.free_memory_bytes is None
-        else _size(f.free_memory_bytes)
+        else format_bytes(f.free_memory_bytes)
     )
     lines = [
-        f"model: {_count(m.params)} parameters, {m.dtype}: {_size(m.model_bytes)} in "
+        f"model: {_count(m.params)} parameters, {m.dtype}: {format_bytes(m.model_bytes)} in "
         f"{m.tensors:,} tensors{estimated} ({source})",
         f"fleet: {f.trainer_ranks} trainer rank{'s' if f.trainer_ranks != 1 else ''} -> "
         f"{f.replicas} replica{'s' if f.replicas != 1 else ''} x {f.gpus_per_replica} "
-        f"GPU{'s' if f.gpus_per_replica != 1 else ''}; NIC {_size(f.nic_bytes_per_s)}/s per GPU; "
+        f"GPU{'s' if f.gpus_per_replica != 1 else ''}; "
+        f"NIC {format_bytes(f.nic_bytes_per_s)}/s per GPU; "
         f"buckets {f.bucket_bytes / 2**20:.4g} MiB; free memory per GPU {free}",
         f"speed of light: {_seconds(plan.speed_of_light_s)} (each replica takes in "
-        f"{_size(m.model_bytes)} through its {f.gpus_per_replica} NIC"
+        f"{format_bytes(m.model_bytes)} through its {f.gpus_per_replica} NIC"
         f"{'s' if f.gpus_per_replica != 1 else ''})",
     ]
     if plan.changed_fraction is not None:
@@ -305,10 +300,10 @@ def format_plan(plan: Plan) -> str:
         f"{'host':>9}  fits  {'stall #':>7}  status",
     ]
     for rank, d in enumerate(plan.designs, 1):
-        host = _size(d.host_memory_bytes_per_gpu) if d.host_memory_bytes_per_gpu else "-"
+        host = format_bytes(d.host_memory_bytes_per_gpu) if d.host_memory_bytes_per_gpu else "-"
         lines.append(
             f"  {rank:>2}  {d.name:<{width}}  {_seconds(d.refit_s):>9}  {_seconds(d.stall_s):>9}"
-            f"  {_size(d.memory_bytes_per_gpu):>9}  {host:>9}  {_fits(d):<4}  "
+            f"  {format_bytes(d.memory_bytes_per_gpu):>9}  {host:>9}  {_fits(d):<4}  "
             f"{stall_rank[d.name]:>7}  {_status(d)}"
         )
     lines += ["", "by stall", f"  {'#':>2}  {'design':<{width}}  {'stall':>9}  {'refit':>9}"]
@@ -395,9 +390,9 @@ def save_plan_plot(plan: Plan, path: str | Path, *, dpi: int = 100) -> Path:
     axes.set_xlim(0, max(d.refit_s for d in designs) * 1.3)
     m, f = plan.model, plan.fleet
     axes.set_title(
-        f"Where the time goes: {_count(m.params)} parameters ({_size(m.model_bytes)}), "
+        f"Where the time goes: {_count(m.params)} parameters ({format_bytes(m.model_bytes)}), "
         f"{f.trainer_ranks} trainer ranks -> {f.replicas} x {f.gpus_per_replica} GPUs, "
-        f"NIC {_size(f.nic_bytes_per_s)}/s",
+        f"NIC {format_bytes(f.nic_bytes_per_s)}/s",
         fontsize=10,
     )
     axes.legend(
