@@ -102,7 +102,7 @@ def _sampled_logprobs(tokens: Sequence[int], logprobs: Any) -> tuple[tuple[float
         return tuple(float(logprobs[i][token].logprob) for i, token in enumerate(tokens)), None
     except Exception as exc:  # noqa: BLE001 - whatever vLLM handed over: a broken result
         return (), (
-            f"vLLM's logprobs do not cover the {len(tokens)} generated tokens "
+            f"vLLM reported no logprob for some of the {len(tokens)} generated tokens "
             f"({type(exc).__name__}: {exc})"
         )
 
