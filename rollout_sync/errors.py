@@ -25,7 +25,8 @@ The families, in the order a weight sync meets them:
 * engines and threads: :class:`GenerationTimeout` (``SchedulerTimeout`` is the same class),
   :class:`EngineCallTimeout`, :class:`CommandTimeout`, :class:`RunInterrupted`,
   :class:`InstallTimeout`, :class:`ShutdownTimeout`, :class:`WeightSyncThreadError`;
-* deltas: :class:`DeltaError` (a delta refused before any write);
+* deltas: :class:`DeltaError` (a delta refused before any write), :class:`DeltaRefused` (a
+  receive that refused one: nothing written);
 * the learning loop (``rollout_sync.learn``, ``rollout-sync demo --learn``):
   :class:`InvalidRollout`, :class:`LearningStarved`;
 * an optional dependency that is missing (vLLM, Ray, Redis, matplotlib, cosmos-rl):
@@ -55,6 +56,7 @@ __all__ = [
     "CommandTimeout",
     "CosmosRLVersionError",
     "DeltaError",
+    "DeltaRefused",
     "EgressHoldTimeout",
     "EngineCallTimeout",
     "EngineOutOfStepError",
@@ -771,6 +773,15 @@ class DeltaError(RolloutSyncError, ValueError):
     dtype that differs, a block out of range or order, a byte count that does not match, a
     position out of range, unsorted or repeated. Raised before anything is written; the
     message names the tensor and the block. Also a :class:`ValueError`."""
+
+
+class DeltaRefused(WeightTransferError):
+    """This receiver refused a delta that arrived (a packed delta malformed or truncated,
+    positions out of range, unsorted or repeated, or the result would not equal the sender's
+    new version by its digest): nothing was written, or what was written was restored bit for
+    bit, so ``tensors_written`` is 0 and the replica serves the version it held. It voted no:
+    the source's send raises :class:`ChecksumMismatchError` naming it. The cause, a
+    :class:`DeltaError`, is chained and named in the message."""
 
 
 class InvalidRollout(RolloutSyncError, ValueError):

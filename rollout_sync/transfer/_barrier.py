@@ -58,6 +58,9 @@ VOTE_YES = 1
 VOTE_BARRIER_SKIPPED = 2
 """A replica's manifest vote from inside its P2R barrier: the source sent a manifest where the
 barrier belongs."""
+VOTE_WHOLE = 3
+"""A receiver's manifest vote on a delta it cannot take (it holds another version than the
+base): send this version whole. The source then does, at once, in the same transfer."""
 
 
 class HeaderKind(enum.Enum):

@@ -93,6 +93,14 @@ class TransferStats:
     """Identifies the bucket layout; checksums are comparable only between equal layouts."""
     zero_copy_buckets: int = 0
     """Buckets sent from, or received into, the tensors' own memory (no staging copy)."""
+    sync_kind: str = "whole"
+    """``"whole"`` (every tensor's bytes) or ``"delta"`` (packed changes against the version
+    the receivers held: :mod:`rollout_sync.transfer.delta_sync`); ``nbytes`` is what moved."""
+    whole_reason: str | None = None
+    """Why a sync that could have gone by delta went whole (a
+    :class:`~rollout_sync.transfer.delta_sync.WholeReason` value); ``None`` otherwise."""
+    full_nbytes: int | None = None
+    """The bytes of the whole version, for a delta (``nbytes / full_nbytes`` is its ratio)."""
 
     @classmethod
     def build(
@@ -111,6 +119,9 @@ class TransferStats:
         bucket_checksums: tuple[tuple[int, int], ...] | None = None,
         layout: str = "",
         zero_copy_buckets: int = 0,
+        sync_kind: str = "whole",
+        whole_reason: str | None = None,
+        full_nbytes: int | None = None,
     ) -> TransferStats:
         """The stats of one transfer, every field by keyword (the fields, with their defaults)."""
         return cls(
@@ -127,6 +138,9 @@ class TransferStats:
             bucket_checksums=bucket_checksums,
             layout=layout,
             zero_copy_buckets=zero_copy_buckets,
+            sync_kind=sync_kind,
+            whole_reason=whole_reason,
+            full_nbytes=full_nbytes,
         )
 
     @property

@@ -26,8 +26,12 @@ digest of a tensor's bits that :func:`updated_digest` moves from the changed ele
 reading the whole tensor: the same family as the bucket checksums (sums of the words, plain
 and weighted by position, modulo a prime).
 
+On the wire a delta is one ``uint8`` tensor (:func:`pack_delta`, :func:`unpack_delta`): a
+table of ``int64`` words (a magic word, the block count, then each block's index, kind and
+count) followed by the blocks' payloads, so a transfer carries it as it carries any tensor.
+
 This module is the encoding and its checks; what a sync sends, and the fallbacks to a whole
-version, are built on it.
+version, are :mod:`rollout_sync.transfer.delta_sync`.
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ __all__ = [
     "encode_delta",
     "encoded_bytes",
     "linear_digest",
+    "moved_digest",
+    "pack_delta",
+    "unpack_delta",
     "updated_digest",
 ]
 
@@ -288,6 +295,25 @@ def apply_delta(target: torch.Tensor, delta: TensorDelta, *, name: str = "tensor
     return undo
 
 
+def moved_digest(
+    digest: tuple[int, int], base: torch.Tensor, delta: TensorDelta, *, name: str = "tensor"
+) -> tuple[int, int]:
+    """``digest`` (of ``base``) moved to what ``base`` would be with ``delta`` applied, from
+    the changed elements alone; nothing is written.
+
+    Raises:
+        DeltaError: as :func:`check_delta`.
+    """
+    check_delta(delta, base, name=name)
+    bits = _bits(base)
+    for block in delta.blocks:
+        n = _block_size(delta.numel, block.index)
+        positions = _offsets(block, n) + block.index * BLOCK_ELEMENTS
+        new = _values(block, n, delta.dtype).view(bits.dtype)
+        digest = updated_digest(digest, positions, bits[positions], new)
+    return digest
+
+
 def linear_digest(tensor: torch.Tensor) -> tuple[int, int]:
     """``(sum x_i, sum (i + 1) x_i)`` modulo a prime over the tensor's elements read as
     integers of their size (its bits): equal for equal bytes, moved by
@@ -327,3 +353,62 @@ def _digest_terms(positions: torch.Tensor, bits: torch.Tensor) -> tuple[int, int
     plain = int(values.sum().remainder(p))
     weighted = int((values * weights).remainder(p).sum().remainder(p))
     return plain, weighted
+
+
+_PACK_MAGIC = 0x5244454C54410001
+"""The first word of a packed delta ("RDELTA", format 1)."""
+
+
+def pack_delta(delta: TensorDelta) -> torch.Tensor:
+    """``delta`` as one ``uint8`` tensor: its block table (``int64`` words: the magic word,
+    the block count, then index, kind and count of each block), then every block's payload."""
+    table = [_PACK_MAGIC, len(delta.blocks)]
+    for block in delta.blocks:
+        table += [block.index, int(block.kind), block.count]
+    head = torch.tensor(table, dtype=torch.int64).view(torch.uint8)
+    return torch.cat([head, *(b.payload.reshape(-1) for b in delta.blocks)])
+
+
+def unpack_delta(
+    packed: torch.Tensor, *, numel: int, dtype: torch.dtype, name: str = "tensor"
+) -> TensorDelta:
+    """The :class:`TensorDelta` that :func:`pack_delta` packed, for a tensor of ``numel``
+    elements of ``dtype``; the payloads are views of ``packed``. Its blocks are not checked
+    here beyond their sizes: :func:`check_delta` does that before any write.
+
+    Raises:
+        DeltaError: ``packed`` is not a packed delta (no magic word), or its table and bytes
+            disagree (a truncated or padded delta); the message names ``name``.
+    """
+    data = packed.detach().reshape(-1)
+    if data.dtype != torch.uint8:
+        raise DeltaError(f"{name}: a packed delta is uint8 bytes, got {data.dtype}")
+    words = data.numel() // 8
+    if words < 2:
+        raise DeltaError(f"{name}: {data.numel()} bytes are too few for a delta (truncated?)")
+    head = data[:16].clone().view(torch.int64).tolist()
+    if head[0] != _PACK_MAGIC or not 0 <= head[1] <= -(-numel // BLOCK_ELEMENTS):
+        raise DeltaError(f"{name}: not a packed delta (magic word or block count wrong)")
+    count = head[1]
+    table_bytes = 8 * (2 + 3 * count)
+    if data.numel() < table_bytes:
+        raise DeltaError(f"{name}: {data.numel()} bytes end inside the block table (truncated?)")
+    table = data[16:table_bytes].clone().view(torch.int64).view(-1, 3).tolist()
+    size = torch.empty((), dtype=dtype).element_size()
+    blocks: list[DeltaBlock] = []
+    at = table_bytes
+    for index, kind, changed in table:
+        if kind not in tuple(int(k) for k in BlockKind) or not 0 <= index * BLOCK_ELEMENTS < numel:
+            raise DeltaError(f"{name}: block {index} of kind {kind}: not a block of this tensor")
+        n = _block_size(numel, index)
+        if not 0 < changed <= n:
+            raise DeltaError(f"{name} block {index}: {changed} changed elements of {n}")
+        nbytes = encoded_bytes(BlockKind(kind), n, changed, size)
+        blocks.append(DeltaBlock(index, BlockKind(kind), changed, data[at : at + nbytes]))
+        at += nbytes
+    if at != data.numel():
+        raise DeltaError(
+            f"{name}: the block table makes {at} bytes, the packed delta has {data.numel()} "
+            "(truncated or padded)"
+        )
+    return TensorDelta(numel, dtype, tuple(blocks))

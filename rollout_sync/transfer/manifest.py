@@ -24,6 +24,7 @@ import torch
 from ..errors import ManifestError
 from ..flat import ALIGN_BYTES, aligned
 from ..weights import WeightSpec
+from .delta_sync import DeltaHeader
 
 __all__ = [
     "ManifestEntry",
@@ -85,6 +86,12 @@ class WeightManifest:
     """Two-phase: after the commit vote, the source broadcasts whether the version commits
     everywhere (its own verdict, over more ranks than this group: a pipelined sharded relay's,
     :class:`~rollout_sync.transfer.ShardedTransfer`), and every receiver waits for it."""
+    delta: DeltaHeader | None = None
+    """A delta sync: the entries are packed deltas (``uint8``) of the tensors the header
+    names, to apply to its base version (:mod:`rollout_sync.transfer.delta_sync`)."""
+    whole_reason: str | None = None
+    """Why a source with deltas on sends this version whole (a
+    :class:`~rollout_sync.transfer.delta_sync.WholeReason` value), for every side's report."""
 
     @classmethod
     def build(
@@ -96,11 +103,13 @@ class WeightManifest:
         checksums: bool = False,
         origin: OriginChecksums | None = None,
         decision: bool = False,
+        delta: DeltaHeader | None = None,
+        whole_reason: str | None = None,
     ) -> WeightManifest:
         """Lay ``weights`` out into buckets, in mapping order.
 
         ``origin`` is kept only if its layout is this manifest's (checksums of other buckets
-        compare nothing). ``decision``: see :attr:`decision`.
+        compare nothing). ``decision``, ``delta``, ``whole_reason``: see those attributes.
 
         Raises:
             ManifestError: no weights, or a tensor that is not dense (sparse, quantized).
@@ -126,9 +135,10 @@ class WeightManifest:
             )
             offset = start + nbytes
         sizes.append(max(aligned(offset), ALIGN_BYTES))
-        manifest = cls(tuple(entries), tuple(sizes), require_all, checksums, None, decision)
+        parts = (tuple(entries), tuple(sizes), require_all, checksums)
+        manifest = cls(*parts, None, decision, delta, whole_reason)
         if origin is not None and origin.layout == manifest.layout:
-            manifest = cls(tuple(entries), tuple(sizes), require_all, checksums, origin, decision)
+            manifest = cls(*parts, origin, decision, delta, whole_reason)
         return manifest
 
     @property
@@ -197,6 +207,10 @@ class WeightManifest:
         }
         if self.decision:  # absent otherwise: a one-phase manifest's bytes are as they were
             doc["decision"] = True
+        if self.delta is not None:  # likewise: a whole sync's manifest is as it was
+            doc["delta"] = self.delta.to_doc()
+        if self.whole_reason is not None:
+            doc["whole_reason"] = self.whole_reason
         return json.dumps(doc, separators=(",", ":")).encode()
 
     @classmethod
@@ -241,6 +255,8 @@ class WeightManifest:
                 bool(doc["checksums"]),
                 origin,
                 bool(doc.get("decision", False)),
+                None if doc.get("delta") is None else DeltaHeader.from_doc(doc["delta"]),
+                None if doc.get("whole_reason") is None else str(doc["whole_reason"]),
             )
         except ManifestError:
             raise
@@ -254,6 +270,14 @@ class WeightManifest:
             raise ManifestError("manifest lists no tensors")
         if self.origin is not None and len(self.origin.checksums) != len(self.bucket_nbytes):
             raise ManifestError("manifest origin checksums do not match its buckets")
+        if self.delta is not None:
+            carried = [(e.name, e.dtype, len(e.shape)) for e in self.entries]
+            named = [(e.name, torch.uint8, 1) for e in self.delta.entries]
+            if carried != named:
+                raise ManifestError(
+                    "a delta manifest must carry one packed delta (1-D uint8) for each tensor "
+                    "its header names, in order"
+                )
         sizes: dict[torch.dtype, int] = {}
         for e in self.entries:
             elem = sizes.get(e.dtype)

@@ -68,6 +68,7 @@ from ..errors import (
     ChecksumMismatchError,
     CollectiveError,
     CollectiveTimeout,
+    DeltaRefused,
     ManifestError,
     ManifestRejected,
     RelayForwardError,
@@ -83,6 +84,7 @@ from ._barrier import (
     UNKNOWN_VERSION,
     VOTE_BARRIER_SKIPPED,
     VOTE_NO,
+    VOTE_WHOLE,
     VOTE_YES,
     HeaderKind,
     aborted_version,
@@ -90,7 +92,8 @@ from ._barrier import (
     header_kind,
 )
 from ._pipeline import _Forward, _InFlight, _Link, void_checksum
-from .config import TransferConfig, TransferHooks, TransferStats
+from .config import BUFFER_WRITE, TransferConfig, TransferHooks, TransferStats
+from .delta_sync import DeltaTarget, EncodedDelta, ReceivedDelta, SyncKind, WholeReason
 from .manifest import OriginChecksums, WeightManifest, bucket_checksum
 
 __all__ = ["StepwiseSend", "WeightTransfer", "wait_transfer_work"]
@@ -108,6 +111,42 @@ def _verify_landed(
         verify(into)
     except Exception as exc:  # noqa: BLE001 - this rank's refusal: voted, then raised
         outcome.refusal = exc
+
+
+def _vote_word(arrival: _Arrival) -> int:
+    """This rank's word in a manifest vote."""
+    if arrival.problem is not None:
+        return VOTE_NO
+    return VOTE_WHOLE if arrival.want_whole else VOTE_YES
+
+
+def _forward_failure(fop: str, version: int, forwarding: _Forward) -> WeightTransferError | None:
+    """The relay's second hop, failed after its buckets: the ranks that voted no there."""
+    if not forwarding.failed_ranks:
+        return None
+    return ChecksumMismatchError(
+        f"{fop}: ranks {forwarding.failed_ranks} reported a failure after receiving",
+        operation=fop,
+        version=version,
+        tensors_written=0,
+        buckets=(),
+        failed_ranks=forwarding.failed_ranks,
+    )
+
+
+def _relay_forward_error(
+    op: str, fop: str, version: int, outcome: _Outcome, forward_error: WeightTransferError
+) -> RelayForwardError:
+    error = RelayForwardError(
+        f"{op}: this rank received version {version} whole, but passing it on failed: "
+        f"{forward_error}",
+        operation=fop,
+        version=version,
+        tensors_written=outcome.tensors_written,
+        cause=forward_error,
+    )
+    error.__cause__ = forward_error
+    return error
 
 
 def wait_transfer_work(
@@ -159,6 +198,31 @@ class _Outcome:
     checksums_verified: int = 0
     source_checksums: list[tuple[int, int]] = field(default_factory=list)
     zero_copy_buckets: int = 0
+
+
+Targets = (
+    Mapping[str, torch.Tensor]
+    | Callable[[], tuple[Mapping[str, torch.Tensor], torch.Tensor | None]]
+)
+"""A receive's targets: the tensors by name, or a function that makes them and returns them with
+their flat storage (or ``None``), called only when a whole version arrives (a staging copy made
+only when a delta cannot serve)."""
+
+
+@dataclass
+class _Arrival:
+    """One manifest as a receiver took it."""
+
+    version: int
+    manifest: WeightManifest | None
+    data: bytes
+    problem: BaseException | None = None
+    """This rank's objection (voted no, raised after the vote)."""
+    want_whole: bool = False
+    """A delta this rank cannot take: it votes for the whole version."""
+    into: Mapping[str, torch.Tensor] | None = None
+    """A whole version's targets (made now, if the receive was given a function)."""
+    storage: torch.Tensor | None = None
 
 
 class WeightTransfer:
@@ -244,6 +308,7 @@ class WeightTransfer:
         require_all: bool = True,
         origin: OriginChecksums | None = None,
         storage: torch.Tensor | None = None,
+        delta: EncodedDelta | WholeReason | None = None,
     ) -> TransferStats:
         """Broadcast ``weights`` (this rank must be the source); returns when all committed.
 
@@ -256,6 +321,12 @@ class WeightTransfer:
             storage: the flat buffer ``weights`` are views of, if they are
                 (:class:`~rollout_sync.flat.FlatWeights`): buckets that are spans of it are
                 sent straight from it, with no packing copy.
+            delta: ``weights`` as a delta on the version the receivers hold
+                (:meth:`~rollout_sync.transfer.delta_sync.DeltaEncoder.encode`): that is sent
+                instead, unless a receiver votes for the whole version (it holds another one),
+                when ``weights`` go whole at once. A
+                :class:`~rollout_sync.transfer.delta_sync.WholeReason`: ``weights`` go whole,
+                the stats saying why.
 
         Raises:
             ManifestRejected: a receiver rejected the manifest; nothing was written.
@@ -266,7 +337,12 @@ class WeightTransfer:
         """
         start = time.perf_counter()
         steps = self.begin_send(
-            weights, version=version, require_all=require_all, origin=origin, storage=storage
+            weights,
+            version=version,
+            require_all=require_all,
+            origin=origin,
+            storage=storage,
+            delta=delta,
         )
         manifest_done = time.perf_counter()
         for k in range(steps.num_buckets):
@@ -294,6 +370,7 @@ class WeightTransfer:
         origin: OriginChecksums | None = None,
         storage: torch.Tensor | None = None,
         decision: bool = False,
+        delta: EncodedDelta | WholeReason | None = None,
     ) -> StepwiseSend:
         """:meth:`send` in steps, for a relay that passes on what another transfer receives
         (:class:`~rollout_sync.transfer.ShardedTransfer`'s pipelined relay): the manifest is
@@ -310,21 +387,52 @@ class WeightTransfer:
         if not self.is_source:
             raise RuntimeError(f"send() on rank {self.rank}, but the source is {self.src}")
         op = f"send version {version} from rank {self.src} to ranks {list(self.ranks)}"
+        encoded = delta if isinstance(delta, EncodedDelta) else None
+        reason = None if encoded is not None or delta is None else WholeReason(delta).value
         try:
             self._check_storage(storage)
-            manifest, data = self._encode(weights, require_all, origin, decision)
+            if encoded is not None and encoded.version != version:
+                raise ValueError(f"a delta of version {encoded.version} sent as version {version}")
+            if encoded is not None and not encoded.packed:
+                encoded = None  # nothing changed: a delta needs one tensor to carry
+                reason = WholeReason.NOT_SMALLER.value
+            if encoded is not None:
+                manifest, data = self._encode(
+                    encoded.packed, require_all, origin, decision, encoded
+                )
+            else:
+                manifest, data = self._encode(weights, require_all, origin, decision, reason)
         except BaseException as exc:
             self.abort(f"{type(exc).__name__}: {exc}", version=version)
             raise
         self._broadcast_manifest(data, version, op)
-        self._vote(
+        whole = self._vote(
             ok=True,
             op=f"{op}: manifest vote",
             version=version,
             written=0,
             reject_message="rejected the manifest; nothing was written",
+            whole_allowed=encoded is not None,
         )
-        return StepwiseSend(self, manifest, weights, storage, op, version)
+        if encoded is None:
+            steps = StepwiseSend(self, manifest, weights, storage, op, version)
+            steps.whole_reason = reason
+            return steps
+        if not whole:
+            steps = StepwiseSend(self, manifest, encoded.packed, None, op, version)
+            steps.sync_kind, steps.full_nbytes = SyncKind.DELTA.value, encoded.full_nbytes
+            return steps
+        # A receiver holds another version than the base: the same version goes whole now.
+        steps = self.begin_send(
+            weights,
+            version=version,
+            require_all=require_all,
+            origin=origin,
+            storage=storage,
+            decision=decision,
+            delta=WholeReason.RECEIVER,
+        )
+        return steps
 
     def abort(self, reason: str, *, version: int | None = None) -> None:
         """Tell the receivers waiting for this transfer's manifest that none is coming.
@@ -356,8 +464,22 @@ class WeightTransfer:
         require_all: bool,
         origin: OriginChecksums | None,
         decision: bool = False,
+        delta: EncodedDelta | str | None = None,
     ) -> tuple[WeightManifest, bytes]:
-        """The manifest of ``weights`` and its bytes, reused while the layout is unchanged."""
+        """The manifest of ``weights`` and its bytes, reused while the layout is unchanged (a
+        delta's, never: its sizes change every sync). ``delta``: the delta these weights are,
+        or why a version that could have gone by delta goes whole."""
+        if isinstance(delta, EncodedDelta):
+            manifest = WeightManifest.build(
+                weights,
+                bucket_bytes=self.config.bucket_bytes,
+                require_all=require_all,
+                checksums=self.config.checksums,
+                origin=origin,
+                decision=decision,
+                delta=delta.header,
+            )
+            return manifest, manifest.to_bytes()
         key = (
             tuple((n, t.shape, t.dtype, t.layout) for n, t in weights.items()),
             self.config.bucket_bytes,
@@ -365,6 +487,7 @@ class WeightTransfer:
             self.config.checksums,
             origin,
             decision,
+            delta,
         )
         cached = self._encoded
         if cached is not None and cached[0] == key:
@@ -376,6 +499,7 @@ class WeightTransfer:
             checksums=self.config.checksums,
             origin=origin,
             decision=decision,
+            whole_reason=delta,
         )
         data = manifest.to_bytes()
         self._encoded = (key, manifest, data)
@@ -401,12 +525,13 @@ class WeightTransfer:
 
     def receive(
         self,
-        into: Mapping[str, torch.Tensor],
+        into: Targets,
         *,
         allow_subset: bool = True,
         write_kind: str = SpanKind.WEIGHT_WRITE,
         storage: torch.Tensor | None = None,
         verify: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
+        delta: DeltaTarget | None = None,
     ) -> TransferStats:
         """Receive one broadcast into ``into`` (this rank must not be the source), in place.
 
@@ -434,6 +559,13 @@ class WeightTransfer:
                 makes this rank vote no (the source's ``send`` fails) and is raised here after
                 the vote; ``into`` then holds the refused bytes, so pass it with a staging
                 copy, not served tensors.
+            delta: this rank's side of delta syncs
+                (:class:`~rollout_sync.transfer.delta_sync.DeltaTarget`): a delta on the
+                version it holds is received (only the packed delta is staged), checked,
+                proven and applied to ``delta.served`` (or kept pending, ``apply=False``);
+                ``into`` is then never touched, and may be a function that makes the targets
+                of a whole version. Without it, or on another base, this rank votes for the
+                whole version, which the source then sends at once.
 
         Raises:
             WeightMismatchError: this rank rejected the manifest; ``into`` is untouched.
@@ -449,16 +581,33 @@ class WeightTransfer:
             raise RuntimeError(f"receive() on the source rank {self.src}; call send()")
         start = time.perf_counter()
         me = self.rank
-        version, manifest, _, problem = self._receive_manifest(
-            f"receive from rank {self.src} on rank {me}", into, allow_subset, storage
-        )
-        op = f"receive version {version} from rank {self.src} on rank {me}"
-        self._manifest_vote(op, version, problem)
+        whole_asked = False
+        while True:  # twice at most: a delta, then (if any rank asked) the version whole
+            arrival = self._receive_manifest(
+                f"receive from rank {self.src} on rank {me}",
+                into,
+                allow_subset,
+                storage,
+                delta,
+                whole_asked=whole_asked,
+            )
+            op = f"receive version {arrival.version} from rank {self.src} on rank {me}"
+            if not self._manifest_vote(op, arrival):
+                break
+            whole_asked = True
+        version, manifest = arrival.version, arrival.manifest
         assert manifest is not None  # a missing manifest always comes with a problem (raised)
         manifest_done = time.perf_counter()
         outcome = _Outcome()
-        self._receive_buckets(manifest, into, storage, op, version, outcome, write_kind, None)
-        _verify_landed(verify, into, outcome)
+        if manifest.delta is not None:
+            assert delta is not None  # a rank without one voted for the whole version
+            return self._take_delta("receive", manifest, version, delta, op, outcome, start, None)
+        targets = arrival.into
+        assert targets is not None
+        self._receive_buckets(
+            manifest, targets, arrival.storage, op, version, outcome, write_kind, None
+        )
+        _verify_landed(verify, targets, outcome)
         return self._commit("receive", op, version, manifest, outcome, start, manifest_done)
 
     def stream(
@@ -499,16 +648,27 @@ class WeightTransfer:
             raise RuntimeError(f"stream() on the source rank {self.src}; call send()")
         start = time.perf_counter()
         me = self.rank
-        version, manifest, _, problem = self._receive_manifest(
-            f"stream from rank {self.src} on rank {me}", expected, allow_subset, None
-        )
-        if problem is None and manifest is not None and accept is not None:
-            try:
-                accept(manifest)
-            except Exception as exc:  # this rank's objection, voted below
-                problem = exc
-        op = f"stream version {version} from rank {self.src} on rank {me}"
-        self._manifest_vote(op, version, problem)
+        whole_asked = False
+        while True:  # a delta is answered with a vote for the whole version
+            arrival = self._receive_manifest(
+                f"stream from rank {self.src} on rank {me}",
+                expected,
+                allow_subset,
+                None,
+                whole_asked=whole_asked,
+            )
+            manifest = arrival.manifest
+            if arrival.problem is None and not arrival.want_whole and accept is not None:
+                assert manifest is not None
+                try:
+                    accept(manifest)
+                except Exception as exc:  # this rank's objection, voted below
+                    arrival.problem = exc
+            op = f"stream version {arrival.version} from rank {self.src} on rank {me}"
+            if not self._manifest_vote(op, arrival):
+                break
+            whole_asked = True
+        version = arrival.version
         assert manifest is not None
         manifest_done = time.perf_counter()
         outcome = _Outcome()
@@ -524,13 +684,14 @@ class WeightTransfer:
 
     def relay(
         self,
-        into: Mapping[str, torch.Tensor],
+        into: Targets,
         forward: WeightTransfer,
         *,
         allow_subset: bool = True,
         write_kind: str = SpanKind.WEIGHT_WRITE,
         storage: torch.Tensor | None = None,
         verify: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
+        delta: DeltaTarget | None = None,
     ) -> TransferStats:
         """Receive one broadcast into ``into`` and pass it on through ``forward`` as it arrives.
 
@@ -547,8 +708,10 @@ class WeightTransfer:
         its downstream receivers at once (the abort header).
 
         Args:
-            into, allow_subset, write_kind, storage, verify: as for :meth:`receive` (a
-                refusal by ``verify`` is this relay's no in both commit votes).
+            into, allow_subset, write_kind, storage, verify, delta: as for :meth:`receive`
+                (a refusal by ``verify`` is this relay's no in both commit votes). A delta is
+                passed on packed, as it arrives; when a downstream receiver votes for the
+                whole version, this rank asks its source for it, and passes that on.
             forward: the R2R transfer; this rank must be its source, on the same device.
 
         Returns:
@@ -577,57 +740,108 @@ class WeightTransfer:
             )
         start = time.perf_counter()
         me = self.rank
-        try:
-            version, manifest, data, problem = self._receive_manifest(
-                f"relay from rank {self.src} on rank {me}", into, allow_subset, storage
-            )
-        except WeightTransferError as exc:
-            reason = f"the relay's source failed: {type(exc).__name__}"
-            forward.abort(reason, version=exc.version)
-            raise
-        if manifest is not None and manifest.decision and problem is None:
-            # A relay would have to wait for its source's verdict and pass it on: not built.
-            problem = ManifestError(
-                f"rank {me} relays, and version {version} is two-phase (its source sends a "
-                "verdict after the commit vote): a relay cannot pass it on; build the groups "
-                "without a relay tree below a pipelined sharded relay"
-            )
-        op = f"relay version {version} from rank {self.src} on rank {me}"
-        fop = f"forward version {version} from rank {me} to ranks {list(forward.ranks)}"
-        forwarding: _Forward | None = None
-        forward_error: WeightTransferError | None = None
-        if manifest is None:
-            forward.abort(f"rank {me} cannot decode the manifest", version=version)
-        else:
-            forwarding = _Forward(forward._link(), fop, manifest, version)
+        whole_asked = False
+        forward_open = True  # the downstream receivers still wait for a manifest from here
+        while True:  # twice at most: a delta, then (if any rank asked) the version whole
             try:
-                forward._broadcast_manifest(data, version, fop)
-                rejected = forward._vote_ranks(
-                    ok=problem is None, op=f"{fop}: manifest vote", version=version, written=0
+                arrival = self._receive_manifest(
+                    f"relay from rank {self.src} on rank {me}",
+                    into,
+                    allow_subset,
+                    storage,
+                    delta,
+                    whole_asked=whole_asked,
                 )
             except WeightTransferError as exc:
-                forward_error, forwarding = exc, None
+                if forward_open:
+                    reason = f"the relay's source failed: {type(exc).__name__}"
+                    forward.abort(reason, version=exc.version)
+                raise
+            version, manifest = arrival.version, arrival.manifest
+            if manifest is not None and manifest.decision and arrival.problem is None:
+                # A relay would have to wait for its source's verdict and pass it on: not built.
+                arrival.problem = ManifestError(
+                    f"rank {me} relays, and version {version} is two-phase (its source sends a "
+                    "verdict after the commit vote): a relay cannot pass it on; build the groups "
+                    "without a relay tree below a pipelined sharded relay"
+                )
+            op = f"relay version {version} from rank {self.src} on rank {me}"
+            fop = f"forward version {version} from rank {me} to ranks {list(forward.ranks)}"
+            forwarding: _Forward | None = None
+            forward_error: WeightTransferError | None = None
+            downstream_whole = False
+            if not forward_open:
+                pass
+            elif manifest is None:
+                forward.abort(f"rank {me} cannot decode the manifest", version=version)
+                forward_open = False
             else:
-                rejected = [r for r in rejected if r != me]
-                if problem is not None:
-                    forwarding = None  # the vote told them: this rank said no
-                elif rejected:
-                    forwarding = None
-                    forward_error = ManifestRejected(
-                        f"{fop}: ranks {rejected} rejected the manifest; nothing was written there",
-                        operation=fop,
-                        version=version,
-                        rejected_by=rejected,
+                forwarding = _Forward(forward._link(), fop, manifest, version)
+                try:
+                    forward._broadcast_manifest(arrival.data, version, fop)
+                    votes = forward._gather_votes(
+                        _vote_word(arrival), op=f"{fop}: manifest vote", version=version, written=0
                     )
-        outcome = _Outcome()
-        try:
-            self._manifest_vote(op, version, problem)
-            assert manifest is not None
-            manifest_done = time.perf_counter()
-            self._receive_buckets(
-                manifest, into, storage, op, version, outcome, write_kind, forwarding
+                except WeightTransferError as exc:
+                    forward_error, forwarding, forward_open = exc, None, False
+                else:
+                    accepted = (VOTE_YES, VOTE_WHOLE) if manifest.delta else (VOTE_YES,)
+                    theirs = [(r, v) for r, v in zip(forward.ranks, votes, strict=True) if r != me]
+                    rejected = [r for r, v in theirs if v not in accepted]
+                    if arrival.problem is not None:
+                        forwarding, forward_open = None, False  # the vote told them: said no
+                    elif rejected:
+                        forwarding, forward_open = None, False
+                        forward_error = ManifestRejected(
+                            f"{fop}: ranks {rejected} rejected the manifest; nothing was "
+                            "written there",
+                            operation=fop,
+                            version=version,
+                            rejected_by=rejected,
+                        )
+                    elif VOTE_WHOLE in votes:
+                        # A downstream receiver (or this rank) cannot take the delta: they all
+                        # wait for the whole version, which this rank asks its source for.
+                        forwarding, downstream_whole = None, True
+                        arrival.want_whole = True
+            outcome = _Outcome()
+            try:
+                whole = self._manifest_vote(op, arrival)
+            except WeightTransferError:
+                if forwarding is not None:
+                    forwarding.fill()
+                    forwarding.close(ok=False)
+                raise
+            if not whole:
+                if downstream_whole:  # pragma: no cover - this rank voted for it: never
+                    forward_open = False
+                break
+            if forwarding is not None:
+                # Downstream took the delta, upstream goes whole (another rank of the source's
+                # group asked): the delta never comes; void it so they fail, not wait.
+                forwarding.fill()
+                forwarding.close(ok=False)
+                forward_open, forwarding = False, None
+            whole_asked = True
+        assert manifest is not None
+        manifest_done = time.perf_counter()
+        if manifest.delta is not None:
+            assert delta is not None  # a rank without one voted for the whole version
+            stats = self._take_delta(
+                "relay", manifest, version, delta, op, outcome, start, forwarding
             )
-            _verify_landed(verify, into, outcome)
+            if forwarding is not None:
+                forward_error = forwarding.error or _forward_failure(fop, version, forwarding)
+            if forward_error is not None:
+                raise _relay_forward_error(op, fop, version, outcome, forward_error)
+            return stats
+        targets = arrival.into
+        assert targets is not None
+        try:
+            self._receive_buckets(
+                manifest, targets, arrival.storage, op, version, outcome, write_kind, forwarding
+            )
+            _verify_landed(verify, targets, outcome)
             failed = self._vote_ranks(
                 ok=outcome.failure is None and outcome.refusal is None,
                 op=f"{op}: commit vote",
@@ -643,37 +857,125 @@ class WeightTransfer:
             raise
         if forwarding is not None:
             forwarding.close(ok=outcome.failure is None and outcome.refusal is None)
-            forward_error = forwarding.error
-            if forward_error is None and forwarding.failed_ranks:
-                forward_error = ChecksumMismatchError(
-                    f"{fop}: ranks {forwarding.failed_ranks} reported a failure after receiving",
-                    operation=fop,
-                    version=version,
-                    tensors_written=0,
-                    buckets=(),
-                    failed_ranks=forwarding.failed_ranks,
-                )
+            forward_error = forwarding.error or _forward_failure(fop, version, forwarding)
         self._raise_failures(op, version, outcome, failed)
         if forward_error is not None:
-            raise RelayForwardError(
-                f"{op}: this rank received version {version} whole, but passing it on failed: "
-                f"{forward_error}",
-                operation=fop,
-                version=version,
-                tensors_written=outcome.tensors_written,
-                cause=forward_error,
-            ) from forward_error
+            raise _relay_forward_error(op, fop, version, outcome, forward_error)
         return self._receive_stats("relay", version, manifest, outcome, start, manifest_done)
 
-    def _manifest_vote(self, op: str, version: int, problem: BaseException | None) -> None:
-        """A receiver's vote on the manifest; raises its own problem or another's rejection."""
-        self._vote(
-            ok=problem is None,
+    def _take_delta(
+        self,
+        role: str,
+        manifest: WeightManifest,
+        version: int,
+        target: DeltaTarget,
+        op: str,
+        outcome: _Outcome,
+        start: float,
+        forwarding: _Forward | None,
+    ) -> TransferStats:
+        """Receive a delta: its buckets into buffers of the packed deltas alone (passed on
+        through ``forwarding`` as they arrive), then check and prove it and apply it
+        (``target.apply``; else keep it in ``target.pending``), and vote. What was written is
+        restored whenever the version does not land here, so a delta never leaves the targets
+        torn: every error it raises says ``tensors_written`` 0, unless the version landed
+        whole here and failed elsewhere (``complete``)."""
+        manifest_done = time.perf_counter()
+        header = manifest.delta
+        assert header is not None
+        packed = {
+            e.name: torch.empty(e.nbytes, dtype=torch.uint8, device=self.device)
+            for e in manifest.entries
+        }
+        received: ReceivedDelta | None = None
+        applied = False
+
+        def undo(exc: BaseException) -> None:
+            if isinstance(exc, WeightTransferError) and exc.complete:
+                return  # it landed whole here: it stays (and commits, in place)
+            if applied:
+                assert received is not None
+                received.restore()
+            if isinstance(exc, WeightTransferError):
+                exc.tensors_written = 0
+
+        try:
+            self._receive_buckets(
+                manifest, packed, None, op, version, outcome, BUFFER_WRITE, forwarding
+            )
+            outcome.tensors_written = 0  # the packed buffers only: no target yet
+            if outcome.failure is None:
+                try:
+                    received = ReceivedDelta.check(version, header, packed, target)
+                    if target.apply:
+                        applied = True  # from the first write on: restored on any failure
+                        with self._write_span(f"apply the delta of version {version}"):
+                            outcome.tensors_written = received.apply(target.digests)
+                except Exception as exc:  # its checks, or an apply that failed (restored)
+                    applied = False
+                    refused = DeltaRefused(
+                        f"{op}: refused the delta: {exc}; nothing was written (this replica "
+                        f"keeps version {header.base_version})",
+                        operation=op,
+                        version=version,
+                    )
+                    refused.__cause__ = exc
+                    outcome.refusal = refused
+            failed = self._vote_ranks(
+                ok=outcome.failure is None and outcome.refusal is None,
+                op=f"{op}: commit vote",
+                version=version,
+                written=outcome.tensors_written,
+            )
+            commits = (
+                self._verdict(op, version, outcome)
+                if manifest.decision and self.src not in failed
+                else True
+            )
+        except WeightTransferError as exc:
+            if forwarding is not None:
+                forwarding.fill()
+                forwarding.close(ok=False)
+            undo(exc)
+            raise
+        if forwarding is not None:
+            forwarding.close(ok=outcome.failure is None and outcome.refusal is None)
+        try:
+            self._raise_failures(op, version, outcome, failed)
+            if not commits:
+                raise WeightTransferError(
+                    f"{op}: the source's verdict: version {version} does not commit",
+                    operation=op,
+                    version=version,
+                )
+        except BaseException as exc:
+            undo(exc)
+            raise
+        target.received = EncodedDelta(version, header, packed, header.full_nbytes)
+        target.pending = None if target.apply else received
+        return self._receive_stats(role, version, manifest, outcome, start, manifest_done)
+
+    @contextmanager
+    def _write_span(self, name: str) -> Iterator[None]:
+        if self.timeline is None:
+            yield
+        else:
+            with self.timeline.span(SpanKind.WEIGHT_WRITE, name):
+                yield
+
+    def _manifest_vote(self, op: str, arrival: _Arrival) -> bool:
+        """A receiver's vote on the manifest; raises its own problem or another's rejection.
+        Returns whether the version comes again, whole (a delta some rank cannot take)."""
+        manifest = arrival.manifest
+        return self._vote(
+            ok=arrival.problem is None,
             op=f"{op}: manifest vote",
-            version=version,
+            version=arrival.version,
             written=0,
             reject_message="rejected the manifest; nothing was written",
-            own_error=problem,
+            own_error=arrival.problem,
+            whole_allowed=manifest is not None and manifest.delta is not None,
+            want_whole=arrival.want_whole,
         )
 
     def _commit(
@@ -790,17 +1092,26 @@ class WeightTransfer:
             bucket_checksums=tuple(outcome.source_checksums) if manifest.checksums else None,
             layout=manifest.layout,
             zero_copy_buckets=outcome.zero_copy_buckets,
+            sync_kind=SyncKind.WHOLE.value if manifest.delta is None else SyncKind.DELTA.value,
+            whole_reason=manifest.whole_reason,
+            full_nbytes=None if manifest.delta is None else manifest.delta.full_nbytes,
         )
 
     def _receive_manifest(
         self,
         op: str,
-        into: Mapping[str, torch.Tensor],
+        into: Targets,
         allow_subset: bool,
         storage: torch.Tensor | None,
-    ) -> tuple[int, WeightManifest | None, bytes, BaseException | None]:
-        """Receive and check the manifest (and this rank's ``storage``); (version, manifest,
-        its bytes, this rank's objection). An objection is voted, so every peer learns it."""
+        delta: DeltaTarget | None = None,
+        *,
+        whole_asked: bool = False,
+    ) -> _Arrival:
+        """Receive and check the manifest (and this rank's ``storage``): its version, the
+        manifest, its bytes and this rank's objection (voted, so every peer learns it). A delta
+        is checked against ``delta`` (a vote for the whole version when this rank cannot take
+        it); a whole version against ``into``, made now if it is a function. ``whole_asked``:
+        the last manifest's vote asked for the whole version, so this one must be it."""
         header = torch.zeros(HEADER_WORDS, dtype=torch.int64, device=self.device)
         self._collective(
             lambda: self.collectives.broadcast(header, self.src),
@@ -839,6 +1150,7 @@ class WeightTransfer:
             written=0,
         )
         data = payload.cpu().numpy().tobytes()
+        arrival = _Arrival(version, None, data)
         try:
             cached = self._decoded
             if cached is not None and cached[0] == data:
@@ -847,8 +1159,23 @@ class WeightTransfer:
                 manifest = WeightManifest.from_bytes(data)
                 self._decoded = (data, manifest)
         except ManifestError as exc:
-            return version, None, data, exc
+            arrival.problem = exc
+            return arrival
+        arrival.manifest = manifest
         try:
+            if manifest.delta is not None:
+                if whole_asked:
+                    raise ManifestError(
+                        f"{op}: a delta again after the vote asked for version {version} whole"
+                    )
+                if delta is None or not delta.takes_base(manifest.delta):
+                    arrival.want_whole = True  # a no-op check: the version comes whole next
+                else:
+                    arrival.problem = delta.refusal(manifest.delta, version)
+                return arrival
+            if callable(into):
+                into, storage = into()
+            arrival.into, arrival.storage = into, storage
             if not manifest.require_all and not allow_subset:
                 raise ManifestError(
                     f"{op}: the source sent a subset ({len(manifest.entries)} of "
@@ -862,8 +1189,8 @@ class WeightTransfer:
             )
             self._check_storage(storage)
         except (RolloutSyncError, ValueError) as exc:
-            return version, manifest, data, exc
-        return version, manifest, data, None
+            arrival.problem = exc
+        return arrival
 
     def _receive_buckets(
         self,
@@ -1199,14 +1526,19 @@ class WeightTransfer:
         written: int,
         reject_message: str,
         own_error: BaseException | None = None,
-    ) -> None:
+        whole_allowed: bool = False,
+        want_whole: bool = False,
+    ) -> bool:
         """Vote; raise ``own_error`` if this rank said no, :class:`ManifestRejected` if another
         did (:class:`~rollout_sync.errors.P2RBarrierMismatch` on the source, if a replica voted
         from inside a P2R barrier this source skipped). Every rank learns the outcome, so none
-        is left waiting on the next collective."""
-        votes = self._gather_votes(
-            VOTE_YES if ok else VOTE_NO, op=op, version=version, written=written
-        )
+        is left waiting on the next collective.
+
+        On a delta's manifest (``whole_allowed``) a receiver may vote for the whole version
+        instead (``want_whole``, :data:`VOTE_WHOLE`): returns whether any rank did (and none
+        said no), when every rank expects the same version again, whole."""
+        vote = VOTE_WHOLE if want_whole and ok else (VOTE_YES if ok else VOTE_NO)
+        votes = self._gather_votes(vote, op=op, version=version, written=written)
         if own_error is not None:
             raise own_error
         skipped = [r for r, v in zip(self.ranks, votes, strict=True) if v == VOTE_BARRIER_SKIPPED]
@@ -1219,7 +1551,8 @@ class WeightTransfer:
                 version=version,
                 detail=" (it voted on this manifest from inside its barrier)",
             )
-        failed = [r for r, v in zip(self.ranks, votes, strict=True) if v != VOTE_YES]
+        accepted = (VOTE_YES, VOTE_WHOLE) if whole_allowed else (VOTE_YES,)
+        failed = [r for r, v in zip(self.ranks, votes, strict=True) if v not in accepted]
         if failed:
             raise ManifestRejected(
                 f"{op}: ranks {failed} {reject_message} (see their logs for the problems)",
@@ -1227,6 +1560,7 @@ class WeightTransfer:
                 version=version,
                 rejected_by=failed,
             )
+        return VOTE_WHOLE in votes
 
 
 DECISION_COMMIT = 1
@@ -1265,6 +1599,11 @@ class StepwiseSend:
         self.checksums: list[torch.Tensor] = []
         self.launched = 0
         self.voted_yes: bool | None = None
+        self.sync_kind = SyncKind.WHOLE.value
+        """``"delta"`` when the buckets carry a delta (the manifest's
+        :attr:`~rollout_sync.transfer.WeightManifest.delta`)."""
+        self.whole_reason: str | None = None
+        self.full_nbytes: int | None = None
 
     @property
     def num_buckets(self) -> int:
@@ -1373,6 +1712,9 @@ class StepwiseSend:
             bucket_checksums=tuple(checksums) if checksums else None,
             layout=manifest.layout,
             zero_copy_buckets=sum(span is not None for span in self.spans),
+            sync_kind=self.sync_kind,
+            whole_reason=self.whole_reason,
+            full_nbytes=self.full_nbytes,
         )
 
     def _check_order(self, k: int) -> None:

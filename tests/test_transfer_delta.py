@@ -1,0 +1,206 @@
+"""Delta syncs over a real group (gloo on loopback): rank 0 the trainer, ranks 1 and 2 replicas.
+
+One run of the group goes through the cases in order, each checked on every rank: the first
+sync goes whole, the next ones by delta and bit-identical to the trainer's version; a replica
+that holds another version makes the sync whole for its group (and ends bit-identical); a
+keyframe goes whole; every hostile delta (positions out of range, unsorted, repeated, a wrong
+digest, a truncated packed delta, a tensor the replica does not serve, a wrong base) is refused
+before any write, named, the replica keeps its version, and the next sync lands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+from rollout_sync.errors import (
+    ChecksumMismatchError,
+    DeltaRefused,
+    ManifestRejected,
+)
+from rollout_sync.testing import run_group
+from rollout_sync.transfer import TransferConfig, WeightTransfer
+from rollout_sync.transfer.delta import BLOCK_ELEMENTS, pack_delta, unpack_delta
+from rollout_sync.transfer.delta_sync import (
+    DeltaEncoder,
+    DeltaTarget,
+    DigestCache,
+    EncodedDelta,
+    WholeReason,
+)
+
+pytestmark = pytest.mark.multiprocess
+
+SHAPES = {"embed": (3, BLOCK_ELEMENTS), "layer.weight": (257, 300), "norm": (300,)}
+
+
+def _version(version: int) -> dict[str, torch.Tensor]:
+    """bf16 weights whose versions differ in about 2 % of the elements (all, for version 1)."""
+    gen = torch.Generator().manual_seed(0)
+    out = {n: torch.randn(shape, generator=gen).to(torch.bfloat16) for n, shape in SHAPES.items()}
+    for step in range(2, version + 1):
+        gen = torch.Generator().manual_seed(step)
+        for tensor in out.values():
+            flat = tensor.view(-1)
+            changed = torch.randperm(flat.numel(), generator=gen)[: max(1, flat.numel() // 50)]
+            flat[changed] = (flat[changed].float() * 1.01 + 0.001).to(torch.bfloat16)
+    return out
+
+
+def _hostile(encoded: EncodedDelta, case: str) -> EncodedDelta:
+    """``encoded`` made wrong in one way."""
+    name = "layer.weight"
+    entries = list(encoded.header.entries)
+    packed = dict(encoded.packed)
+    at = next(i for i, e in enumerate(entries) if e.name == name)
+    delta = unpack_delta(packed[name], numel=entries[at].numel, dtype=torch.bfloat16)
+    if case in ("out_of_range", "unsorted", "repeated"):
+        # The last block of this 77100-element tensor holds 11564: offset 65535 is past it.
+        k = len(delta.blocks) - 1 if case == "out_of_range" else 0
+        block = delta.blocks[k]
+        payload = block.payload.clone()
+        offsets = payload[: 2 * block.count].view(torch.int16)  # 16-bit words
+        if case == "out_of_range":
+            offsets[-1] = -1  # the bits of 65535
+        elif case == "unsorted":
+            offsets[0], offsets[1] = offsets[1].clone(), offsets[0].clone()
+        else:
+            offsets[1] = offsets[0]
+        blocks = list(delta.blocks)
+        blocks[k] = dataclasses.replace(block, payload=payload)
+        packed[name] = pack_delta(dataclasses.replace(delta, blocks=tuple(blocks)))
+    elif case == "wrong_digest":
+        a, b = entries[at].digest
+        entries[at] = dataclasses.replace(entries[at], digest=(a, (b + 1) % 1000))
+    elif case == "truncated":
+        packed[name] = packed[name][:-3]
+    elif case == "not_served":
+        entries[at] = dataclasses.replace(entries[at], name="lm_head.weight")
+        packed = {("lm_head.weight" if n == name else n): t for n, t in packed.items()}
+    elif case == "wrong_base":
+        header = dataclasses.replace(encoded.header, base_version=encoded.header.base_version - 1)
+        return dataclasses.replace(encoded, header=header)
+    header = dataclasses.replace(encoded.header, entries=tuple(entries))
+    return dataclasses.replace(encoded, header=header, packed=packed)
+
+
+HOSTILE = ["out_of_range", "unsorted", "repeated", "wrong_digest", "truncated", "not_served"]
+
+
+def _child(rank: int) -> list[tuple[Any, ...]]:
+    transfer = WeightTransfer(None, 0, config=TransferConfig(timeout_s=20, checksums=True))
+    log: list[tuple[Any, ...]] = []
+    if rank == 0:
+        encoder = DeltaEncoder(full_every=10)  # the eleventh sync is a keyframe
+        version = 0
+
+        def push(weights: dict[str, torch.Tensor], delta: Any = None) -> Any:
+            nonlocal version
+            version += 1
+            encoded = (
+                encoder.encode(weights, version)
+                if delta is None
+                else delta(encoder.encode(weights, version))
+            )
+            try:
+                stats = transfer.send(weights, version=version, delta=encoded)
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                return exc
+            sent = encoded if stats.sync_kind == "delta" else None
+            encoder.committed(weights, version, sent)  # type: ignore[arg-type]
+            return stats
+
+        for step in (1, 2, 3, 4):  # whole, delta, delta (replica 2 re-seeded: whole), delta
+            stats = push(_version(step))
+            log.append(("sync", version, stats.sync_kind, stats.whole_reason, stats.nbytes))
+        for case in HOSTILE:
+            weights = _version(version + 1)
+            error = push(weights, lambda e, case=case: _hostile(e, case))
+            log.append((case, version, error))
+            version -= 1  # the version was refused: the next sync sends it again
+        stats = push(_version(version + 1))  # the eleventh sync: a keyframe
+        log.append(("sync", version, stats.sync_kind, stats.whole_reason, stats.nbytes))
+        stats = push(_version(version + 1))
+        log.append(("sync", version, stats.sync_kind, stats.whole_reason, stats.nbytes))
+        wrong = push(_version(version + 1), lambda e: _hostile(e, "wrong_base"))
+        log.append(("wrong_base", version, wrong.sync_kind, wrong.whole_reason, wrong.nbytes))
+        log.append(("extra", encoder.extra_bytes))
+        return log
+    served = {n: torch.zeros(shape, dtype=torch.bfloat16) for n, shape in SHAPES.items()}
+    digests = DigestCache()
+    held: int | None = None
+
+    def take() -> Any:
+        nonlocal held
+        target = DeltaTarget(served, held, digests)
+        try:
+            stats = transfer.receive(served, delta=target)
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            return exc
+        held = stats.version
+        return stats
+
+    for step in (1, 2, 3, 4):
+        if step == 3 and rank == 2:
+            held = None  # re-seeded from elsewhere: it holds no version the trainer knows
+        stats = take()
+        exact = all(torch.equal(served[n], t) for n, t in _version(step).items())
+        log.append(("sync", stats.version, stats.sync_kind, stats.whole_reason, exact))
+    for case in HOSTILE:
+        before = {n: t.clone() for n, t in served.items()}
+        error = take()
+        untouched = all(torch.equal(before[n], served[n]) for n in served)
+        log.append((case, held, error, untouched))
+    for _ in range(3):
+        stats = take()
+        exact = all(torch.equal(served[n], t) for n, t in _version(held).items())
+        log.append(("sync", stats.version, stats.sync_kind, stats.whole_reason, exact))
+    return log
+
+
+def test_deltas_land_bit_identical_fall_back_whole_and_refuse_hostile_input() -> None:
+    results = run_group(_child, 3, timeout_s=120)
+    trainer, replicas = results[0], [results[1], results[2]]
+    kinds = [(v, kind, reason) for tag, v, kind, reason, _ in trainer[:4]]
+    assert kinds == [
+        (1, "whole", WholeReason.FIRST.value),
+        (2, "delta", None),
+        (3, "whole", WholeReason.RECEIVER.value),  # replica 2 held another version
+        (4, "delta", None),
+    ]
+    full = sum(torch.Size(s).numel() * 2 for s in SHAPES.values())
+    delta_bytes = trainer[3][4]
+    assert 0 < delta_bytes < 0.15 * full  # 2 % changed: about 4 % of the bytes
+    for log in replicas:
+        for tag, version, kind, _reason, exact in log[:4]:
+            assert exact, (tag, version, kind)
+        assert [entry[2] for entry in log[:4]] == ["whole", "delta", "whole", "delta"]
+    for i, case in enumerate(HOSTILE):
+        _, _, error = trainer[4 + i]
+        assert isinstance(error, ChecksumMismatchError | ManifestRejected), (case, error)
+        for log in replicas:
+            tag, held, refused, untouched = log[4 + i]
+            assert tag == case and held == 4 and untouched, (case, refused)
+            assert isinstance(refused, DeltaRefused | Exception), (case, refused)
+            assert getattr(refused, "tensors_written", 0) == 0, (case, refused)
+            expected = {
+                "out_of_range": "out of range",
+                "unsorted": "not strictly increasing",
+                "repeated": "not strictly increasing",
+                "wrong_digest": "would not equal the sender's version",
+                "truncated": "truncated",
+                "not_served": "'lm_head.weight' is not served here",
+            }[case]
+            assert expected in str(refused), (case, str(refused))
+    tail = trainer[4 + len(HOSTILE) :]
+    assert [(kind, reason) for _, _, kind, reason, _ in tail[:3]] == [
+        ("whole", WholeReason.KEYFRAME.value),
+        ("delta", None),
+        ("whole", WholeReason.RECEIVER.value),  # a delta on a base nobody holds
+    ]
+    assert tail[3] == ("extra", full)  # one served-dtype copy of what it sends
+    for log in replicas:
+        assert all(exact for *_, exact in log[4 + len(HOSTILE) :])
