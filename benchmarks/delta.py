@@ -1,0 +1,425 @@
+"""Delta syncs (issue 44): how much of the served model does a training step change, what does
+shipping only that cost, and what would it buy on the 1T fleet?
+
+Three parts; the first two run today, the third waits for the delta transfer:
+
+1. **Measurement.** A testing-kit Llama (:func:`rollout_sync.testing.tiny_llama.tiny_llama`,
+   ~23M parameters, ``--quick``: ~0.6M) initialised with std 0.02 (Hugging Face's
+   ``initializer_range``; the norms around 1), its float32 master trained by AdamW (betas
+   0.9 / 0.999, eps 1e-8, no weight decay) on a next-token loss over uniformly random token ids
+   (fixed seed, the same batches for every learning rate); the served copy is the master cast
+   to bf16 after each step. At lr 1e-6 (the headline) and 3e-6, each step from the second to
+   ``--steps`` (the first is Adam's largest: skipped) is measured against the served copy
+   before it: the fraction of bf16 elements that changed bit for bit, and the bytes of
+   :func:`~rollout_sync.transfer.delta.encode_delta` over every tensor against the model's
+   bf16 bytes; every delta is applied to a copy of its base and must give the new version's
+   bits. The trainer's extra memory is measured too: the bf16 base copy the encoder keeps (the
+   version the replicas serve), over the served weights' bytes.
+2. **The model.** :func:`rollout_sync.plan.build_plan` on
+   :data:`~rollout_sync.scale.FLEET_1T`'s shape with the measured changed fraction: the best
+   delta design whose topology is implemented (by the plan's rule: the fastest refit, or one
+   within :data:`~rollout_sync.plan.CLOSE_REFIT` of it with a shorter stall), against the best
+   implemented full design by the same rule. Delta designs are modelled only today
+   (``fleet_1t_delta_implemented``); the pick does not change when they land.
+3. **The syncs** (``--syncs``; :func:`measure_syncs`, not built yet): full and delta transfers
+   of the measured versions, side by side.
+
+JSON keys: ``changed_fraction`` (median over the measured steps at lr 1e-6),
+``changed_fraction_3e-6``, ``delta_bytes_over_full`` (median at 1e-6),
+``delta_bytes_over_full_3e-6``, ``delta_bytes_over_full_modelled`` (what
+:func:`~rollout_sync.plan.delta_bytes` models at the measured fraction),
+``trainer_extra_bytes_over_weights`` (the encoder's bf16 base, over the served bytes),
+``trainer_transient_bytes_over_weights`` (beyond it, while encoding tensor by tensor: the
+largest tensor's new bf16 copy and its delta), ``fleet_1t_delta_refit_s``,
+``fleet_1t_delta_stall_s``, ``fleet_1t_delta_design``, ``fleet_1t_delta_implemented``,
+``fleet_1t_delta_sync_bytes`` (the delta the model moves: the plan's encoding),
+``fleet_1t_full_refit_s``, ``fleet_1t_full_stall_s``, ``fleet_1t_full_design``,
+``model_params``, ``model_bytes`` (bf16), ``measured_steps``, per step at each learning rate
+(``steps_1e-6``, ``steps_3e-6``: ``step``, ``changed_fraction``, ``delta_bytes_over_full``,
+``delta_written_fraction`` (elements the delta writes, dense blocks whole), ``encode_s``,
+``round_trip``), ``round_trip`` (every step's), ``quick``, ``lr``, ``lr_second``,
+``targets_met``, ``wall_s``. Targets: ``delta_bytes_over_full`` <= 0.15,
+``fleet_1t_delta_refit_s`` <= 0.5. Prints a table per learning rate, then, as the last line,
+one JSON object; exits 1 if a delta did not round-trip.
+
+Run: ``python benchmarks/delta.py`` (~12 s on 2 cores; ``--quick``: ~3 s)
+
+    python benchmarks/delta.py [--steps 9] [--lr 1e-6 3e-6] [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# The path is set up above, so a source checkout runs without installing the package.
+from rollout_sync.plan import (
+    CLOSE_REFIT,
+    Design,
+    FleetSpec,
+    ModelSpec,
+    build_plan,
+    delta_bytes,
+    dtype_bytes,
+)
+from rollout_sync.scale import FLEET_1T
+from rollout_sync.testing.tiny_llama import tiny_llama
+from rollout_sync.transfer.delta import apply_delta, encode_delta
+
+HEADLINE_LR = 1e-6
+SECOND_LR = 3e-6
+TARGET_DELTA_BYTES = 0.15
+"""``delta_bytes_over_full`` at most this (issue 44)."""
+TARGET_REFIT_S = 0.5
+"""``fleet_1t_delta_refit_s`` at most this (issue 44)."""
+SERVED = torch.bfloat16
+STD = 0.02
+"""Hugging Face's ``initializer_range``: what a pretrained-from-scratch Llama starts from."""
+
+MODEL = {
+    "vocab_size": 4096,
+    "hidden_size": 512,
+    "intermediate_size": 1376,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+}
+"""~23M parameters: embeddings and LM head 4.2M, six layers of 3.2M."""
+QUICK_MODEL = {
+    "vocab_size": 1024,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+}
+"""~0.6M parameters: a smoke test of the same code."""
+
+
+@dataclass(frozen=True)
+class StepMeasure:
+    """One measured training step: the served bf16 copy before it against the one after."""
+
+    step: int
+    changed_fraction: float
+    """bf16 elements whose bits changed, over all served elements."""
+    delta_bytes_over_full: float
+    """Every tensor's encoded delta (payload bytes), over the model's bf16 bytes."""
+    delta_written_fraction: float
+    """Elements the delta writes (a dense block's all), over all served elements."""
+    encode_s: float
+    """The whole model's :func:`encode_delta`, tensor by tensor, on this machine's CPU."""
+    round_trip: bool
+    """Every tensor's delta, applied to a copy of its base, gave the new version's bits."""
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One learning rate's run: every measured step, and the trainer's memory for deltas."""
+
+    lr: float
+    params: int
+    model_bytes: int
+    """The served weights (bf16) in bytes."""
+    base_bytes: int
+    """The encoder's base: the bf16 copy of the version the replicas serve, in bytes."""
+    transient_bytes: int
+    """Beyond the base while encoding tensor by tensor: the largest tensor's new bf16 copy plus
+    its delta's payload (the most a step held at once)."""
+    steps: tuple[StepMeasure, ...]
+
+    def median(self, key: str) -> float:
+        """The median of a :class:`StepMeasure` field over the measured steps."""
+        return float(statistics.median(getattr(s, key) for s in self.steps))
+
+
+VersionHook = Callable[[int, Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]], None]
+"""Called after each measured step with ``(step, served before, served after)``: the bf16
+versions a sync would ship (the side-by-side transfers' way in)."""
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.int16)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().nbytes()
+
+
+def train_and_measure(
+    lr: float,
+    *,
+    steps: int,
+    quick: bool,
+    seed: int,
+    batch: int,
+    seq_len: int,
+    on_version: VersionHook | None = None,
+) -> Trajectory:
+    """Train a fresh model ``steps`` steps at ``lr`` (the module's protocol) and measure steps
+    2 to ``steps`` against the served copy before each."""
+    config = QUICK_MODEL if quick else MODEL
+    torch.manual_seed(seed)
+    model = tiny_llama(seed=seed, std=STD, **config)
+    model.train()
+    params = dict(model.named_parameters())
+    optimizer = torch.optim.AdamW(
+        params.values(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+    )
+    tokens = torch.Generator().manual_seed(seed + 1)
+    served = {name: p.detach().to(SERVED) for name, p in params.items()}
+    model_bytes = sum(t.numel() * t.element_size() for t in served.values())
+    numel = sum(t.numel() for t in served.values())
+    measured: list[StepMeasure] = []
+    transient = 0
+    for step in range(1, steps + 1):
+        ids = torch.randint(config["vocab_size"], (batch, seq_len), generator=tokens)
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if step == 1:
+            served = {name: p.detach().to(SERVED) for name, p in params.items()}
+            continue
+        changed = written = encoded = 0
+        encode_s = 0.0
+        round_trip = True
+        before = dict(served) if on_version is not None else {}
+        for name, p in params.items():
+            new = p.detach().to(SERVED)
+            base = served[name]
+            changed += int((_bits(base) != _bits(new)).sum())
+            started = time.perf_counter()
+            delta = encode_delta(base, new)
+            encode_s += time.perf_counter() - started
+            encoded += delta.nbytes
+            written += delta.changed
+            transient = max(transient, _nbytes(new) + delta.nbytes)
+            applied = base.clone()
+            apply_delta(applied, delta, name=name)
+            round_trip = round_trip and torch.equal(_bits(applied), _bits(new))
+            served[name] = new
+        if on_version is not None:
+            on_version(step, before, served)
+        measured.append(
+            StepMeasure(
+                step, changed / numel, encoded / model_bytes, written / numel, encode_s, round_trip
+            )
+        )
+    return Trajectory(
+        lr=lr,
+        params=numel,
+        model_bytes=model_bytes,
+        base_bytes=sum(_nbytes(t) for t in served.values()),
+        transient_bytes=transient,
+        steps=tuple(measured),
+    )
+
+
+def _best(designs: Sequence[Design]) -> Design:
+    """The plan's rule 5 among ``designs``: the fastest refit, or one within
+    :data:`CLOSE_REFIT` of it with a shorter stall."""
+    fastest = min(designs, key=lambda d: (d.refit_s, d.stall_s, d.name))
+    close = [
+        d
+        for d in designs
+        if d.refit_s <= (1 + CLOSE_REFIT) * fastest.refit_s and d.stall_s < fastest.stall_s
+    ]
+    return min(close, key=lambda d: (d.stall_s, d.refit_s)) if close else fastest
+
+
+def fleet_1t(changed_fraction: float) -> dict[str, Any]:
+    """The cost model on FLEET_1T's shape with ``changed_fraction``: the best delta design whose
+    topology is implemented (implemented itself or not: today none is) and the best implemented
+    full one."""
+    _, itemsize = dtype_bytes("bfloat16")
+    model = ModelSpec.of(FLEET_1T.model_bytes / itemsize, FLEET_1T.tensors, "bfloat16")
+    fleet = FleetSpec(
+        trainer_ranks=FLEET_1T.trainer_gpus,
+        replicas=FLEET_1T.replicas,
+        gpus_per_replica=FLEET_1T.gpus_per_replica,
+        nic_bytes_per_s=FLEET_1T.nic.rate_bytes_per_s,
+        bucket_bytes=FLEET_1T.bucket_bytes,
+    )
+    plan = build_plan(model, fleet, changed_fraction=changed_fraction, base=FLEET_1T)
+    delta = _best([d for d in plan.designs if d.delta and d.topology.implemented])
+    full = _best([d for d in plan.designs if not d.delta and d.implemented])
+    return {
+        "fleet_1t_delta_refit_s": round(delta.refit_s, 4),
+        "fleet_1t_delta_stall_s": round(delta.stall_s, 4),
+        "fleet_1t_delta_design": delta.name,
+        "fleet_1t_delta_implemented": delta.implemented,
+        "fleet_1t_delta_sync_bytes": delta.estimate.scenario.model_bytes,
+        "fleet_1t_full_refit_s": round(full.refit_s, 4),
+        "fleet_1t_full_stall_s": round(full.stall_s, 4),
+        "fleet_1t_full_design": full.name,
+        "delta_bytes_over_full_modelled": round(
+            delta_bytes(model, changed_fraction) / model.model_bytes, 5
+        ),
+    }
+
+
+def measure_syncs(args: argparse.Namespace) -> dict[str, Any]:
+    """Part 3, not built yet: full and delta transfers of the measured versions side by side
+    (a :data:`VersionHook` given to :func:`train_and_measure` sees each pair of versions).
+    Returns the keys main() merges into its JSON."""
+    raise NotImplementedError(
+        "benchmarks/delta.py --syncs: the delta transfer is not built yet (issue 44); run "
+        "without --syncs for the measurement and the model"
+    )
+
+
+def _print_trajectory(t: Trajectory) -> None:
+    print(f"\nlr {t.lr:g}")
+    print(f"{'step':>5}{'changed':>10}{'delta/full':>12}{'written':>10}{'encode s':>10}")
+    for s in t.steps:
+        print(
+            f"{s.step:>5}{s.changed_fraction:>10.4f}{s.delta_bytes_over_full:>12.4f}"
+            f"{s.delta_written_fraction:>10.4f}{s.encode_s:>10.3f}"
+        )
+    print(
+        f"{'p50':>5}{t.median('changed_fraction'):>10.4f}"
+        f"{t.median('delta_bytes_over_full'):>12.4f}{t.median('delta_written_fraction'):>10.4f}"
+        f"{t.median('encode_s'):>10.3f}"
+    )
+
+
+def _rows(t: Trajectory) -> list[dict[str, Any]]:
+    return [
+        {
+            "step": s.step,
+            "changed_fraction": round(s.changed_fraction, 6),
+            "delta_bytes_over_full": round(s.delta_bytes_over_full, 6),
+            "delta_written_fraction": round(s.delta_written_fraction, 6),
+            "encode_s": round(s.encode_s, 4),
+            "round_trip": s.round_trip,
+        }
+        for s in t.steps
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=9, help="training steps (default 9)")
+    parser.add_argument(
+        "--lr",
+        type=float,
+        nargs=2,
+        default=[HEADLINE_LR, SECOND_LR],
+        metavar=("HEADLINE", "SECOND"),
+        help="the headline learning rate and the second one (default 1e-6 3e-6)",
+    )
+    parser.add_argument("--quick", action="store_true", help="a ~0.6M model: a smoke test")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument(
+        "--syncs", action="store_true", help="part 3, the transfers side by side (not built yet)"
+    )
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    if args.steps < 2:
+        raise SystemExit("--steps must be at least 2: the first step is not measured")
+    started = time.perf_counter()
+
+    headline_lr, second_lr = args.lr
+    runs = [
+        train_and_measure(
+            lr,
+            steps=args.steps,
+            quick=args.quick,
+            seed=args.seed,
+            batch=args.batch,
+            seq_len=args.seq_len,
+        )
+        for lr in (headline_lr, second_lr)
+    ]
+    headline, second = runs
+    print(
+        f"model: {headline.params / 1e6:.1f}M parameters, {headline.model_bytes / 1e6:.1f} MB "
+        f"in bf16; AdamW on an fp32 master, random tokens ({args.batch} x {args.seq_len}), "
+        f"steps 2-{args.steps} measured"
+    )
+    for run in runs:
+        _print_trajectory(run)
+
+    changed = headline.median("changed_fraction")
+    round_trip = all(s.round_trip for run in runs for s in run.steps)
+    result: dict[str, Any] = {
+        "changed_fraction": round(changed, 6),
+        "changed_fraction_3e-6": round(second.median("changed_fraction"), 6),
+        "delta_bytes_over_full": round(headline.median("delta_bytes_over_full"), 6),
+        "delta_bytes_over_full_3e-6": round(second.median("delta_bytes_over_full"), 6),
+        "trainer_extra_bytes_over_weights": round(headline.base_bytes / headline.model_bytes, 4),
+        "trainer_transient_bytes_over_weights": round(
+            headline.transient_bytes / headline.model_bytes, 4
+        ),
+        **fleet_1t(changed),
+    }
+    if args.syncs:
+        result.update(measure_syncs(args))
+    met = {
+        f"delta_bytes_over_full<={TARGET_DELTA_BYTES}": result["delta_bytes_over_full"]
+        <= TARGET_DELTA_BYTES,
+        f"fleet_1t_delta_refit_s<={TARGET_REFIT_S}": result["fleet_1t_delta_refit_s"]
+        <= TARGET_REFIT_S,
+    }
+    modelled = "" if result["fleet_1t_delta_implemented"] else ", modelled, not implemented"
+    print(
+        f"\nchanged fraction (p50): {changed:.4f} at lr {headline_lr:g}, "
+        f"{result['changed_fraction_3e-6']:.4f} at lr {second_lr:g}"
+    )
+    print(
+        f"delta bytes / full: {result['delta_bytes_over_full']:.4f} (target <= "
+        f"{TARGET_DELTA_BYTES}); modelled at that fraction: "
+        f"{result['delta_bytes_over_full_modelled']:.4f}; every delta applied to its base gave "
+        f"the new version bit for bit: {round_trip}"
+    )
+    print(
+        f"trainer's extra memory: {result['trainer_extra_bytes_over_weights']:.2f} x the served "
+        f"weights (the bf16 base), {result['trainer_transient_bytes_over_weights']:.3f} more "
+        "while encoding"
+    )
+    print(
+        f"fleet 1T, delta ({result['fleet_1t_delta_design']}{modelled}): refit "
+        f"{result['fleet_1t_delta_refit_s']:.3g} s (target <= {TARGET_REFIT_S}), stall "
+        f"{result['fleet_1t_delta_stall_s']:.3g} s; full ({result['fleet_1t_full_design']}): "
+        f"refit {result['fleet_1t_full_refit_s']:.3g} s, stall "
+        f"{result['fleet_1t_full_stall_s']:.3g} s: " + ("met" if all(met.values()) else "MISSED")
+    )
+    result.update(
+        {
+            "model_params": headline.params,
+            "model_bytes": headline.model_bytes,
+            "quick": args.quick,
+            "lr": headline_lr,
+            "lr_second": second_lr,
+            "measured_steps": [s.step for s in headline.steps],
+            "round_trip": round_trip,
+            "steps_1e-6": _rows(headline),
+            "steps_3e-6": _rows(second),
+            "targets_met": met,
+            "wall_s": round(time.perf_counter() - started, 1),
+        }
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+    return 0 if round_trip else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
