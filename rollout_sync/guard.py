@@ -100,6 +100,16 @@ class SyncReport:
     which installs once its receivers voted yes); an R2R send in place or an async-mode sync
     not at all. The install's time to park is in ``park_s`` (and, being inside the handler,
     in ``handler_s`` too)."""
+    sync_kind: str | None = None
+    """What the transfer moved: ``"whole"`` or ``"delta"`` (docs/delta.md); ``None`` when no
+    transfer completed (a failed sync), or for a body that does not say."""
+    whole_reason: str | None = None
+    """Why a sync with deltas on went whole (a
+    :class:`~rollout_sync.transfer.delta_sync.WholeReason` value), else ``None``."""
+    nbytes: int = 0
+    """The bytes the transfer moved (a delta's packed bytes); 0 when unknown."""
+    full_nbytes: int = 0
+    """The whole version's bytes (``nbytes`` for a whole sync); 0 when unknown."""
 
     def to_metrics(self, prefix: str = "rollout_sync/") -> dict[str, float]:
         """Scalar metrics, in milliseconds, under the names docs/metrics.md lists."""
@@ -166,6 +176,16 @@ class WeightSyncBracket:
         self._stall_s = 0.0
         self._install_park_s = 0.0
         self._parked_on_entry = False
+        self._moved: tuple[str | None, str | None, int, int] = (None, None, 0, 0)
+
+    def record_transfer(self, stats: object) -> None:
+        """Say in the report what the body's transfer moved (its
+        :class:`~rollout_sync.transfer.TransferStats`: kind, why whole, bytes)."""
+        kind = getattr(stats, "sync_kind", None)
+        nbytes = int(getattr(stats, "nbytes", 0) or 0)
+        full = getattr(stats, "full_nbytes", None)
+        whole = nbytes if kind == "whole" else 0
+        self._moved = (kind, getattr(stats, "whole_reason", None), nbytes, int(full or whole))
 
     def __enter__(self) -> WeightSyncBracket:
         self._start = self._parked = self._drained = time.perf_counter()
@@ -270,6 +290,10 @@ class WeightSyncBracket:
             total_s=end - self._start,
             error=None if error is None else f"{type(error).__name__}: {error}",
             stall_s=(end - self._parked) if self._parked_on_entry else self._stall_s,
+            sync_kind=self._moved[0],
+            whole_reason=self._moved[1],
+            nbytes=self._moved[2],
+            full_nbytes=self._moved[3],
         )
 
 

@@ -42,6 +42,7 @@ from .transfer import (
     TransferStats,
     WeightTransfer,
 )
+from .transfer.delta_sync import DeltaTarget, EncodedDelta, WholeReason
 from .worker import CommandSink, WorkerCommandChannel
 
 __all__ = [
@@ -229,9 +230,11 @@ class TreeRelay:
         write_kind: str = SpanKind.WEIGHT_WRITE,
         storage: torch.Tensor | None = None,
         verify: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
+        delta: DeltaTarget | None = None,
     ) -> TransferStats:
         """Receive from the parent into ``into`` and pass it on as it arrives; see
-        :meth:`~rollout_sync.WeightTransfer.relay` (its errors, its ``role="relay"``)."""
+        :meth:`~rollout_sync.WeightTransfer.relay` (its errors, its ``role="relay"``; a delta
+        is passed on packed)."""
         return self.incoming.relay(
             into,
             self.outgoing,
@@ -239,6 +242,7 @@ class TreeRelay:
             write_kind=write_kind,
             storage=storage,
             verify=verify,
+            delta=delta,
         )
 
     def relay(
@@ -250,6 +254,7 @@ class TreeRelay:
         write_kind: str = SpanKind.WEIGHT_WRITE,
         storage: torch.Tensor | None = None,
         verify: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
+        delta: DeltaTarget | None = None,
     ) -> TransferStats:
         """Refused: a tree relay relays on :meth:`receive` (drive it with ``R2R``)."""
         raise RolloutSyncError("a tree relay relays on receive; use R2R, not P2R(relay=True)")
@@ -262,6 +267,7 @@ class TreeRelay:
         require_all: bool = True,
         origin: OriginChecksums | None = None,
         storage: torch.Tensor | None = None,
+        delta: EncodedDelta | WholeReason | None = None,
     ) -> TransferStats:
         """Refused: a tree relay is not an R2R source (its tree's root is)."""
         raise RolloutSyncError("a tree relay is not an R2R source; its tree's root is")

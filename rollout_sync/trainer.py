@@ -28,6 +28,7 @@ The two seams are Protocols so that other transports plug in:
 from __future__ import annotations
 
 import enum
+import inspect
 import math
 import numbers
 import queue
@@ -53,6 +54,7 @@ from .metrics import TimedSample, WeightSyncTimer
 from .payload.receiver import PayloadReceiver
 from .trace import SpanKind
 from .transfer import ShardedTransfer, TransferConfig, TransferStats, WeightTransfer
+from .transfer.delta_sync import DeltaEncoder, EncodedDelta
 from .weights import WeightMismatchError
 
 __all__ = [
@@ -487,9 +489,17 @@ class TransferWeightPusher:
             :class:`~rollout_sync.errors.P2RBarrierMismatch` (on gloo, at once).
         receiver: the trainer's payload receiver to hold; ``None``: nothing is held (the
             unguarded demo, or a trainer that takes no payloads over the device).
+        delta: send each version as its changes against the last one every replica committed
+            (docs/delta.md): a :class:`~rollout_sync.transfer.delta_sync.DeltaEncoder` keeps
+            one copy of what was sent (in the dtype sent, the served one). The first sync, a
+            keyframe, a delta no smaller than the whole version, or a replica on another
+            version goes whole, automatically (``last_stats.sync_kind``, ``whole_reason``).
+        full_every: with ``delta``, every ``full_every``-th sync goes whole (a keyframe).
 
     Attributes:
         last_stats: the :class:`~rollout_sync.transfer.TransferStats` of the last push.
+        encoder: the :class:`~rollout_sync.transfer.delta_sync.DeltaEncoder` (``delta``), or
+            ``None``.
         last_barrier_s: seconds the last push waited at the barrier (the replica parking).
         last_hold_s: seconds the last push waited for payload receives in flight.
     """
@@ -500,7 +510,11 @@ class TransferWeightPusher:
         *,
         barrier: Callable[[float], None] | None = None,
         receiver: PayloadReceiver | None = None,
+        delta: bool = False,
+        full_every: int | None = None,
     ) -> None:
+        if full_every is not None and not delta:
+            raise ValueError("full_every is the keyframe interval of delta syncs: pass delta=True")
         if not transfer.is_source:
             raise ValueError(
                 f"TransferWeightPusher runs on a P2R source ({transfer!r}), "
@@ -518,6 +532,21 @@ class TransferWeightPusher:
         self.last_stats: TransferStats | None = None
         self.last_barrier_s = 0.0
         self.last_hold_s = 0.0
+        self.encoder: DeltaEncoder | None = None
+        if delta:
+            self.use_deltas(full_every=full_every)
+
+    def use_deltas(self, *, full_every: int | None = None) -> None:
+        """Send deltas from the next push on (``delta=True``; a base is kept from then).
+
+        Raises:
+            ValueError: the transfer's ``send`` takes no delta, or ``full_every`` < 1.
+        """
+        if "delta" not in inspect.signature(self.transfer.send).parameters:
+            raise ValueError(
+                f"delta syncs need a transfer whose send takes a delta; {self.transfer!r} does not"
+            )
+        self.encoder = DeltaEncoder(full_every=full_every)
 
     @property
     def backend(self) -> str:
@@ -551,7 +580,7 @@ class TransferWeightPusher:
         with hold:
             held = time.perf_counter()
             try:
-                self.last_stats = self.transfer.send(weights, version=version)
+                self.last_stats = self._send(weights, version)
             finally:
                 # The receiver's hold, from asking for it until the send ended (none when the
                 # hold timed out: then the body never ran), on the receiver's own timeline.
@@ -560,6 +589,18 @@ class TransferWeightPusher:
                     timeline.add_span(SpanKind.PAYLOAD_HOLD, "payload receives held", hold_start_ns)
         self.last_barrier_s = barrier_done - start
         self.last_hold_s = held - barrier_done
+
+    def _send(self, weights: Mapping[str, torch.Tensor], version: int) -> TransferStats:
+        """The send: whole, or (``delta``) encoded against the last committed version, whose
+        copy moves to this one once every replica committed it."""
+        encoder = self.encoder
+        if encoder is None:
+            return self.transfer.send(weights, version=version)
+        encoded = encoder.encode(weights, version)
+        stats = self.transfer.send(weights, version=version, delta=encoded)
+        sent = encoded if isinstance(encoded, EncodedDelta) and stats.sync_kind == "delta" else None
+        encoder.committed(weights, version, sent)
+        return stats
 
     def __repr__(self) -> str:
         held = "holding receives" if self.receiver is not None else "no receive hold"
@@ -696,6 +737,12 @@ class WeightBroadcastCallback(TrainerCallback):
         sync_on_run_begin: push the weights once at ``run_begin`` too, so the rollout side
             starts from the trainer's (resumed) weights.
         report_every_step: report on every step, not only those with training metrics.
+        delta: send each version as its changes against the last committed one (docs/delta.md):
+            the pusher must be a :class:`TransferWeightPusher` (the default is one), which it
+            turns on (:class:`TransferWeightPusher`'s ``delta``). ``weight_sync_bytes`` then
+            counts the bytes that moved, and ``weight_sync_delta_count`` the pushes that went
+            by delta.
+        full_every: with ``delta``, every ``full_every``-th push goes whole (a keyframe).
     """
 
     def __init__(
@@ -710,9 +757,23 @@ class WeightBroadcastCallback(TrainerCallback):
         sync_on_run_begin: bool = True,
         report_every_step: bool = False,
         adapter: str | None = None,
+        delta: bool = False,
+        full_every: int | None = None,
     ) -> None:
         if pusher is None:
             pusher = _default_pusher(timeout)
+        if delta or full_every is not None:
+            if not isinstance(pusher, TransferWeightPusher):
+                raise ValueError(
+                    "WeightBroadcastCallback(delta=True) sends through a TransferWeightPusher "
+                    f"(it keeps the base the deltas are encoded against); got {pusher!r}"
+                )
+            if not delta:
+                raise ValueError(
+                    "full_every is the keyframe interval of delta syncs: pass delta=True"
+                )
+            if pusher.encoder is None:
+                pusher.use_deltas(full_every=full_every)
         self.weights = weights
         self.pusher: WeightPusher = (
             pusher if isinstance(pusher, WeightPusher) else _FunctionPusher(pusher)
@@ -730,6 +791,7 @@ class WeightBroadcastCallback(TrainerCallback):
         """What ``train_end`` harvested after the last report (read it for the final log)."""
         self._window_syncs = 0
         self._window_bytes = 0
+        self._window_deltas = 0
         self._window_samples: list[TimedSample] = []
         self._syncs = 0
         self._bytes = 0
@@ -811,6 +873,10 @@ class WeightBroadcastCallback(TrainerCallback):
                 self.timeout,
             )
         self.pusher.push_weights(weights, version=version, timeout=self.timeout)
+        stats = getattr(self.pusher, "last_stats", None)
+        if getattr(self.pusher, "encoder", None) is not None and stats is not None:
+            self._window_deltas += stats.sync_kind == "delta"
+            return int(stats.nbytes)  # what moved: the delta's bytes when it went by one
         return nbytes
 
     # -- reporting -----------------------------------------------------------------------------
@@ -841,8 +907,10 @@ class WeightBroadcastCallback(TrainerCallback):
         metrics["weight_sync_count"] = self._window_syncs
         metrics["weight_sync_bytes"] = self._window_bytes
         metrics["weight_sync_version"] = self.version
+        if getattr(self.pusher, "encoder", None) is not None:
+            metrics["weight_sync_delta_count"] = self._window_deltas
         self._window_samples = []
-        self._window_syncs = self._window_bytes = 0
+        self._window_syncs = self._window_bytes = self._window_deltas = 0
         return metrics
 
     def statistics(self) -> WeightBroadcastStatistics:

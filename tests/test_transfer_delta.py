@@ -16,13 +16,15 @@ from typing import Any
 import pytest
 import torch
 
+from rollout_sync import SyncMode
 from rollout_sync.errors import (
     ChecksumMismatchError,
     DeltaRefused,
     ManifestRejected,
 )
-from rollout_sync.testing import run_group
-from rollout_sync.transfer import TransferConfig, WeightTransfer
+from rollout_sync.testing import EventLog, RecordingRollout, run_group
+from rollout_sync.trainer import TransferWeightPusher
+from rollout_sync.transfer import TransferConfig, TransferHooks, WeightTransfer
 from rollout_sync.transfer.delta import BLOCK_ELEMENTS, pack_delta, unpack_delta
 from rollout_sync.transfer.delta_sync import (
     DeltaEncoder,
@@ -31,6 +33,7 @@ from rollout_sync.transfer.delta_sync import (
     EncodedDelta,
     WholeReason,
 )
+from rollout_sync.worker import P2R, R2R, RolloutWorker, build_sync_groups
 
 pytestmark = pytest.mark.multiprocess
 
@@ -204,3 +207,104 @@ def test_deltas_land_bit_identical_fall_back_whole_and_refuse_hostile_input() ->
     assert tail[3] == ("extra", full)  # one served-dtype copy of what it sends
     for log in replicas:
         assert all(exact for *_, exact in log[4 + len(HOSTILE) :])
+
+
+# -- the worker's paths: in place and staged, P2R then R2R, and the pipelined relay -------------
+
+
+def _corrupt_once(armed: list[bool]) -> Any:
+    def corrupt(index: int, flat: torch.Tensor) -> None:
+        if armed and armed.pop():
+            flat.view(torch.uint8)[:8].add_(1)
+
+    return corrupt
+
+
+def _worker_job(rank: int) -> dict[str, Any]:
+    """Rank 0 trains (a TransferWeightPusher with deltas); 1..3 are replicas, 1 the P2R target.
+    Per mode, four versions: v1 and v2 by P2R then R2R; v2's R2R is corrupted on rank 3, which
+    keeps v1 (two-phase off); v3 and v4 by the pipelined relay, where rank 3, a version behind,
+    makes v3 whole for everyone, and v4 goes by delta again."""
+    groups = build_sync_groups(0, [1, 2, 3], timeout_s=20)
+    config = TransferConfig(checksums=True, timeout_s=20)
+    out: dict[str, Any] = {}
+    for mode in (SyncMode.SYNC, SyncMode.STAGED):
+        if rank == 0:
+            pusher = TransferWeightPusher(groups.p2r_transfer(config=config), delta=True)
+            kinds = []
+            for version in (1, 2, 3, 4):
+                pusher.push_weights(_version(version), version=version, timeout=20)
+                stats = pusher.last_stats
+                kinds.append((stats.sync_kind, stats.whole_reason))
+            out[mode.value] = {"kinds": kinds, "extra": pusher.encoder.extra_bytes}
+            continue
+        rollout = RecordingRollout(
+            EventLog(),
+            _version(0)
+            if mode is SyncMode.SYNC
+            else {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in SHAPES.items()},
+        )
+        armed: list[bool] = []
+        hooks = TransferHooks(after_receive=_corrupt_once(armed)) if rank == 3 else None
+        worker = RolloutWorker(
+            rollout,
+            mode=mode,
+            p2r=groups.p2r_transfer(config=config),
+            r2r=groups.r2r_transfer(config=config, hooks=hooks),
+            all_or_none=False,
+        )
+        reports = []
+        for version in (1, 2, 3, 4):
+            armed[:] = [version == 2]
+            relay = version >= 3
+            if rank == 1:
+                result = worker.handle(P2R(step=version, relay=relay))
+                assert result.ok, result.error
+                reports.append(worker.last_weight_sync_report)
+            if not relay or rank != 1:  # the leaves receive the relay's R2R too
+                result = worker.handle(R2R(step=version))
+                reports.append(worker.last_weight_sync_report)
+            exact = all(
+                torch.equal(rollout.served_weights()[n], t) for n, t in _version(version).items()
+            )
+            reports.append(("after", version, rollout.weight_version, exact, rollout.weights_torn))
+        out[mode.value] = [
+            r if isinstance(r, tuple) else (r.handler, r.sync_kind, r.whole_reason, r.error is None)
+            for r in reports
+        ]
+        out[mode.value + "_staging"] = worker.statistics().staging_bytes
+        worker.close(10)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_the_worker_takes_deltas_in_place_and_staged_and_a_replica_behind_gets_the_whole() -> None:
+    results = run_group(_worker_job, 4, timeout_s=110, group_timeout_s=20)
+    for mode in ("sync", "staged"):
+        assert results[0][mode]["kinds"] == [
+            ("whole", WholeReason.FIRST.value),
+            ("delta", None),
+            ("whole", WholeReason.RECEIVER.value),  # rank 3 still holds version 1
+            ("delta", None),
+        ], mode
+        for rank in (1, 2, 3):
+            after = [r for r in results[rank][mode] if r[0] == "after"]
+            served = [(v, held, torn) for _, v, held, _, torn in after]
+            behind = rank == 3
+            assert served == [
+                (1, 1, False),
+                (2, 1 if behind else 2, False),
+                (3, 3, False),
+                (4, 4, False),
+            ], (mode, rank)
+            assert all(exact for _, v, held, exact, _ in after if v == held), (mode, rank)
+            syncs = [r for r in results[rank][mode] if r[0] != "after"]
+            kinds = [kind for _, kind, _, _ in syncs]
+            if rank == 1:  # P2R, R2R send, P2R, R2R send (rank 3 failed it), relay, relay
+                assert kinds == ["whole", "whole", "delta", None, "whole", "delta"], mode
+            else:
+                assert kinds[0] == "whole" and kinds[-1] == "delta", (mode, rank, kinds)
+        # Staged, a delta stages its packed bytes only: no staging copy is kept.
+        assert results[2][mode + "_staging"] < 0.2 * sum(
+            torch.Size(s).numel() * 2 for s in SHAPES.values()
+        ), mode

@@ -39,6 +39,7 @@ import torch
 from ..errors import RolloutSyncError, UnsafeHeaderError, WeightMismatchError, WeightTransferError
 from ..trace import SpanKind, Timeline
 from ..transfer import BUFFER_WRITE, OriginChecksums, TransferStats
+from ..transfer.delta_sync import DeltaTarget, EncodedDelta, WholeReason
 from .fast_llm_wire import BroadcastGroup, TensorHeader, WeightsReady, decode_header
 
 __all__ = ["FastLLMStream"]
@@ -109,8 +110,10 @@ class FastLLMStream:
         write_kind: str = SpanKind.WEIGHT_WRITE,
         storage: torch.Tensor | None = None,
         verify: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
+        delta: DeltaTarget | None = None,
     ) -> TransferStats:
-        """Receive the expected version into ``into`` (``storage`` and ``verify`` unused).
+        """Receive the expected version into ``into`` (``storage``, ``verify`` and ``delta``
+        unused: Fast-LLM's wire sends whole tensors, so every sync over it is whole).
 
         Raises:
             WeightMismatchError: the version was refused (received in full); nothing of it is
@@ -158,6 +161,7 @@ class FastLLMStream:
         write_kind: str = SpanKind.WEIGHT_WRITE,
         storage: torch.Tensor | None = None,
         verify: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
+        delta: DeltaTarget | None = None,
     ) -> TransferStats:
         """Refused: the stream is received, then passed on R2R by the package's transfer."""
         raise RolloutSyncError("the Fast-LLM stream is received, not relayed: use r2r")
@@ -170,6 +174,7 @@ class FastLLMStream:
         require_all: bool = True,
         origin: OriginChecksums | None = None,
         storage: torch.Tensor | None = None,
+        delta: EncodedDelta | WholeReason | None = None,
     ) -> TransferStats:
         """Refused: the trainer sends."""
         raise RolloutSyncError("the Fast-LLM stream is the trainer's to send")

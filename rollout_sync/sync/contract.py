@@ -28,6 +28,7 @@ from ..lora import require_adapter
 from ..staging import StagingArea, check_two_communicators
 from ..trace import Timeline
 from ..transfer import OriginChecksums, TransferStats
+from ..transfer.delta_sync import DeltaTarget, DigestCache, EncodedDelta
 from .mode import SyncMode
 from .slot import EngineSlot, reload_received
 
@@ -38,6 +39,8 @@ __all__ = [
     "SyncHost",
     "Target",
     "check_transfer",
+    "recorded",
+    "takes_deltas",
 ]
 
 
@@ -93,6 +96,19 @@ class SupportsWeightTransfer(Protocol):
     ) -> TransferStats: ...
 
     def abort(self, reason: str, *, version: int | None = ...) -> None: ...
+
+
+def recorded(bracket: WeightSyncBracket, stats: TransferStats) -> TransferStats:
+    """``stats``, after saying in ``bracket``'s report what its transfer moved."""
+    bracket.record_transfer(stats)
+    return stats
+
+
+def takes_deltas(transfer: object) -> bool:
+    """Whether ``transfer``'s receive (and send) take delta syncs (a
+    :class:`~rollout_sync.WeightTransfer` does; a transfer of your own need not)."""
+    receive = getattr(transfer, "receive", None)
+    return receive is not None and "delta" in inspect.signature(receive).parameters
 
 
 def check_transfer(name: str, transfer: object, owner: str = "RolloutWorker") -> None:
@@ -211,6 +227,10 @@ class InstallStrategy(abc.ABC):
         self.slot = slot
         self.origin: OriginChecksums | None = None
         """The trainer's bucket checksums of the last P2R, for the R2R that passes it on."""
+        self.digests = DigestCache()
+        """Digests of the served weights, for delta syncs (taken once after a whole sync)."""
+        self.last_delta: EncodedDelta | None = None
+        """The delta the last P2R brought, for the R2R that passes it on."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.host.weight_sync_mode.value}>"
@@ -302,18 +322,34 @@ class InstallStrategy(abc.ABC):
         if stats.bucket_checksums is not None:
             self.origin = OriginChecksums(stats.version, stats.layout, stats.bucket_checksums)
 
+    def delta_target(self, target: Target, *, apply: bool) -> DeltaTarget | None:
+        """This replica's side of a delta sync into ``target``: its served weights, the
+        version they hold (none while torn: a delta is then answered with a vote for the whole
+        version) and their digests; ``apply``: write during the receive (in place), else keep
+        it pending for the install. ``None`` for an adapter (they go whole)."""
+        if target.adapter is not None:
+            return None
+        rollout = self.host.rollout
+        version = None if rollout.weights_torn else rollout.weight_version
+        return DeltaTarget(rollout.served_weights(), version, self.digests, apply=apply)
+
     def take(
         self,
         transfer: SupportsWeightTransfer,
         forward: SupportsWeightTransfer | None,
-        into: Mapping[str, torch.Tensor],
+        into: Any,
         *,
         allow_subset: bool | None = None,
+        delta: DeltaTarget | None = None,
         **kwargs: Any,
     ) -> TransferStats:
         """Receive ``transfer`` into ``into``, relaying it through ``forward`` if given
-        (``allow_subset``: default the host's)."""
+        (``allow_subset``: default the host's). ``delta``: passed to a transfer that takes
+        deltas (``receive(delta=...)``); one of your own that does not is not given it, and
+        its senders go whole."""
         subset = self.host.allow_subset if allow_subset is None else allow_subset
+        if delta is not None and takes_deltas(transfer):
+            kwargs["delta"] = delta
         if forward is None:
             return transfer.receive(into, allow_subset=subset, **kwargs)
         return transfer.relay(into, forward, allow_subset=subset, **kwargs)
@@ -332,6 +368,13 @@ class InstallStrategy(abc.ABC):
             transfer.abort(f"the source cannot send: {type(exc).__name__}: {exc}")
             raise
         origin = self.origin if self.origin is not None and self.origin.version == version else None
+        last = self.last_delta
+        if last is not None and last.version == version and takes_deltas(transfer):
+            # Pass on the delta the P2R brought: a receiver on another base asks for the
+            # whole version, which goes from ``weights``.
+            return transfer.send(  # type: ignore[call-arg]
+                weights, version=version, origin=origin, storage=storage, delta=last
+            )
         return transfer.send(weights, version=version, origin=origin, storage=storage)
 
     def served_to_send(
@@ -361,14 +404,21 @@ class InstallStrategy(abc.ABC):
         served = rollout.served_weights()
         storage = rollout.flat_weight_storage()
         self.before_in_place_write()
+        delta = self.delta_target(Target(), apply=True)
         try:
-            stats = self.take(transfer, forward, served, storage=storage)
+            stats = self.take(transfer, forward, served, storage=storage, delta=delta)
         except BaseException as exc:
             slot.settle(served, exc, self.host.weight_sync_timeout, transfer)
             raise
         reload_received(rollout, served)
         slot.landed(stats.version)
+        self.keep_delta(stats, delta)
         return stats
+
+    def keep_delta(self, stats: TransferStats, delta: DeltaTarget | None) -> None:
+        """Remember the delta a receive brought (none after a whole one), to pass on."""
+        received = None if delta is None else delta.received
+        self.last_delta = received if stats.sync_kind == "delta" else None
 
     # -- the in-place bodies: InPlace's, and the worker's decorated handlers' in every mode --
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..transfer import TransferStats
-from .contract import InstallStrategy, SupportsWeightTransfer
+from .contract import InstallStrategy, SupportsWeightTransfer, recorded
 from .mode import SyncMode
 
 __all__ = ["InPlace"]
@@ -25,17 +25,17 @@ class InPlace(InstallStrategy):
     modes = (SyncMode.SYNC,)
 
     def p2r(self, command: Any, forward: SupportsWeightTransfer | None) -> TransferStats:
-        with self.bracket("_receive_p2r", pause=self.host.guarded, hold=self.host.guarded):
-            return self.receive_p2r(forward)
+        with self.bracket("_receive_p2r", pause=self.host.guarded, hold=self.host.guarded) as b:
+            return recorded(b, self.receive_p2r(forward))
 
     def r2r_receive(self, command: Any) -> TransferStats:
-        with self.bracket("_receive_r2r", pause=self.host.guarded, hold=self.host.guarded):
-            return self.receive_r2r()
+        with self.bracket("_receive_r2r", pause=self.host.guarded, hold=self.host.guarded) as b:
+            return recorded(b, self.receive_r2r())
 
     def r2r_send(self, command: Any) -> TransferStats:
-        with self.bracket("_send_r2r", pause=False, hold=self.host.guarded):
-            return self.send_r2r()
+        with self.bracket("_send_r2r", pause=False, hold=self.host.guarded) as b:
+            return recorded(b, self.send_r2r())
 
     def receive(self, transfer: SupportsWeightTransfer, name: str) -> TransferStats:
-        with self.bracket(name, pause=self.host.guarded, hold=self.host.guarded):
-            return self.receive_in_place(transfer)
+        with self.bracket(name, pause=self.host.guarded, hold=self.host.guarded) as b:
+            return recorded(b, self.receive_in_place(transfer))

@@ -10,11 +10,16 @@ raises :class:`~rollout_sync.errors.StagedCommitAborted`.
 The P2R target of a job with R2R keeps what it staged until the R2R it sends from the staging
 area has been voted on (the R2R's vote covers every replica); a relay's vote covers both hops,
 so a relay, or a lone replica, installs at once. Re-seeds run in place, parked.
+
+**A delta** (:mod:`rollout_sync.transfer.delta_sync`) stages only its packed bytes: no staging
+copy is made for it (one made by an earlier whole version is dropped once a delta installs,
+and made again by the next whole one). It is checked and proven before the commit vote; the
+install applies it to the served weights, parked, as the whole install copies them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from functools import partial
 from typing import Any
 
@@ -24,9 +29,18 @@ from ..errors import RolloutSyncError, StagedCommitAborted, WeightMismatchError
 from ..guard import WeightSyncBracket
 from ..staging import StagingArea, check_two_communicators
 from ..transfer import BUFFER_WRITE, TransferStats
+from ..transfer.delta_sync import ReceivedDelta
 from .commit import version_to_install
-from .contract import InstallStrategy, StrategyStatistics, SupportsWeightTransfer, Target
+from .contract import (
+    InstallStrategy,
+    StrategyStatistics,
+    SupportsWeightTransfer,
+    Target,
+    recorded,
+    takes_deltas,
+)
 from .mode import SyncMode
+from .slot import reload_received
 
 __all__ = ["Staged"]
 
@@ -42,6 +56,8 @@ class Staged(InstallStrategy):
         self.stagings: dict[str | None, StagingArea] = {}
         """Staging copies by target: the weights (``None``; ``SyncMode.STAGED``) and each LoRA
         adapter (always staged), built by the first sync of each."""
+        self.pending: dict[str | None, ReceivedDelta] = {}
+        """A proven delta waiting for its install, by target (the weights only)."""
 
     # -- the contract ----------------------------------------------------------------------
 
@@ -56,17 +72,20 @@ class Staged(InstallStrategy):
 
     def receive(self, transfer: SupportsWeightTransfer, name: str) -> TransferStats:
         with self.bracket(name, pause=False, hold=self.host.guarded, mode=SyncMode.STAGED) as b:
-            return self._stage(b, transfer, None, install=True, target=Target())
+            return recorded(b, self._stage(b, transfer, None, install=True, target=Target()))
 
     def discard(self) -> None:
         super().discard()
         for staging in self.stagings.values():
             staging.discard()  # a version staged on the old groups was never voted on
+        self.pending.clear()
+        self.last_delta = None
 
     def statistics(self) -> StrategyStatistics:
         stagings = tuple(self.stagings.values())  # a snapshot: the loop thread may add one
+        pending = tuple(self.pending.values())
         return StrategyStatistics(
-            staging_bytes=sum(s.nbytes for s in stagings),
+            staging_bytes=sum(s.nbytes for s in stagings) + sum(p.nbytes for p in pending),
             staged_discarded=sum(s.discarded for s in stagings),
         )
 
@@ -121,7 +140,7 @@ class Staged(InstallStrategy):
         not pause; the body parks generation only to install. Unguarded: neither."""
         name = body.__name__.lstrip("_")
         with self.bracket(name, pause=False, hold=self.host.guarded, mode=SyncMode.STAGED) as b:
-            return body(b, command, forward)
+            return recorded(b, body(b, command, forward))
 
     def _stage_p2r(
         self, bracket: WeightSyncBracket, command: Any, forward: SupportsWeightTransfer | None
@@ -152,6 +171,18 @@ class Staged(InstallStrategy):
         r2r = self.host.r2r
         assert r2r is not None
         target = Target.of(command)
+        pending = self.pending.get(target.adapter)
+        if pending is not None:
+            # Pass on the delta the P2R brought; a receiver on another base asks for the whole
+            # version, made then (the staging copy, with the delta applied).
+            whole = _Made(partial(self._materialize, target, pending))
+            try:
+                stats = self.send(r2r, lambda: (whole, pending.version, None))
+            except BaseException as exc:
+                self._settle(bracket, target, exc, pending.version, whole_here=True)
+                raise  # pragma: no cover - _settle always raises
+            self._install(bracket, target)
+            return stats
         staging = self.stagings.get(target.adapter)
         version = staging.staged_version if staging is not None else None
         if staging is None or version is None:
@@ -179,22 +210,41 @@ class Staged(InstallStrategy):
         served tensors were never touched. An adapter's set must be whole."""
         self.slot.ensure_engine()
         rollout = self.host.rollout
-        staging = self._staging_for(target)
-        staging.begin(target.served(rollout))
+        delta = self.delta_target(target, apply=False) if takes_deltas(transfer) else None
+        self.pending.pop(target.adapter, None)
+
+        def staging_copy() -> tuple[Mapping[str, torch.Tensor], torch.Tensor | None]:
+            staging = self._staging_for(target)
+            staging.begin(target.served(rollout))
+            return staging.tensors, staging.storage
+
+        # With deltas on, the staging copy is made only if the version comes whole.
+        into: Any = staging_copy
+        storage = None
+        if delta is None:
+            into, storage = staging_copy()
         try:
             stats = self.take(
                 transfer,
                 forward,
-                staging.tensors,
-                storage=staging.storage,
+                into,
+                storage=storage,
                 write_kind=BUFFER_WRITE,
                 allow_subset=self.host.allow_subset and target.adapter is None,
+                delta=delta,
                 **target.verify_kwargs(rollout, transfer),
             )
         except BaseException as exc:
+            if delta is not None and delta.pending is not None:
+                self.pending[target.adapter] = delta.pending  # whole here, failed elsewhere
             self._settle(bracket, target, exc, getattr(exc, "version", None))
             raise  # pragma: no cover - _settle always raises
-        staging.staged(stats.version)
+        if delta is not None and delta.pending is not None:
+            self.pending[target.adapter] = delta.pending
+        else:
+            self.stagings[target.adapter].staged(stats.version)
+        if target.adapter is None:
+            self.keep_delta(stats, delta)
         if install:
             self._install(bracket, target)
         return stats
@@ -210,15 +260,18 @@ class Staged(InstallStrategy):
     ) -> None:
         """A staged sync failed with ``exc``: install what the commit rule still lets this
         replica install (two-phase off, and the version whole here), else discard; raise."""
-        staging = self.stagings[target.adapter]
+        staging = self.stagings.get(target.adapter)
         alone = not self.host.all_or_none
         landed = version_to_install(exc, version, alone=alone, whole_here=whole_here)
-        if landed is not None:
-            if staging.staged_version is None:
+        pending = self.pending.get(target.adapter)
+        if landed is not None and (pending is not None or staging is not None):
+            if pending is None and staging is not None and staging.staged_version is None:
                 staging.staged(landed)
             self._install(bracket, target)  # two-phase off: this replica serves it regardless
             raise exc
-        staging.discard()
+        if staging is not None:
+            staging.discard()
+        self.pending.pop(target.adapter, None)
         if not isinstance(exc, Exception) or not self.host.all_or_none:
             raise exc
         raise self._commit_aborted(exc, version, target) from exc
@@ -232,6 +285,9 @@ class Staged(InstallStrategy):
         version stays staged, the served weights untouched), or the engine's ``load_weights``
         failed part-way (the weights are torn, and a background engine stays parked until a
         complete version commits). Either is raised."""
+        if target.adapter in self.pending:
+            self._install_delta(bracket, self.pending.pop(target.adapter))
+            return
         staging = self.stagings[target.adapter]
         rollout = self.host.rollout
         slot = self.slot
@@ -246,6 +302,38 @@ class Staged(InstallStrategy):
                 slot.park_if_torn(self.host.weight_sync_timeout)
                 raise
         slot.landed()  # install_into committed it
+
+    def _install_delta(self, bracket: WeightSyncBracket, received: ReceivedDelta) -> None:
+        """Park generation, apply the proven delta to the served weights (hand them to an
+        engine that keeps its own copy), fence, commit; then let generation go on. The staging
+        copy of an earlier whole version mirrors the served weights no more: it is dropped (a
+        delta stages its packed bytes only). A failed apply restores what it wrote (nothing is
+        torn); a failure after it (the engine's load, the fence) leaves the weights torn."""
+        rollout = self.host.rollout
+        self.stagings.pop(None, None)
+        with bracket.stalled(pause=self.host.guarded):
+            received.apply(self.digests)
+            try:
+                reload_received(rollout, received.targets)
+                self.host.weight_sync_fence(self.host.weight_sync_timeout)
+            except BaseException as exc:
+                rollout.mark_weights_torn(
+                    f"installing the delta of version {received.version} failed after it was "
+                    f"applied: {type(exc).__name__}: {exc}"
+                )
+                self.slot.park_if_torn(self.host.weight_sync_timeout)
+                raise
+            rollout.commit_weight_version(received.version)
+        self.slot.landed()
+
+    def _materialize(self, target: Target, pending: ReceivedDelta) -> Mapping[str, torch.Tensor]:
+        """The pending delta's version whole: the staging copy of the served weights with
+        the delta applied (an R2R receiver asked for it)."""
+        staging = self._staging_for(target)
+        staging.begin(target.served(self.host.rollout))
+        pending.apply_to(staging.tensors)
+        staging.staged(pending.version)
+        return staging.tensors
 
     def _staging_for(self, target: Target) -> StagingArea:
         staging = self.stagings.get(target.adapter)
@@ -282,3 +370,25 @@ class Staged(InstallStrategy):
             failed_ranks=failed,
             kept_version=kept,
         )
+
+
+class _Made(Mapping[str, torch.Tensor]):
+    """Tensors made on first use (a whole version only a fallback needs)."""
+
+    def __init__(self, make: Callable[[], Mapping[str, torch.Tensor]]) -> None:
+        self._make = make
+        self._made: Mapping[str, torch.Tensor] | None = None
+
+    def _tensors(self) -> Mapping[str, torch.Tensor]:
+        if self._made is None:
+            self._made = self._make()
+        return self._made
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors())
+
+    def __len__(self) -> int:
+        return len(self._tensors())

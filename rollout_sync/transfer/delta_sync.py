@@ -72,6 +72,7 @@ class WholeReason(str, enum.Enum):
     KEYFRAME = "keyframe: every full_every-th sync is whole"
     NOT_SMALLER = "the delta is not smaller than the whole version"
     NEW_TENSORS = "the set, shapes or dtypes of the tensors changed"
+    TRANSFER = "this transfer moves whole versions only"
     RECEIVER = (
         "a receiver asked for the whole version (it holds another version: it missed one, was "
         "re-seeded, its weights are torn, or it cannot apply a delta)"
@@ -86,6 +87,9 @@ class DeltaEntry:
     shape: tuple[int, ...]
     dtype: torch.dtype
     digest: tuple[int, int]
+    """The new version's digest (what the receiver proves its result against)."""
+    base_digest: tuple[int, int]
+    """The base version's (what the receiver checks its tensor against before the vote)."""
 
     @property
     def numel(self) -> int:
@@ -110,7 +114,8 @@ class DeltaHeader:
             "base": self.base_version,
             "full_nbytes": self.full_nbytes,
             "tensors": [
-                [e.name, list(e.shape), str(e.dtype), list(e.digest)] for e in self.entries
+                [e.name, list(e.shape), str(e.dtype), list(e.digest), list(e.base_digest)]
+                for e in self.entries
             ],
         }
 
@@ -119,12 +124,14 @@ class DeltaHeader:
         """Raises ``ValueError``/``KeyError``/``TypeError`` for a malformed one (the manifest's
         decoder turns them into :class:`~rollout_sync.errors.ManifestError`)."""
         entries = []
-        for name, shape, dtype, digest in doc["tensors"]:  # type: ignore[attr-defined]
+        for name, shape, dtype, digest, base in doc["tensors"]:  # type: ignore[attr-defined]
             found = getattr(torch, str(dtype).removeprefix("torch."), None)
             if not isinstance(found, torch.dtype):
                 raise ValueError(f"unknown dtype {dtype!r}")
             a, b = (int(x) for x in digest)
-            entries.append(DeltaEntry(str(name), tuple(int(d) for d in shape), found, (a, b)))
+            c, d = (int(x) for x in base)
+            dims = tuple(int(n) for n in shape)
+            entries.append(DeltaEntry(str(name), dims, found, (a, b), (c, d)))
         base, full = int(doc["base"]), int(doc["full_nbytes"])  # type: ignore[call-overload]
         return cls(base, tuple(entries), full)
 
@@ -208,7 +215,9 @@ class DeltaEncoder:
                 return WholeReason.NOT_SMALLER
             packed[name] = data
             digest = moved_digest(self.digests[name], base[name], delta, name=name)
-            entries.append(DeltaEntry(name, tuple(tensor.shape), tensor.dtype, digest))
+            entries.append(
+                DeltaEntry(name, tuple(tensor.shape), tensor.dtype, digest, self.digests[name])
+            )
         header = DeltaHeader(self.base_version, tuple(entries), full)
         return EncodedDelta(version, header, packed, full)
 
@@ -303,8 +312,19 @@ class DeltaTarget:
         return None
 
     def takes_base(self, header: DeltaHeader) -> bool:
-        """Whether the targets hold the delta's base version."""
-        return self.version is not None and self.version == header.base_version
+        """Whether the targets hold the delta's base version: its number, and the bits of
+        every tensor the delta writes (their digests, cached per version: a whole read only
+        the first time after a whole sync), so a replica whose bytes differ under the same
+        number (never synced, restored from elsewhere) asks for the whole version instead of
+        failing the proof."""
+        if self.version is None or self.version != header.base_version:
+            return False
+        return all(
+            entry.name in self.served
+            and self.digests.get(entry.name, self.served[entry.name], self.version)
+            == entry.base_digest
+            for entry in header.entries
+        )
 
 
 @dataclass
@@ -369,6 +389,16 @@ class ReceivedDelta:
         for name, digest in self.digests.items():
             cache.put(name, self.version, digest)
         return len(self.deltas)
+
+    @property
+    def nbytes(self) -> int:
+        """The packed bytes it holds (what a staged delta stages)."""
+        return sum(d.nbytes for d in self.deltas.values())
+
+    def apply_to(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Write the new version's changes into other copies of the base (a staging copy)."""
+        for name, delta in self.deltas.items():
+            apply_delta(tensors[name], delta, name=name)
 
     def restore(self) -> None:
         """Put back every element :meth:`apply` overwrote, bit for bit."""

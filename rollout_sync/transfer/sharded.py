@@ -82,6 +82,7 @@ from ..weights import WeightSpec, check_weights_match
 from ._sharded_buckets import _Bucket, _buckets, _check_coverage, _interleave, _Progress
 from ._sharded_relay import PipelinedRelay
 from .config import TransferConfig, TransferHooks, TransferStats
+from .delta_sync import DeltaTarget, EncodedDelta, WholeReason
 from .layout import region_of
 from .manifest import OriginChecksums, bucket_checksum
 from .plan import TransferPlan
@@ -241,6 +242,7 @@ class ShardedTransfer(PipelinedRelay):
         require_all: bool = True,
         origin: OriginChecksums | None = None,
         storage: torch.Tensor | None = None,
+        delta: EncodedDelta | WholeReason | None = None,
     ) -> TransferStats:
         """Send this source rank's part of ``version`` from ``weights``, its local tensors.
 
@@ -248,6 +250,8 @@ class ShardedTransfer(PipelinedRelay):
         the same arguments (:class:`~rollout_sync.WeightTransfer`'s), and not used: what a sync
         covers is the plan's to say (a subset is a plan over layouts of that subset), there are
         no origin checksums to forward, and regions of local tensors are always packed.
+        ``delta``: a sharded transfer sends whole versions (the stats say so:
+        ``whole_reason``).
 
         Raises:
             WeightMismatchError: ``weights`` do not match this rank's layout (every rank
@@ -268,7 +272,11 @@ class ShardedTransfer(PipelinedRelay):
             failure = exc
         self._commit_vote(version, progress, failure, receiving=False)
         end = time.perf_counter()
-        return self._stats("send", version, progress, start, voted, end)
+        stats = self._stats("send", version, progress, start, voted, end)
+        if delta is None:
+            return stats
+        reason = WholeReason.TRANSFER if isinstance(delta, EncodedDelta) else WholeReason(delta)
+        return replace(stats, whole_reason=reason.value)
 
     def abort(self, reason: str, *, version: int | None = None) -> None:
         """On a source, in place of :meth:`send`: vote no at the plan vote, so every other rank
@@ -329,6 +337,7 @@ class ShardedTransfer(PipelinedRelay):
         write_kind: str = SpanKind.WEIGHT_WRITE,
         storage: torch.Tensor | None = None,
         verify: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
+        delta: DeltaTarget | None = None,
     ) -> TransferStats:
         """Receive this target rank's part of the next version into ``into``, its local tensors
         (written in place, region by region, each bucket only once its checksum matched).
@@ -337,7 +346,8 @@ class ShardedTransfer(PipelinedRelay):
         this rank's layout does not (left untouched): a subset every rank voted for, since the
         layouts are in the plan's digest; every tensor the layout holds must be in ``into``
         either way. ``False``: ``into`` must be exactly the layout's, so a served tensor no
-        sync writes is refused. ``storage`` is not used. ``verify``: as for
+        sync writes is refused. ``storage`` and ``delta`` are not used (a sharded transfer
+        moves whole versions). ``verify``: as for
         :meth:`~rollout_sync.WeightTransfer.receive` (run on this rank's part once it landed
         intact; a refusal is this rank's no in the commit vote, raised after it).
 
@@ -380,6 +390,7 @@ class ShardedTransfer(PipelinedRelay):
         write_kind: str = SpanKind.WEIGHT_WRITE,
         storage: torch.Tensor | None = None,
         verify: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
+        delta: DeltaTarget | None = None,
     ) -> TransferStats:
         """Receive as :meth:`receive` does, then send what arrived through ``forward`` (an R2R
         :class:`~rollout_sync.WeightTransfer` between this rank and the same rank of the other

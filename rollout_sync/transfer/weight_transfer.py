@@ -912,7 +912,7 @@ class WeightTransfer:
                         with self._write_span(f"apply the delta of version {version}"):
                             outcome.tensors_written = received.apply(target.digests)
                 except Exception as exc:  # its checks, or an apply that failed (restored)
-                    applied = False
+                    applied, received = False, None
                     refused = DeltaRefused(
                         f"{op}: refused the delta: {exc}; nothing was written (this replica "
                         f"keeps version {header.base_version})",
@@ -940,6 +940,10 @@ class WeightTransfer:
             raise
         if forwarding is not None:
             forwarding.close(ok=outcome.failure is None and outcome.refusal is None)
+        if received is not None:
+            # Whole and proven here (raised below if it failed elsewhere: ``complete``).
+            target.received = EncodedDelta(version, header, packed, header.full_nbytes)
+            target.pending = None if target.apply else received
         try:
             self._raise_failures(op, version, outcome, failed)
             if not commits:
@@ -951,8 +955,6 @@ class WeightTransfer:
         except BaseException as exc:
             undo(exc)
             raise
-        target.received = EncodedDelta(version, header, packed, header.full_nbytes)
-        target.pending = None if target.apply else received
         return self._receive_stats(role, version, manifest, outcome, start, manifest_done)
 
     @contextmanager
@@ -1038,9 +1040,14 @@ class WeightTransfer:
                 tensors_written=outcome.tensors_written,
             ) from outcome.cause
         if outcome.failure is not None:
+            written = (
+                f"{outcome.tensors_written} target tensor(s) were written before it, so the "
+                "targets are torn until the next complete sync"
+                if outcome.tensors_written
+                else "no target tensor was written"
+            )
             raise ChecksumMismatchError(
-                f"{op}: {outcome.failure}; {outcome.tensors_written} target tensor(s) were "
-                "written before it, so the targets are torn until the next complete sync",
+                f"{op}: {outcome.failure}; {written}",
                 operation=op,
                 version=version,
                 tensors_written=outcome.tensors_written,
@@ -1168,10 +1175,17 @@ class WeightTransfer:
                     raise ManifestError(
                         f"{op}: a delta again after the vote asked for version {version} whole"
                     )
-                if delta is None or not delta.takes_base(manifest.delta):
-                    arrival.want_whole = True  # a no-op check: the version comes whole next
-                else:
-                    arrival.problem = delta.refusal(manifest.delta, version)
+                refusal = None if delta is None else delta.refusal(manifest.delta, version)
+                if refusal is not None:
+                    refused = DeltaRefused(
+                        f"{op}: refused the delta: {refusal}; nothing was written",
+                        operation=op,
+                        version=version,
+                    )
+                    refused.__cause__ = refusal
+                    arrival.problem = refused
+                elif delta is None or not delta.takes_base(manifest.delta):
+                    arrival.want_whole = True  # the version comes whole next
                 return arrival
             if callable(into):
                 into, storage = into()
