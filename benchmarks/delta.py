@@ -53,6 +53,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -60,10 +61,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # The path is set up above, so a source checkout runs without installing the package.
+from rollout_sync import SyncMode, TransferConfig, build_sync_groups
 from rollout_sync.plan import (
     CLOSE_REFIT,
     Design,
@@ -73,9 +76,13 @@ from rollout_sync.plan import (
     delta_bytes,
     dtype_bytes,
 )
-from rollout_sync.scale import FLEET_1T
+from rollout_sync.scale import FLEET_1T, Link
+from rollout_sync.testing import IdleFlatRollout, run_group
+from rollout_sync.testing.emulated_nic import EmulatedNic, PacedWeightTransfer
 from rollout_sync.testing.tiny_llama import tiny_llama
 from rollout_sync.transfer.delta import apply_delta, encode_delta
+from rollout_sync.transfer.delta_sync import DeltaEncoder, EncodedDelta
+from rollout_sync.worker import P2R, R2R, RolloutWorker
 
 HEADLINE_LR = 1e-6
 SECOND_LR = 3e-6
@@ -83,6 +90,10 @@ TARGET_DELTA_BYTES = 0.15
 """``delta_bytes_over_full`` at most this (issue 44)."""
 TARGET_REFIT_S = 0.5
 """``fleet_1t_delta_refit_s`` at most this (issue 44)."""
+TARGET_SYNC_TIME = 0.3
+"""``sync_time_over_full`` at most this (issue 44)."""
+TARGET_STAGING = 0.2
+"""``staging_bytes_over_weights`` at most this (issue 44)."""
 SERVED = torch.bfloat16
 STD = 0.02
 """Hugging Face's ``initializer_range``: what a pretrained-from-scratch Llama starts from."""
@@ -270,14 +281,153 @@ def fleet_1t(changed_fraction: float) -> dict[str, Any]:
     }
 
 
-def measure_syncs(args: argparse.Namespace) -> dict[str, Any]:
-    """Part 3, not built yet: full and delta transfers of the measured versions side by side
-    (a :data:`VersionHook` given to :func:`train_and_measure` sees each pair of versions).
-    Returns the keys main() merges into its JSON."""
-    raise NotImplementedError(
-        "benchmarks/delta.py --syncs: the delta transfer is not built yet (issue 44); run "
-        "without --syncs for the measurement and the model"
+SYNC_RATE_MB_S = 50.0
+"""The emulated NIC of every rank of the side-by-side syncs (issue 44: 50 MB/s)."""
+SYNC_BUCKET_MB = 4.0
+SYNC_RANKS = 3
+"""The trainer (rank 0) and two replicas: rank 1 receives the P2R and relays it (pipelined) to
+rank 2, so both hops carry each sync."""
+
+
+def _sync_process(
+    rank: int, path: str, bucket_bytes: int, rate: float, timeout: float
+) -> dict[str, Any]:
+    """One rank of the side-by-side syncs (see :func:`measure_syncs`)."""
+    versions: list[dict[str, torch.Tensor]] = torch.load(path, weights_only=True)
+    groups = build_sync_groups(0, [1, 2], timeout_s=timeout)
+    nic = EmulatedNic(Link(rate, 0.0))
+    config = TransferConfig(bucket_bytes=bucket_bytes, timeout_s=timeout)
+    p2r = PacedWeightTransfer(groups.p2r, 0, nic=nic, config=config) if rank in (0, 1) else None
+    r2r = (
+        PacedWeightTransfer(groups.r2r, 1, nic=nic, config=config)
+        if rank in (1, 2) and groups.r2r is not None
+        else None
     )
+    worker = None
+    rollout = None
+    if rank > 0:
+        rollout = IdleFlatRollout({n: torch.zeros_like(t) for n, t in versions[0].items()})
+        worker = RolloutWorker(
+            rollout, mode=SyncMode.STAGED, p2r=p2r, r2r=r2r, weight_sync_timeout=timeout
+        )
+    encoder = DeltaEncoder()
+    rows: list[dict[str, Any]] = []
+    # Version 1 whole (it starts everything), then per measured step: its delta, then the same
+    # version again whole, so both move the same version between the same two states.
+    plan = [(1, "whole")] + [
+        (k, kind) for k in range(2, len(versions) + 1) for kind in ("delta", "whole")
+    ]
+    for version, kind in plan:
+        weights = versions[version - 1]
+        dist.barrier()
+        start = time.monotonic()
+        stall = staging = nbytes = 0.0
+        exact = True
+        if rank == 0:
+            assert p2r is not None
+            encoded = encoder.encode(weights, version) if kind == "delta" else None
+            stats = p2r.send(weights, version=version, delta=encoded)
+            assert stats.sync_kind == kind, (version, kind, stats.sync_kind, stats.whole_reason)
+            sent = encoded if isinstance(encoded, EncodedDelta) else None
+            encoder.committed(weights, version, sent)
+            nbytes = float(stats.nbytes)
+        else:
+            assert worker is not None and rollout is not None
+            command = P2R(step=version, relay=True) if rank == 1 else R2R(step=version)
+            result = worker.handle(command)
+            assert result.ok, result.error
+            report = worker.last_weight_sync_report
+            assert report is not None and report.sync_kind == kind, (rank, version, report)
+            stall = report.stall_s
+            # What this rank held beyond its served weights for the sync: the packed delta (or
+            # the staging copy of a whole version) and the transfers' bucket buffers.
+            held = report.nbytes if kind == "delta" else worker.statistics().staging_bytes
+            buffers = sum(t.staging_bytes for t in (p2r, r2r) if t is not None)
+            staging = float(held), float(buffers)
+            served = rollout.served_weights()
+            exact = all(torch.equal(served[n], t) for n, t in weights.items())
+        end = time.monotonic()
+        mine = torch.tensor([start, end, stall], dtype=torch.float64)
+        every = [torch.zeros(3, dtype=torch.float64) for _ in range(SYNC_RANKS)]
+        dist.all_gather(every, mine)
+        rows.append(
+            {
+                "version": version,
+                "kind": kind,
+                "refit_s": max(float(e[1]) for e in every) - float(every[0][0]),
+                "stall_s": max(float(e[2]) for e in every[1:]),
+                "staging": staging,
+                "nbytes": nbytes,
+                "exact": exact,
+            }
+        )
+    dist.barrier()
+    if worker is not None:
+        worker.close(timeout)
+    return {"rows": rows, "extra_bytes": encoder.extra_bytes}
+
+
+def measure_syncs(
+    versions: Sequence[Mapping[str, torch.Tensor]], *, rate_mb_s: float, bucket_mb: float
+) -> dict[str, Any]:
+    """Part 3: the measured versions moved by real syncs, whole and by delta side by side.
+
+    Three processes (gloo on loopback, every rank's NIC emulated at ``rate_mb_s``, full duplex):
+    a trainer and two staged replicas, the first relaying to the second (pipelined), the
+    production code throughout (:class:`~rollout_sync.RolloutWorker`, a
+    :class:`~rollout_sync.WeightTransfer` whose collectives are paced). Version 1 goes whole;
+    then for each measured step, its version by delta and the same version again whole. Per
+    sync: the refit (from a barrier until every rank returned), the stall (the replicas'
+    installs), and what a replica held beyond its served weights (the packed delta, or the
+    staging copy of a whole version; the transfers' bucket buffers apart); every replica's
+    weights are checked bit for bit against the trainer's version after each sync.
+    """
+    weights_bytes = sum(t.numel() * t.element_size() for t in versions[0].values())
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "versions.pt")
+        torch.save([dict(v) for v in versions], path)
+        results = run_group(
+            _sync_process,
+            SYNC_RANKS,
+            (path, int(bucket_mb * (1 << 20)), rate_mb_s * 1e6, 60.0),
+            timeout_s=600,
+            group_timeout_s=60,
+        )
+    rows = results[0]["rows"]
+    replica_rows = [results[r]["rows"] for r in (1, 2)]
+    pairs = [(rows[i], rows[i + 1]) for i in range(1, len(rows), 2)]  # (delta, whole) per step
+
+    def median(values: Sequence[float]) -> float:
+        return float(statistics.median(values))
+
+    held = [max(replica_rows[r][i]["staging"][0] for r in range(2)) for i in range(1, len(rows), 2)]
+    buffers = max(replica_rows[r][i]["staging"][1] for r in range(2) for i in range(len(rows)))
+    whole_staging = max(
+        replica_rows[r][i]["staging"][0] for r in range(2) for i in range(0, len(rows), 2)
+    )
+    exact = all(row["exact"] for replica in replica_rows for row in replica)
+    return {
+        "sync_rate_mb_s": rate_mb_s,
+        "sync_time_over_full": round(median([d["refit_s"] / w["refit_s"] for d, w in pairs]), 4),
+        "stall_over_full": round(median([d["stall_s"] / w["stall_s"] for d, w in pairs]), 4),
+        "sync_delta_refit_s": round(median([d["refit_s"] for d, _ in pairs]), 4),
+        "sync_full_refit_s": round(median([w["refit_s"] for _, w in pairs]), 4),
+        "sync_delta_bytes_over_full": round(
+            median([d["nbytes"] / weights_bytes for d, _ in pairs]), 5
+        ),
+        "staging_bytes_over_weights": round(median(held) / weights_bytes, 5),
+        "full_staging_bytes_over_weights": round(whole_staging / weights_bytes, 4),
+        "transfer_buffer_bytes_over_weights": round(buffers / weights_bytes, 4),
+        "bit_identical": exact,
+        "syncs": [
+            {
+                k: (round(v, 4) if isinstance(v, float) else v)
+                for k, v in row.items()
+                if k != "staging"
+            }
+            for row in rows
+        ],
+    }
 
 
 def _print_trajectory(t: Trajectory) -> None:
@@ -327,7 +477,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument(
-        "--syncs", action="store_true", help="part 3, the transfers side by side (not built yet)"
+        "--no-syncs", action="store_true", help="skip part 3, the syncs side by side"
+    )
+    parser.add_argument(
+        "--rate-mb-s",
+        type=float,
+        default=SYNC_RATE_MB_S,
+        help=f"part 3's emulated NIC rate (default {SYNC_RATE_MB_S:g} MB/s)",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
@@ -336,6 +492,15 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
 
     headline_lr, second_lr = args.lr
+    versions: list[Mapping[str, torch.Tensor]] = []
+
+    def keep(
+        step: int, before: Mapping[str, torch.Tensor], after: Mapping[str, torch.Tensor]
+    ) -> None:
+        if not versions:
+            versions.append(dict(before))
+        versions.append(dict(after))
+
     runs = [
         train_and_measure(
             lr,
@@ -344,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             batch=args.batch,
             seq_len=args.seq_len,
+            on_version=keep if lr == headline_lr and not args.no_syncs else None,
         )
         for lr in (headline_lr, second_lr)
     ]
@@ -369,14 +535,22 @@ def main(argv: list[str] | None = None) -> int:
         ),
         **fleet_1t(changed),
     }
-    if args.syncs:
-        result.update(measure_syncs(args))
+    if not args.no_syncs:
+        result.update(measure_syncs(versions, rate_mb_s=args.rate_mb_s, bucket_mb=SYNC_BUCKET_MB))
     met = {
         f"delta_bytes_over_full<={TARGET_DELTA_BYTES}": result["delta_bytes_over_full"]
         <= TARGET_DELTA_BYTES,
         f"fleet_1t_delta_refit_s<={TARGET_REFIT_S}": result["fleet_1t_delta_refit_s"]
         <= TARGET_REFIT_S,
     }
+    if not args.no_syncs:
+        met[f"sync_time_over_full<={TARGET_SYNC_TIME}"] = (
+            result["sync_time_over_full"] <= TARGET_SYNC_TIME
+        )
+        met[f"staging_bytes_over_weights<={TARGET_STAGING}"] = (
+            result["staging_bytes_over_weights"] <= TARGET_STAGING
+        )
+        met["bit_identical"] = result["bit_identical"]
     modelled = "" if result["fleet_1t_delta_implemented"] else ", modelled, not implemented"
     print(
         f"\nchanged fraction (p50): {changed:.4f} at lr {headline_lr:g}, "
@@ -393,6 +567,17 @@ def main(argv: list[str] | None = None) -> int:
         f"weights (the bf16 base), {result['trainer_transient_bytes_over_weights']:.3f} more "
         "while encoding"
     )
+    if not args.no_syncs:
+        print(
+            f"syncs at {args.rate_mb_s:g} MB/s (trainer -> staged replica, relayed to a second): "
+            f"delta refit {result['sync_delta_refit_s']:.3f} s against "
+            f"{result['sync_full_refit_s']:.3f} s whole: {result['sync_time_over_full']:.3f} "
+            f"(target <= {TARGET_SYNC_TIME}); stall {result['stall_over_full']:.3f} of the whole "
+            f"install; staged {result['staging_bytes_over_weights']:.4f} of the weights (target "
+            f"<= {TARGET_STAGING}; whole: {result['full_staging_bytes_over_weights']:.2f}, bucket "
+            f"buffers apart: {result['transfer_buffer_bytes_over_weights']:.3f}); bit-identical: "
+            f"{result['bit_identical']}"
+        )
     print(
         f"fleet 1T, delta ({result['fleet_1t_delta_design']}{modelled}): refit "
         f"{result['fleet_1t_delta_refit_s']:.3g} s (target <= {TARGET_REFIT_S}), stall "
@@ -418,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
-    return 0 if round_trip else 1
+    return 0 if round_trip and result.get("bit_identical", True) else 1
 
 
 if __name__ == "__main__":

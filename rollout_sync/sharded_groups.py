@@ -207,6 +207,9 @@ class TreeRelay:
     Not a source: ``send`` and ``relay`` are refused (the tree's root relays its P2R).
     """
 
+    delta_syncs = True
+    """It relays delta syncs packed, as :meth:`~rollout_sync.WeightTransfer.relay` does."""
+
     def __init__(self, incoming: WeightTransfer, outgoing: WeightTransfer) -> None:
         if not outgoing.is_source:
             raise ValueError("a tree relay must be the source of its outgoing transfer")

@@ -28,7 +28,6 @@ The two seams are Protocols so that other transports plug in:
 from __future__ import annotations
 
 import enum
-import inspect
 import math
 import numbers
 import queue
@@ -540,11 +539,13 @@ class TransferWeightPusher:
         """Send deltas from the next push on (``delta=True``; a base is kept from then).
 
         Raises:
-            ValueError: the transfer's ``send`` takes no delta, or ``full_every`` < 1.
+            ValueError: the transfer moves whole versions only (its class's ``delta_syncs``
+                is false: a sharded transfer), or ``full_every`` < 1.
         """
-        if "delta" not in inspect.signature(self.transfer.send).parameters:
+        if not getattr(self.transfer, "delta_syncs", False):
             raise ValueError(
-                f"delta syncs need a transfer whose send takes a delta; {self.transfer!r} does not"
+                f"delta syncs need a transfer that moves them (delta_syncs); {self.transfer!r} "
+                "moves whole versions only"
             )
         self.encoder = DeltaEncoder(full_every=full_every)
 

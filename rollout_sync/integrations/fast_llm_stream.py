@@ -65,6 +65,9 @@ class FastLLMStream:
         on_broken: called when the stream is abandoned (the receiver leaves the group).
     """
 
+    delta_syncs = False
+    """Fast-LLM's wire sends whole tensors: every sync over it is whole."""
+
     def __init__(
         self,
         group: BroadcastGroup,

@@ -105,10 +105,10 @@ def recorded(bracket: WeightSyncBracket, stats: TransferStats) -> TransferStats:
 
 
 def takes_deltas(transfer: object) -> bool:
-    """Whether ``transfer``'s receive (and send) take delta syncs (a
-    :class:`~rollout_sync.WeightTransfer` does; a transfer of your own need not)."""
-    receive = getattr(transfer, "receive", None)
-    return receive is not None and "delta" in inspect.signature(receive).parameters
+    """Whether ``transfer`` moves delta syncs: its class says so (``delta_syncs = True``: a
+    :class:`~rollout_sync.WeightTransfer` and a tree relay do; a sharded transfer and the
+    Fast-LLM stream move whole versions; a transfer of your own need not)."""
+    return bool(getattr(transfer, "delta_syncs", False))
 
 
 def check_transfer(name: str, transfer: object, owner: str = "RolloutWorker") -> None:

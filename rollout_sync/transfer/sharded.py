@@ -122,6 +122,9 @@ class ShardedTransfer(PipelinedRelay):
             receives whole, then sends. The source ranks need not say (their side is the same).
     """
 
+    delta_syncs = False
+    """It moves whole versions only: a ``delta`` given to it is not used."""
+
     def __init__(
         self,
         group: dist.ProcessGroup | None,

@@ -247,6 +247,9 @@ class WeightTransfer:
         hooks: fault injection for tests.
     """
 
+    delta_syncs = True
+    """It moves delta syncs (:meth:`send`'s and :meth:`receive`'s ``delta``)."""
+
     def __init__(
         self,
         group: dist.ProcessGroup | None,
