@@ -27,8 +27,13 @@ from test_transfer_sharded import _layouts, _model
 from rollout_sync import RolloutWorker, SyncMode
 from rollout_sync.errors import DeltaRefused, WeightTransferError
 from rollout_sync.sharded_groups import build_sharded_sync_groups
-from rollout_sync.testing import FaultSchedule, IdleFlatRollout, Kill, run_group
-from rollout_sync.testing import transfer_fault_hooks
+from rollout_sync.testing import (
+    FaultSchedule,
+    IdleFlatRollout,
+    Kill,
+    run_group,
+    transfer_fault_hooks,
+)
 from rollout_sync.trainer import TransferWeightPusher
 from rollout_sync.transfer import ShardedTransfer, TransferConfig, TransferPlan
 from rollout_sync.transfer._sharded_delta import ShardedDelta
@@ -160,7 +165,9 @@ def _raw_child(rank: int) -> list[tuple[Any, ...]]:
         if isinstance(stats, Exception):
             return stats
         held = stats.version
-        exact = all(torch.equal(served[n], t) for n, t in replica_layout.shard(_version(held), k).items())
+        exact = all(
+            torch.equal(served[n], t) for n, t in replica_layout.shard(_version(held), k).items()
+        )
         return (stats.version, stats.sync_kind, stats.whole_reason, exact)
 
     for step in range(1, 6):
@@ -313,7 +320,9 @@ def _worker_job(rank: int) -> dict[str, Any]:
         reports = []
         try:
             for version in (1, 2, 3):
-                result = worker.handle(P2R(step=version, relay=True) if j == 0 else R2R(step=version))
+                result = worker.handle(
+                    P2R(step=version, relay=True) if j == 0 else R2R(step=version)
+                )
                 assert result.ok, result.error
                 report = worker.last_weight_sync_report
                 assert report is not None

@@ -178,7 +178,7 @@ def _chunks(payload_bytes: int, bucket_bytes: int, checksums: bool) -> list[_Chu
     the wire, checksum included: both sides compute them from the size the plan vote carried."""
     limit = max(_ALIGN, (bucket_bytes - (_CHECKSUM_BYTES if checksums else 0)) // _ALIGN * _ALIGN)
     extra = _CHECKSUM_BYTES if checksums else 0
-    out = []
+    out: list[_Chunk] = []
     wire = 0
     for lo in range(0, payload_bytes, limit):
         hi = min(lo + limit, payload_bytes)

@@ -155,9 +155,7 @@ class ShardedDeltaEncoder:
         if full_every is not None and full_every < 1:
             raise ValueError(f"full_every must be at least 1, got {full_every!r}")
         self.full_every = full_every
-        self.pairs = {
-            t: moves for t in range(plan.target.world) if (moves := plan.pair(index, t))
-        }
+        self.pairs = {t: moves for t in range(plan.target.world) if (moves := plan.pair(index, t))}
         self.names = sorted({m.source_local for moves in self.pairs.values() for m in moves})
         self.base: dict[str, torch.Tensor] | None = None
         self.base_version: int | None = None
@@ -174,9 +172,15 @@ class ShardedDeltaEncoder:
     @property
     def extra_bytes(self) -> int:
         """The memory this encoder holds: its copy of the last committed version."""
-        return 0 if self.base is None else sum(t.numel() * t.element_size() for t in self.base.values())
+        return (
+            0
+            if self.base is None
+            else sum(t.numel() * t.element_size() for t in self.base.values())
+        )
 
-    def encode(self, weights: Mapping[str, torch.Tensor], version: int) -> ShardedDelta | WholeReason:
+    def encode(
+        self, weights: Mapping[str, torch.Tensor], version: int
+    ) -> ShardedDelta | WholeReason:
         """This rank's part of ``weights`` (version ``version``) as region deltas on the last
         committed version, or why it goes whole."""
         self.syncs += 1
@@ -186,7 +190,9 @@ class ShardedDeltaEncoder:
         if self.full_every is not None and (self.syncs - 1) % self.full_every == 0:
             return WholeReason.KEYFRAME
         if any(
-            n not in weights or weights[n].shape != base[n].shape or weights[n].dtype != base[n].dtype
+            n not in weights
+            or weights[n].shape != base[n].shape
+            or weights[n].dtype != base[n].dtype
             for n in self.names
         ):
             return WholeReason.NEW_TENSORS

@@ -29,6 +29,30 @@ its own local tensors, a target rank writes regions of its own. One transfer, in
    serves it: one rank's part of a replica is not a version on its own, so even a target that
    received its own part whole is torn when another rank failed.
 
+**Delta syncs** (:mod:`rollout_sync.transfer._sharded_delta`): a source rank's
+:meth:`ShardedTransfer.delta_encoder` keeps a copy of its local tensors as last committed and
+encodes, per move, the region's changes against the same region of that copy (one payload per
+target rank: per move its packed delta and the region's new digest). The plan vote carries
+each rank's delta columns: a source's offer (or why it sends whole: the first sync, a
+keyframe, a delta no smaller than its whole part), its base version, per pair a fingerprint
+of its base regions' digests and the payload's size; a target's offer (a
+:class:`~rollout_sync.transfer.delta_sync.DeltaTarget` on a version, its tensors contiguous)
+and the version it holds. When every rank offers on one base, a one-word base vote follows:
+each target rank matches the digests of the regions it holds (cached per version, so read
+once after a whole sync) against the sources' fingerprints. Every rank so learns whether the
+sync is a delta, and each target the size of each source's payload, which then goes point to
+point in chunks of the bucket size, each with its checksum. Anything else (a source without a
+delta, a target on another version or with other bytes, a pipelined relay) makes the same call
+move the version whole, saying why (``whole_reason``). A target checks every region's delta
+(positions in range, strictly increasing) and proves each region's result by its digest moved
+at the changed positions, before any write; then it applies them in place, keeping what it
+overwrote, or keeps them pending for a staged install (``DeltaTarget.pending``); whatever
+fails up to the commit vote (its own refusal, :class:`~rollout_sync.errors.DeltaRefused`,
+another rank's failure, a dead peer) restores what it wrote, so a delta never leaves a target
+torn (``tensors_written`` 0). ``DeltaTarget.received`` is then the same changes as a delta of
+the rank's local tensors, which the (two-hop) relay and the R2R source pass on to the other
+replicas through their :class:`~rollout_sync.WeightTransfer`.
+
 **The pipelined relay** (``pipelined_relay=True``, on the first replica's ranks):
 :meth:`ShardedTransfer.relay` passes this rank's slice on to the same rank of the other
 replicas (an R2R :class:`~rollout_sync.WeightTransfer` it is the source of) bucket by bucket:
@@ -36,7 +60,9 @@ the R2R manifest goes out right after the plan vote, and each R2R bucket is pack
 broadcast as soon as every tensor it carries has arrived whole, while the next P2R buckets
 arrive, so the two hops overlap (:meth:`~rollout_sync.WeightTransfer.begin_send`). A bucket
 whose tensors never will arrive (a dead trainer rank, a corrupted bucket) goes out void, so
-the receivers reach the votes instead of their limit. Then, two-phase:
+the receivers reach the votes instead of their limit. It passes whole versions on: a relay
+rank asks for the whole version at the plan vote
+(:attr:`~rollout_sync.transfer.delta_sync.WholeReason.RELAY`). Then, two-phase:
 
 1. the R2R commit vote: the relay's yes says its own part arrived whole;
 2. the P2R commit vote, over every trainer rank and every relay: a relay votes yes only if its
@@ -319,9 +345,13 @@ class ShardedTransfer(PipelinedRelay):
             reason=reason,
             base=None if sharded is None else sharded.base_version,
             fingerprints=(
-                {} if sharded is None else {(self.index, t): f for t, f in sharded.fingerprints.items()}
+                {}
+                if sharded is None
+                else {(self.index, t): f for t, f in sharded.fingerprints.items()}
             ),
-            sizes={} if sharded is None else {(self.index, t): p.numel() for t, p in sharded.payloads.items()},
+            sizes={}
+            if sharded is None
+            else {(self.index, t): p.numel() for t, p in sharded.payloads.items()},
         )
         version, decision = self._plan_vote(version, own, columns)
         voted = time.perf_counter()
@@ -855,8 +885,12 @@ class ShardedTransfer(PipelinedRelay):
         op = "sharded transfer plan vote"
         width = 3 + delta_width(self.plan.source.world, self.plan.target.world)
         mine = torch.tensor(
-            [version if version is not None else -1, self.digest, _YES if own is None else _NO]
-            + columns,
+            [
+                version if version is not None else -1,
+                self.digest,
+                _YES if own is None else _NO,
+                *columns,
+            ],
             dtype=torch.int64,
             device=self.device,
         )
