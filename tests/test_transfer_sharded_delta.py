@@ -353,3 +353,53 @@ def test_the_pusher_and_worker_take_sharded_deltas_in_place_and_staged_through_t
                 (2, "delta", True),
                 (3, "delta", True),
             ], (mode, rank)
+
+
+def _pipelined_job(rank: int) -> dict[str, Any]:
+    """As ``_worker_job`` in place, with the pipelined relay: it passes whole versions on."""
+    trainer_layout, replica_layout = _layouts()
+    plan = TransferPlan.between(trainer_layout, replica_layout)
+    groups = build_sharded_sync_groups(TRAINERS, [(2, 3), (4, 5)], timeout_s=LIMIT_S)
+    if rank in TRAINERS:
+        transfer = groups.p2r_transfer(plan, config=CONFIG)
+        assert isinstance(transfer, ShardedTransfer)
+        pusher = TransferWeightPusher(transfer, delta=True)
+        kinds = []
+        for version in (1, 2):
+            weights = trainer_layout.shard(_version(version), rank)
+            pusher.push_weights(weights, version=version, timeout=LIMIT_S)
+            assert pusher.last_stats is not None
+            kinds.append((pusher.last_stats.sync_kind, pusher.last_stats.whole_reason))
+        return {"kinds": kinds}
+    j, k = groups.position(rank)  # type: ignore[misc]
+    backend = IdleFlatRollout(replica_layout.shard(_model(0), k))
+    worker = RolloutWorker(
+        backend,
+        p2r=groups.p2r_transfer(plan, config=CONFIG, pipelined_relay=True),
+        r2r=groups.r2r_transfer(config=CONFIG),
+        weight_sync_timeout=LIMIT_S,
+    )
+    exact = []
+    try:
+        for version in (1, 2):
+            command = P2R(step=version, relay=True) if j == 0 else R2R(step=version)
+            assert worker.handle(command).ok
+            expected = replica_layout.shard(_version(version), k)
+            exact.append(
+                all(torch.equal(backend.served_weights()[n], t) for n, t in expected.items())
+            )
+    finally:
+        worker.close(10)
+    return {"exact": exact}
+
+
+@pytest.mark.timeout(120)
+def test_the_pipelined_relay_asks_for_the_whole_version_and_says_why() -> None:
+    results = run_group(_pipelined_job, 6, timeout_s=110, group_timeout_s=LIMIT_S)
+    for rank in TRAINERS:
+        assert results[rank]["kinds"] == [
+            ("whole", WholeReason.FIRST.value),
+            ("whole", WholeReason.RELAY.value),
+        ], rank
+    for rank in (2, 3, 4, 5):
+        assert results[rank]["exact"] == [True, True], rank
