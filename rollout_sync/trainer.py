@@ -53,7 +53,8 @@ from .metrics import TimedSample, WeightSyncTimer
 from .payload.receiver import PayloadReceiver
 from .trace import SpanKind
 from .transfer import ShardedTransfer, TransferConfig, TransferStats, WeightTransfer
-from .transfer.delta_sync import DeltaEncoder, EncodedDelta
+from .transfer._sharded_delta import ShardedDeltaEncoder
+from .transfer.delta_sync import DeltaEncoder, WholeReason
 from .weights import WeightMismatchError
 
 __all__ = [
@@ -493,12 +494,15 @@ class TransferWeightPusher:
             one copy of what was sent (in the dtype sent, the served one). The first sync, a
             keyframe, a delta no smaller than the whole version, or a replica on another
             version goes whole, automatically (``last_stats.sync_kind``, ``whole_reason``).
+            A :class:`~rollout_sync.transfer.ShardedTransfer` makes its own encoder
+            (:meth:`~rollout_sync.transfer.ShardedTransfer.delta_encoder`: this rank's regions,
+            each against the same region of the last committed version).
         full_every: with ``delta``, every ``full_every``-th sync goes whole (a keyframe).
 
     Attributes:
         last_stats: the :class:`~rollout_sync.transfer.TransferStats` of the last push.
-        encoder: the :class:`~rollout_sync.transfer.delta_sync.DeltaEncoder` (``delta``), or
-            ``None``.
+        encoder: the :class:`~rollout_sync.transfer.delta_sync.DeltaEncoder` (``delta``; a
+            sharded transfer's ``ShardedDeltaEncoder``), or ``None``.
         last_barrier_s: seconds the last push waited at the barrier (the replica parking).
         last_hold_s: seconds the last push waited for payload receives in flight.
     """
@@ -531,7 +535,7 @@ class TransferWeightPusher:
         self.last_stats: TransferStats | None = None
         self.last_barrier_s = 0.0
         self.last_hold_s = 0.0
-        self.encoder: DeltaEncoder | None = None
+        self.encoder: DeltaEncoder | ShardedDeltaEncoder | None = None
         if delta:
             self.use_deltas(full_every=full_every)
 
@@ -547,7 +551,10 @@ class TransferWeightPusher:
                 f"delta syncs need a transfer that moves them (delta_syncs); {self.transfer!r} "
                 "moves whole versions only"
             )
-        self.encoder = DeltaEncoder(full_every=full_every)
+        if isinstance(self.transfer, ShardedTransfer):
+            self.encoder = self.transfer.delta_encoder(full_every=full_every)
+        else:
+            self.encoder = DeltaEncoder(full_every=full_every)
 
     @property
     def backend(self) -> str:
@@ -598,9 +605,9 @@ class TransferWeightPusher:
         if encoder is None:
             return self.transfer.send(weights, version=version)
         encoded = encoder.encode(weights, version)
-        stats = self.transfer.send(weights, version=version, delta=encoded)
-        sent = encoded if isinstance(encoded, EncodedDelta) and stats.sync_kind == "delta" else None
-        encoder.committed(weights, version, sent)
+        stats = self.transfer.send(weights, version=version, delta=encoded)  # type: ignore[arg-type]
+        delta = not isinstance(encoded, WholeReason) and stats.sync_kind == "delta"
+        encoder.committed(weights, version, encoded if delta else None)  # type: ignore[arg-type]
         return stats
 
     def __repr__(self) -> str:

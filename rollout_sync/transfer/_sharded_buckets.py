@@ -158,3 +158,30 @@ class _Progress:
     def writing(self) -> bool:
         """Whether buckets are still written (none arrived corrupted, no write failed)."""
         return not self.failed_buckets and self.write_error is None
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """One message of a delta's payload from one source rank to one target rank."""
+
+    index: int
+    """Its position among the pair's chunks (the message tag)."""
+    data: tuple[int, int]
+    """Its bytes of the payload."""
+    wire: tuple[int, int]
+    """Its bytes on the wire (the payload's, then its checksum when checksums are on)."""
+    checksummed: bool
+
+
+def _chunks(payload_bytes: int, bucket_bytes: int, checksums: bool) -> list[_Chunk]:
+    """A delta payload of ``payload_bytes`` cut into messages of at most ``bucket_bytes`` on
+    the wire, checksum included: both sides compute them from the size the plan vote carried."""
+    limit = max(_ALIGN, (bucket_bytes - (_CHECKSUM_BYTES if checksums else 0)) // _ALIGN * _ALIGN)
+    extra = _CHECKSUM_BYTES if checksums else 0
+    out: list[_Chunk] = []
+    wire = 0
+    for lo in range(0, payload_bytes, limit):
+        hi = min(lo + limit, payload_bytes)
+        out.append(_Chunk(len(out), (lo, hi), (wire, wire + hi - lo + extra), checksums))
+        wire += hi - lo + extra
+    return out

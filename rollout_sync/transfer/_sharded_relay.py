@@ -26,8 +26,10 @@ from ..errors import (
 )
 from ..weights import WeightSpec
 from ._sharded_buckets import _Bucket, _Progress
+from ._sharded_delta import DeltaDecision
 from .config import TransferStats
-from .weight_transfer import StepwiseSend
+from .delta_sync import DeltaTarget
+from .weight_transfer import StepwiseSend, Targets
 
 __all__ = ["PipelinedRelay"]
 
@@ -97,7 +99,18 @@ class PipelinedRelay(abc.ABC):
     ) -> WeightMismatchError | None: ...
 
     @abc.abstractmethod
-    def _plan_vote(self, version: int | None, own: WeightMismatchError | None) -> int: ...
+    def _target_columns(
+        self, target: DeltaTarget | None, *, relaying: bool = False
+    ) -> list[int]: ...
+
+    @abc.abstractmethod
+    def _plan_vote(
+        self,
+        version: int | None,
+        own: WeightMismatchError | None,
+        columns: list[int],
+        target: DeltaTarget | None = None,
+    ) -> tuple[int, DeltaDecision]: ...
 
     @abc.abstractmethod
     def _receive_steps(
@@ -117,17 +130,25 @@ class PipelinedRelay(abc.ABC):
 
     @abc.abstractmethod
     def _stats(
-        self, role: str, version: int, progress: _Progress, start: float, voted: float, end: float
+        self,
+        role: str,
+        version: int,
+        progress: _Progress,
+        start: float,
+        voted: float,
+        end: float,
+        decision: DeltaDecision = ...,
     ) -> TransferStats: ...
 
     def _relay_pipelined(
         self,
-        into: Mapping[str, torch.Tensor],
+        into: Targets,
         forward: object,
         allow_subset: bool,
         write_kind: str,
         storage: torch.Tensor | None,
         verify: Callable[[Mapping[str, torch.Tensor]], None] | None,
+        delta: DeltaTarget | None = None,
     ) -> TransferStats:
         """The pipelined relay, per rank (the module docstring): receive this rank's part and
         pass each bucket of ``forward`` (an R2R :class:`~rollout_sync.WeightTransfer` this rank
@@ -136,6 +157,10 @@ class PipelinedRelay(abc.ABC):
         its part whole, and passed on), and the verdict to the R2R group: commit only if every
         rank of both hops said yes.
 
+        It passes whole versions on: with ``delta`` it asks for the whole version at the plan
+        vote (:attr:`~rollout_sync.transfer.delta_sync.WholeReason.RELAY`), and ``into``, if a
+        function, makes its targets at once.
+
         Raises:
             RelayForwardError: this rank's part arrived whole, passing it on failed.
             WeightTransferError (``complete``): this rank's part arrived and went on whole; the
@@ -143,7 +168,17 @@ class PipelinedRelay(abc.ABC):
             Otherwise as :meth:`receive`.
         """
         start = time.perf_counter()
-        own = self._check(into, "served weights", require_all=not allow_subset)
+        own: WeightMismatchError | None = None
+        if callable(into):
+            try:
+                into, storage = into()
+            except Exception as exc:  # noqa: BLE001 - this rank's objection, voted below
+                own = WeightMismatchError(
+                    [f"making the targets failed: {type(exc).__name__}: {exc}"],
+                    context=f"the pipelined relay on rank {self.rank}",
+                )
+                into = {}
+        own = own or self._check(into, "served weights", require_all=not allow_subset)
         begin_send = getattr(forward, "begin_send", None)
         if own is None and begin_send is None:
             own = WeightMismatchError(
@@ -151,7 +186,9 @@ class PipelinedRelay(abc.ABC):
                 context=f"the pipelined relay on rank {self.rank}",
             )
         try:
-            version = self._plan_vote(None, own)
+            version, decision = self._plan_vote(
+                None, own, self._target_columns(delta, relaying=True)
+            )
         except (WeightTransferError, WeightMismatchError) as exc:
             abort = getattr(forward, "abort", None)
             if abort is not None:  # the downstream replicas fail now, not at their limit
@@ -241,4 +278,5 @@ class PipelinedRelay(abc.ABC):
                 tensors_written=written,
                 complete=True,
             )
-        return self._stats("relay", version, progress, start, voted, time.perf_counter())
+        end = time.perf_counter()
+        return self._stats("relay", version, progress, start, voted, end, decision)

@@ -51,6 +51,8 @@ __all__ = [
     "TensorDelta",
     "apply_delta",
     "check_delta",
+    "delta_changes",
+    "delta_of_changes",
     "encode_delta",
     "encoded_bytes",
     "linear_digest",
@@ -411,4 +413,50 @@ def unpack_delta(
             f"{name}: the block table makes {at} bytes, the packed delta has {data.numel()} "
             "(truncated or padded)"
         )
+    return TensorDelta(numel, dtype, tuple(blocks))
+
+
+def delta_changes(delta: TensorDelta) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flat positions a checked delta writes (``int64``, strictly increasing) and the
+    bits of their new values (integers of the element size): what a receiver that writes
+    elements by its own index (a region of a larger tensor) applies. Check the delta first
+    (:func:`check_delta`): positions are read as the blocks say."""
+    positions: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    integer = _INTEGER_OF_SIZE[torch.empty((), dtype=delta.dtype).element_size()]
+    for block in delta.blocks:
+        n = _block_size(delta.numel, block.index)
+        positions.append(_offsets(block, n) + block.index * BLOCK_ELEMENTS)
+        values.append(_values(block, n, delta.dtype).view(integer))
+    if not positions:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=integer)
+    return torch.cat(positions), torch.cat(values)
+
+
+def delta_of_changes(
+    numel: int, dtype: torch.dtype, positions: torch.Tensor, new_bits: torch.Tensor
+) -> TensorDelta:
+    """The delta that writes ``new_bits`` (integers of the element size) at flat ``positions``
+    (strictly increasing) of a tensor of ``numel`` elements of ``dtype``, each block in the
+    smallest encoding that names only those elements (positions or a bitmask; dense only when
+    every element of the block changes): a delta rebuilt from changes without the new
+    version's other values (a sharded target passing on the regions it received)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    blocks: list[DeltaBlock] = []
+    if positions.numel():
+        which = torch.div(positions, BLOCK_ELEMENTS, rounding_mode="floor")
+        indices, counts = torch.unique_consecutive(which, return_counts=True)
+        at = 0
+        for index, count in zip(indices.tolist(), counts.tolist(), strict=True):
+            start = index * BLOCK_ELEMENTS
+            n = _block_size(numel, index)
+            offsets = positions[at : at + count] - start
+            block = torch.zeros(n, dtype=dtype)
+            block.view(new_bits.dtype)[offsets] = new_bits[at : at + count]
+            at += count
+            kinds = [BlockKind.POSITIONS, BlockKind.BITMASK] + (
+                [BlockKind.DENSE] if count == n else []
+            )
+            kind = min(kinds, key=lambda k: (encoded_bytes(k, n, count, size), k))
+            blocks.append(_encode_block(index, kind, offsets, block))
     return TensorDelta(numel, dtype, tuple(blocks))

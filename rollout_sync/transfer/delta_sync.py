@@ -73,6 +73,7 @@ class WholeReason(str, enum.Enum):
     NOT_SMALLER = "the delta is not smaller than the whole version"
     NEW_TENSORS = "the set, shapes or dtypes of the tensors changed"
     TRANSFER = "this transfer moves whole versions only"
+    RELAY = "the pipelined sharded relay passes whole versions on"
     RECEIVER = (
         "a receiver asked for the whole version (it holds another version: it missed one, was "
         "re-seeded, its weights are torn, or it cannot apply a delta)"

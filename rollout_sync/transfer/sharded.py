@@ -29,6 +29,30 @@ its own local tensors, a target rank writes regions of its own. One transfer, in
    serves it: one rank's part of a replica is not a version on its own, so even a target that
    received its own part whole is torn when another rank failed.
 
+**Delta syncs** (:mod:`rollout_sync.transfer._sharded_delta`): a source rank's
+:meth:`ShardedTransfer.delta_encoder` keeps a copy of its local tensors as last committed and
+encodes, per move, the region's changes against the same region of that copy (one payload per
+target rank: per move its packed delta and the region's new digest). The plan vote carries
+each rank's delta columns: a source's offer (or why it sends whole: the first sync, a
+keyframe, a delta no smaller than its whole part), its base version, per pair a fingerprint
+of its base regions' digests and the payload's size; a target's offer (a
+:class:`~rollout_sync.transfer.delta_sync.DeltaTarget` on a version, its tensors contiguous)
+and the version it holds. When every rank offers on one base, a one-word base vote follows:
+each target rank matches the digests of the regions it holds (cached per version, so read
+once after a whole sync) against the sources' fingerprints. Every rank so learns whether the
+sync is a delta, and each target the size of each source's payload, which then goes point to
+point in chunks of the bucket size, each with its checksum. Anything else (a source without a
+delta, a target on another version or with other bytes, a pipelined relay) makes the same call
+move the version whole, saying why (``whole_reason``). A target checks every region's delta
+(positions in range, strictly increasing) and proves each region's result by its digest moved
+at the changed positions, before any write; then it applies them in place, keeping what it
+overwrote, or keeps them pending for a staged install (``DeltaTarget.pending``); whatever
+fails up to the commit vote (its own refusal, :class:`~rollout_sync.errors.DeltaRefused`,
+another rank's failure, a dead peer) restores what it wrote, so a delta never leaves a target
+torn (``tensors_written`` 0). ``DeltaTarget.received`` is then the same changes as a delta of
+the rank's local tensors, which the (two-hop) relay and the R2R source pass on to the other
+replicas through their :class:`~rollout_sync.WeightTransfer`.
+
 **The pipelined relay** (``pipelined_relay=True``, on the first replica's ranks):
 :meth:`ShardedTransfer.relay` passes this rank's slice on to the same rank of the other
 replicas (an R2R :class:`~rollout_sync.WeightTransfer` it is the source of) bucket by bucket:
@@ -36,7 +60,9 @@ the R2R manifest goes out right after the plan vote, and each R2R bucket is pack
 broadcast as soon as every tensor it carries has arrived whole, while the next P2R buckets
 arrive, so the two hops overlap (:meth:`~rollout_sync.WeightTransfer.begin_send`). A bucket
 whose tensors never will arrive (a dead trainer rank, a corrupted bucket) goes out void, so
-the receivers reach the votes instead of their limit. Then, two-phase:
+the receivers reach the votes instead of their limit. It passes whole versions on: a relay
+rank asks for the whole version at the plan vote
+(:attr:`~rollout_sync.transfer.delta_sync.WholeReason.RELAY`). Then, two-phase:
 
 1. the R2R commit vote: the relay's yes says its own part arrived whole;
 2. the P2R commit vote, over every trainer rank and every relay: a relay votes yes only if its
@@ -71,6 +97,7 @@ import torch.distributed as dist
 from ..distributed import GroupCollectives
 from ..errors import (
     ChecksumMismatchError,
+    DeltaRefused,
     ManifestRejected,
     RelayForwardError,
     TransferPlanMismatch,
@@ -79,14 +106,33 @@ from ..errors import (
 )
 from ..trace import SpanKind, Timeline
 from ..weights import WeightSpec, check_weights_match
-from ._sharded_buckets import _Bucket, _buckets, _check_coverage, _interleave, _Progress
+from ._sharded_buckets import (
+    _Bucket,
+    _buckets,
+    _check_coverage,
+    _Chunk,
+    _chunks,
+    _interleave,
+    _Progress,
+)
+from ._sharded_delta import (
+    WHOLE,
+    DeltaDecision,
+    ShardedDelta,
+    ShardedDeltaEncoder,
+    ShardedReceivedDelta,
+    decide,
+    delta_columns,
+    delta_width,
+    holds_base,
+)
 from ._sharded_relay import PipelinedRelay
 from .config import TransferConfig, TransferHooks, TransferStats
-from .delta_sync import DeltaTarget, EncodedDelta, WholeReason
+from .delta_sync import DeltaTarget, EncodedDelta, SyncKind, WholeReason
 from .layout import region_of
 from .manifest import OriginChecksums, bucket_checksum
 from .plan import TransferPlan
-from .weight_transfer import wait_transfer_work
+from .weight_transfer import Targets, wait_transfer_work
 
 __all__ = ["ShardedTransfer"]
 
@@ -195,6 +241,8 @@ class ShardedTransfer(PipelinedRelay):
         self.digest = int.from_bytes(hashlib.sha256(wire).digest()[:8], "little") >> 1
         """The plan's digest with the wire settings and which global rank holds which side's
         layout rank: what the ranks vote on."""
+        self._pairs = sorted({(m.source, m.target) for m in plan.moves})
+        """The (source, target) pairs of layout ranks that have moves: what a delta carries."""
         self._buffers: list[torch.Tensor] = []
         """A source's two staging buffers; a target's two per source (made on first use)."""
         self._receive_buffers: dict[int, list[torch.Tensor]] = {}
@@ -237,6 +285,19 @@ class ShardedTransfer(PipelinedRelay):
 
     # -- the source side -------------------------------------------------------------------
 
+    def delta_encoder(self, *, full_every: int | None = None) -> ShardedDeltaEncoder:
+        """This source rank's encoder of delta syncs (what
+        :class:`~rollout_sync.trainer.TransferWeightPusher` asks for with ``delta=True``): it
+        keeps a copy of this rank's local tensors as last committed and encodes each move's
+        region against it; pass what its ``encode`` returns to :meth:`send` (``delta=``).
+
+        Raises:
+            RuntimeError: this rank is a target.
+        """
+        if not self.is_source:
+            raise RuntimeError(f"delta_encoder() on target rank {self.rank}: sources encode")
+        return ShardedDeltaEncoder(self.plan, self.index, full_every=full_every)
+
     def send(
         self,
         weights: Mapping[str, torch.Tensor],
@@ -245,7 +306,7 @@ class ShardedTransfer(PipelinedRelay):
         require_all: bool = True,
         origin: OriginChecksums | None = None,
         storage: torch.Tensor | None = None,
-        delta: EncodedDelta | WholeReason | None = None,
+        delta: ShardedDelta | EncodedDelta | WholeReason | None = None,
     ) -> TransferStats:
         """Send this source rank's part of ``version`` from ``weights``, its local tensors.
 
@@ -253,33 +314,63 @@ class ShardedTransfer(PipelinedRelay):
         the same arguments (:class:`~rollout_sync.WeightTransfer`'s), and not used: what a sync
         covers is the plan's to say (a subset is a plan over layouts of that subset), there are
         no origin checksums to forward, and regions of local tensors are always packed.
-        ``delta``: a sharded transfer sends whole versions (the stats say so:
-        ``whole_reason``).
+
+        ``delta``: this rank's part as region deltas (what :meth:`delta_encoder`'s ``encode``
+        returned): sent as such when every rank agrees at the plan vote (every source sent
+        one on the same base, every target holds that base in every region it receives),
+        else ``weights`` go whole in the same call, the stats saying why (``whole_reason``).
+        A :class:`~rollout_sync.transfer.delta_sync.WholeReason`: ``weights`` go whole,
+        saying why; a one-source :class:`~rollout_sync.transfer.delta_sync.EncodedDelta`
+        cannot be cut into regions: whole too.
 
         Raises:
             WeightMismatchError: ``weights`` do not match this rank's layout (every rank
                 refuses, nothing moves).
+            ValueError: ``delta`` is of another version (every rank refuses).
             TransferPlanMismatch / ManifestRejected: another rank's plan or tensors differ.
-            WeightTransferError: a peer failed or died during the transfer (its timeout
-                subclass if it hung).
+            ChecksumMismatchError / WeightTransferError: a target refused the delta (it
+                restored what it wrote), a peer failed or died during the transfer (its
+                timeout subclass if it hung).
         """
         start = time.perf_counter()
         own = self._check(weights, "the source's weights", require_all=True)
-        self._plan_vote(version, own)
+        sharded = delta if isinstance(delta, ShardedDelta) else None
+        if sharded is not None and sharded.version != version:
+            self.abort(f"a delta of version {sharded.version} sent as version {version}")
+            raise ValueError(f"a delta of version {sharded.version} sent as version {version}")
+        reason = None
+        if isinstance(delta, EncodedDelta):
+            reason = WholeReason.TRANSFER
+        elif delta is not None and sharded is None:
+            reason = WholeReason(delta)
+        columns = self._columns(
+            offer=sharded is not None,
+            reason=reason,
+            base=None if sharded is None else sharded.base_version,
+            fingerprints=(
+                {}
+                if sharded is None
+                else {(self.index, t): f for t, f in sharded.fingerprints.items()}
+            ),
+            sizes={}
+            if sharded is None
+            else {(self.index, t): p.numel() for t, p in sharded.payloads.items()},
+        )
+        version, decision = self._plan_vote(version, own, columns)
         voted = time.perf_counter()
         progress = _Progress()
         failure: WeightTransferError | None = None
         try:
-            self._send_buckets(weights, version, progress)
+            if decision.delta:
+                assert sharded is not None  # every source offered one
+                self._send_deltas(sharded, version, progress)
+            else:
+                self._send_buckets(weights, version, progress)
         except WeightTransferError as exc:
             failure = exc
         self._commit_vote(version, progress, failure, receiving=False)
         end = time.perf_counter()
-        stats = self._stats("send", version, progress, start, voted, end)
-        if delta is None:
-            return stats
-        reason = WholeReason.TRANSFER if isinstance(delta, EncodedDelta) else WholeReason(delta)
-        return replace(stats, whole_reason=reason.value)
+        return self._stats("send", version, progress, start, voted, end, decision)
 
     def abort(self, reason: str, *, version: int | None = None) -> None:
         """On a source, in place of :meth:`send`: vote no at the plan vote, so every other rank
@@ -289,7 +380,7 @@ class ShardedTransfer(PipelinedRelay):
         what = "a version" if version is None else f"version {version}"
         refusal = WeightMismatchError([reason], context=f"source rank {self.rank} aborted {what}")
         try:
-            self._plan_vote(version if version is not None else -1, refusal)
+            self._plan_vote(version if version is not None else -1, refusal, self._columns())
         except (WeightMismatchError, WeightTransferError):
             pass
 
@@ -330,11 +421,45 @@ class ShardedTransfer(PipelinedRelay):
             data = buffer[: bucket.data_bytes]
             buffer[bucket.data_bytes :].view(torch.int64).copy_(bucket_checksum(data))
 
+    def _send_deltas(self, sharded: ShardedDelta, version: int, progress: _Progress) -> None:
+        """Send each target rank its payload, in chunks of the bucket size (each with its
+        checksum), all posted at once: a delta is small, and its targets post every receive
+        before they wait on any, so no order of the sources' sends can block them."""
+        config = self.config
+        in_flight: list[tuple[dist.Work | None, str]] = []
+        k = 0
+        targets = sorted(sharded.payloads)
+        start = self.index % len(targets) if targets else 0
+        for t in targets[start:] + targets[:start]:
+            payload = sharded.payloads[t].to(self.device)
+            chunks = _chunks(payload.numel(), config.bucket_bytes, config.checksums)
+            wire = torch.empty(
+                chunks[-1].wire[1] if chunks else 0, dtype=torch.uint8, device=self.device
+            )
+            dst = self.target_ranks[t]
+            for chunk in chunks:
+                view = wire[chunk.wire[0] : chunk.wire[1]]
+                data = payload[chunk.data[0] : chunk.data[1]]
+                size = data.numel()
+                view[:size].copy_(data)
+                if chunk.checksummed:
+                    view[size:].view(torch.int64).copy_(bucket_checksum(view[:size]))
+                if self.hooks.after_pack is not None:
+                    self.hooks.after_pack(k, view)
+                k += 1
+                op = f"send delta chunk {chunk.index + 1} of version {version} to rank {dst}"
+                with self._span(op):
+                    in_flight.append((self.collectives.send(view, dst, chunk.index), op))
+                progress.buckets += 1
+                progress.nbytes += size
+        for work, op in in_flight:
+            self._wait(work, op, version, 0)
+
     # -- the target side -------------------------------------------------------------------
 
     def receive(
         self,
-        into: Mapping[str, torch.Tensor],
+        into: Targets,
         *,
         allow_subset: bool = True,
         write_kind: str = SpanKind.WEIGHT_WRITE,
@@ -349,10 +474,23 @@ class ShardedTransfer(PipelinedRelay):
         this rank's layout does not (left untouched): a subset every rank voted for, since the
         layouts are in the plan's digest; every tensor the layout holds must be in ``into``
         either way. ``False``: ``into`` must be exactly the layout's, so a served tensor no
-        sync writes is refused. ``storage`` and ``delta`` are not used (a sharded transfer
-        moves whole versions). ``verify``: as for
+        sync writes is refused. ``storage`` is not used. ``verify``: as for
         :meth:`~rollout_sync.WeightTransfer.receive` (run on this rank's part once it landed
         intact; a refusal is this rank's no in the commit vote, raised after it).
+
+        ``delta``: this rank's side of delta syncs
+        (:class:`~rollout_sync.transfer.delta_sync.DeltaTarget`). When every rank agrees at
+        the plan vote, this rank receives its regions' deltas, checks every one (positions in
+        range, increasing, no repeats) and proves each region's result equals the source's
+        by a digest moved at the changed positions, all before any write; then applies them
+        to ``delta.served`` (restored on any failure up to the commit, so a delta never leaves
+        this rank torn: ``tensors_written`` 0), or with ``apply=False`` keeps them in
+        ``delta.pending`` for a staged install; ``into`` is then never touched and may be a
+        function that makes the targets of a whole version (called only if it comes whole).
+        ``delta.received`` is then the same changes as a delta of this rank's local tensors,
+        for an R2R :class:`~rollout_sync.WeightTransfer` to pass on. On another version,
+        other bytes in a region, or without ``delta``, this rank asks for the whole version,
+        which comes in the same call.
 
         Raises:
             WeightMismatchError: ``into`` does not match this rank's layout (nothing written,
@@ -360,33 +498,167 @@ class ShardedTransfer(PipelinedRelay):
             TransferPlanMismatch / ManifestRejected: another rank's plan or tensors differ, or
                 the source aborted; nothing was written.
             ChecksumMismatchError: a bucket arrived corrupted; the buckets before it were
-                written (``tensors_written``), none after.
+                written (``tensors_written``), none after (a delta: nothing).
+            DeltaRefused: this rank refused the delta (malformed, truncated, positions out of
+                range or out of order, a failed proof); nothing was written.
             WeightTransferError: a peer failed or died; ``tensors_written`` says whether this
                 rank's tensors are torn (never ``complete``: one rank's part of a replica is not
                 a version on its own, so a rank that wrote anything is torn).
         """
+        return self._receive(into, allow_subset, write_kind, verify, delta)[0]
+
+    def _receive(
+        self,
+        into: Targets,
+        allow_subset: bool,
+        write_kind: str,
+        verify: Callable[[Mapping[str, torch.Tensor]], None] | None,
+        delta: DeltaTarget | None,
+    ) -> tuple[TransferStats, Mapping[str, torch.Tensor] | None]:
+        """:meth:`receive`; also the tensors that hold the version whole here (``None``: a
+        delta kept pending, not applied)."""
         start = time.perf_counter()
-        own = self._check(into, "served weights", require_all=not allow_subset)
-        version = self._plan_vote(None, own)
+        served = into if not callable(into) else delta.served if delta is not None else None
+        own = (
+            self._check(served, "served weights", require_all=not allow_subset)
+            if served is not None
+            else WeightMismatchError(
+                ["a receive into a function needs a DeltaTarget (its served tensors)"],
+                context=f"served weights on rank {self.rank}",
+            )
+        )
+        version, decision = self._plan_vote(None, own, self._target_columns(delta), delta)
         voted = time.perf_counter()
         progress = _Progress()
+        if decision.delta:
+            assert delta is not None  # a target without one voted for the whole version
+            self._receive_delta(version, decision, delta, progress)
+            end = time.perf_counter()
+            stats = self._stats("receive", version, progress, start, voted, end, decision)
+            return stats, (delta.served if delta.apply else None)
         failure: WeightTransferError | None = None
+        targets: Mapping[str, torch.Tensor] | None = None
+        if callable(into):
+            try:
+                targets, _ = into()
+            except Exception as exc:  # noqa: BLE001 - this rank's: it votes no, then raises
+                progress.write_error = exc
+        else:
+            targets = into
         try:
-            self._receive_buckets(into, version, progress, write_kind)
+            # Nothing to write into: the buckets are still taken (no source is left waiting).
+            self._receive_buckets(targets or {}, version, progress, write_kind)
         except WeightTransferError as exc:
             failure = exc
         if failure is None and progress.writing and verify is not None:
+            assert targets is not None
             try:
-                verify(into)
+                verify(targets)
             except Exception as exc:  # noqa: BLE001 - this rank's refusal: voted, then raised
                 progress.refusal = exc
         self._commit_vote(version, progress, failure, receiving=True)
         end = time.perf_counter()
-        return self._stats("receive", version, progress, start, voted, end)
+        return self._stats("receive", version, progress, start, voted, end, decision), targets
+
+    def _receive_delta(
+        self, version: int, decision: DeltaDecision, target: DeltaTarget, progress: _Progress
+    ) -> None:
+        """A delta, on this target rank: every source's payload, then the check and proof of
+        every region (no write), the apply (or ``target.pending``), the commit vote. Anything
+        written is restored when the version does not commit, before the error is raised."""
+        failure: WeightTransferError | None = None
+        payloads: dict[int, torch.Tensor] = {}
+        try:
+            payloads = self._receive_payloads(version, decision, progress)
+        except WeightTransferError as exc:
+            failure = exc
+        received: ShardedReceivedDelta | None = None
+        applied = False
+        base = decision.base_version
+        assert base is not None
+        if failure is None and progress.writing:
+            moves = {s: self.plan.pair(s, self.index) for s in payloads}
+            ranks = {s: self.source_ranks[s] for s in payloads}
+            try:
+                received = ShardedReceivedDelta.check(version, base, payloads, moves, target, ranks)
+                encoded = received.encoded(target.digests)
+                if target.apply:
+                    applied = True  # from the first write on: restored on any failure
+                    with self._write_span(SpanKind.WEIGHT_WRITE, f"apply delta v{version}"):
+                        received.apply(target.digests)
+            except Exception as exc:  # noqa: BLE001 - its checks, or an apply (restored)
+                applied, received = False, None
+                refused = DeltaRefused(
+                    f"rank {self.rank} refused the delta of version {version}: {exc}; nothing "
+                    f"was written (this replica keeps version {base})",
+                    operation=f"receive the delta of version {version}",
+                    version=version,
+                )
+                refused.__cause__ = exc
+                progress.refusal = refused
+        try:
+            self._commit_vote(version, progress, failure, receiving=True)
+        except BaseException as exc:
+            if applied:
+                assert received is not None
+                received.restore()
+            if isinstance(exc, WeightTransferError):
+                exc.tensors_written = 0
+            raise
+        assert received is not None  # every rank voted yes
+        target.received = encoded
+        target.pending = None if target.apply else received  # type: ignore[assignment]
+        if target.apply:
+            progress.tensors_written.update(received.tensors)
+
+    def _receive_payloads(
+        self, version: int, decision: DeltaDecision, progress: _Progress
+    ) -> dict[int, torch.Tensor]:
+        """Every source's payload to this rank: every chunk's receive posted before any wait
+        (the sources post all their sends at once), each chunk's checksum verified; a
+        corrupted one is named in ``progress`` (nothing is applied), the rest still taken."""
+        config = self.config
+        posted: list[tuple[int, _Chunk, torch.Tensor, dist.Work | None]] = []
+        wires: dict[int, tuple[torch.Tensor, list[_Chunk]]] = {}
+        for s in sorted(self._queues):
+            size = decision.sizes.get((s, self.index), 0)
+            chunks = _chunks(size, config.bucket_bytes, config.checksums)
+            wire = torch.empty(
+                chunks[-1].wire[1] if chunks else 0, dtype=torch.uint8, device=self.device
+            )
+            wires[s] = (wire, chunks)
+            for chunk in chunks:
+                view = wire[chunk.wire[0] : chunk.wire[1]]
+                src = self.source_ranks[s]
+                posted.append((s, chunk, view, self.collectives.recv(view, src, chunk.index)))
+        for k, (s, chunk, view, work) in enumerate(posted):
+            src = self.source_ranks[s]
+            op = f"receive delta chunk {chunk.index + 1} of version {version} from rank {src}"
+            with self._span(op):
+                self._wait(work, op, version, 0)
+            size = chunk.data[1] - chunk.data[0]
+            progress.buckets += 1
+            progress.nbytes += size
+            try:
+                if self.hooks.after_receive is not None:
+                    self.hooks.after_receive(k, view)
+            except Exception as exc:  # noqa: BLE001 - this rank's own: voted no, then raised
+                progress.write_error = progress.write_error or exc
+            if chunk.checksummed and progress.writing:
+                expected = view[size:].view(torch.int64)
+                ok = bool(torch.equal(bucket_checksum(view[:size]), expected))
+                progress.checksums_verified += ok
+                if not ok:
+                    progress.failed_buckets.append((k, chunk.index + 1, src))
+        payloads = {}
+        for s, (wire, chunks) in wires.items():
+            parts = [wire[c.wire[0] : c.wire[0] + c.data[1] - c.data[0]] for c in chunks]
+            payloads[s] = torch.cat(parts).cpu() if parts else torch.empty(0, dtype=torch.uint8)
+        return payloads
 
     def relay(
         self,
-        into: Mapping[str, torch.Tensor],
+        into: Targets,
         forward: object,
         *,
         allow_subset: bool = True,
@@ -397,20 +669,25 @@ class ShardedTransfer(PipelinedRelay):
     ) -> TransferStats:
         """Receive as :meth:`receive` does, then send what arrived through ``forward`` (an R2R
         :class:`~rollout_sync.WeightTransfer` between this rank and the same rank of the other
-        replicas). Not pipelined: the second hop starts when the first is complete.
+        replicas). Not pipelined: the second hop starts when the first is complete. A delta
+        goes on as a delta of this rank's local tensors (``delta.received``); a receiver that
+        asks for the whole version gets it from the tensors that now hold it (staged, a copy
+        of the served ones with the delta applied, made only then).
 
         With ``pipelined_relay``, :meth:`_relay_pipelined` instead: each bucket of
-        ``forward`` goes out as soon as its tensors have arrived (the module docstring).
+        ``forward`` goes out as soon as its tensors have arrived (the module docstring); it
+        passes whole versions on, so a sync through it goes whole
+        (:attr:`~rollout_sync.transfer.delta_sync.WholeReason.RELAY`).
 
         Raises:
             RelayForwardError: the receive completed (``complete``), passing it on failed.
         """
         if self.pipelined_relay:
-            return self._relay_pipelined(into, forward, allow_subset, write_kind, storage, verify)
-        try:
-            stats = self.receive(
-                into, allow_subset=allow_subset, write_kind=write_kind, verify=verify
+            return self._relay_pipelined(
+                into, forward, allow_subset, write_kind, storage, verify, delta
             )
+        try:
+            stats, tensors = self._receive(into, allow_subset, write_kind, verify, delta)
         except (WeightTransferError, WeightMismatchError) as exc:
             abort = getattr(forward, "abort", None)
             if abort is not None:  # the downstream replicas fail now, not at their limit
@@ -418,8 +695,15 @@ class ShardedTransfer(PipelinedRelay):
                 abort(f"the relay's receive failed: {type(exc).__name__}", version=version)
             raise
         send: Callable[..., TransferStats] = getattr(forward, "send")  # noqa: B009
+        extra: dict[str, object] = {}
+        if stats.sync_kind == "delta":
+            assert delta is not None and delta.received is not None
+            extra["delta"] = delta.received
+            if tensors is None:  # kept pending: the whole version only if a receiver asks
+                tensors, storage = _Applied(into, delta), None
+        assert tensors is not None
         try:
-            sent = send(into, version=stats.version, storage=storage)
+            sent = send(tensors, version=stats.version, storage=storage, **extra)
         except WeightTransferError as exc:
             raise RelayForwardError(
                 f"received version {stats.version} whole, but passing it on failed: {exc}",
@@ -554,15 +838,66 @@ class ShardedTransfer(PipelinedRelay):
             return exc
         return None
 
-    def _plan_vote(self, version: int | None, own: WeightMismatchError | None) -> int:
-        """All-gather (version, digest, ok); the version the source ranks send, or raise."""
+    def _columns(
+        self,
+        *,
+        offer: bool = False,
+        reason: WholeReason | None = None,
+        base: int | None = None,
+        fingerprints: Mapping[tuple[int, int], int] | None = None,
+        sizes: Mapping[tuple[int, int], int] | None = None,
+    ) -> list[int]:
+        return delta_columns(
+            self.plan.source.world,
+            self.plan.target.world,
+            offer=offer,
+            reason=reason,
+            base=base,
+            fingerprints=fingerprints,
+            sizes=sizes,
+        )
+
+    def _target_columns(self, target: DeltaTarget | None, *, relaying: bool = False) -> list[int]:
+        """A target rank's delta columns: whether it can take a delta on the version it holds
+        (its layout's tensors served, contiguous, of their shapes), or why not."""
+        if target is None:
+            return self._columns()
+        if relaying:
+            return self._columns(reason=WholeReason.RELAY)
+        served = target.served
+        fits = target.version is not None and all(
+            (t := served.get(name)) is not None
+            and t.is_contiguous()
+            and (tuple(t.shape), t.dtype) == (spec.shape, spec.dtype)
+            for name, spec in self._specs.items()
+        )
+        if not fits:
+            return self._columns(reason=WholeReason.RECEIVER)
+        return self._columns(offer=True, base=target.version)
+
+    def _plan_vote(
+        self,
+        version: int | None,
+        own: WeightMismatchError | None,
+        columns: list[int],
+        target: DeltaTarget | None = None,
+    ) -> tuple[int, DeltaDecision]:
+        """All-gather (version, digest, ok) and the delta columns; the version the source ranks
+        send and whether it goes by delta, or raise. A delta every rank offered is then
+        confirmed by the base vote (:meth:`_base_vote`)."""
         op = "sharded transfer plan vote"
+        width = 3 + delta_width(self.plan.source.world, self.plan.target.world)
         mine = torch.tensor(
-            [version if version is not None else -1, self.digest, _YES if own is None else _NO],
+            [
+                version if version is not None else -1,
+                self.digest,
+                _YES if own is None else _NO,
+                *columns,
+            ],
             dtype=torch.int64,
             device=self.device,
         )
-        rows = [torch.zeros(3, dtype=torch.int64, device=self.device) for _ in self.ranks]
+        rows = [torch.zeros(width, dtype=torch.int64, device=self.device) for _ in self.ranks]
         with self._span(op):
             work = self.collectives.all_gather(rows, mine)
             self._wait(work, op, version, 0)
@@ -601,7 +936,38 @@ class ShardedTransfer(PipelinedRelay):
                 version=None,
                 rejected_by=list(self.source_ranks),
             )
-        return int(agreed)
+        decision = decide(
+            [votes[r][3:] for r in self.source_ranks],
+            [votes[r][3:] for r in self.target_ranks],
+            self._pairs,
+        )
+        if decision.delta:
+            decision = self._base_vote(int(agreed), decision, target)
+        return int(agreed), decision
+
+    def _base_vote(
+        self, version: int, decision: DeltaDecision, target: DeltaTarget | None
+    ) -> DeltaDecision:
+        """All-gather whether each target rank holds the sources' base in every region it
+        receives (its regions' digests, cached per version, against the sources'
+        fingerprints): the delta if all do, else the whole version
+        (:attr:`~rollout_sync.transfer.delta_sync.WholeReason.RECEIVER`). Only a sync every
+        rank offered a delta for runs it, so a whole sync never reads the served weights."""
+        op = f"sharded transfer base vote of version {version}"
+        holds = True
+        if not self.is_source:
+            try:
+                holds = target is not None and holds_base(self.plan, self.index, target, decision)
+            except Exception:  # noqa: BLE001 - a target that cannot tell takes the whole
+                holds = False
+        mine = torch.tensor([_YES if holds else _NO], dtype=torch.int64, device=self.device)
+        rows = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in self.ranks]
+        with self._span(op):
+            work = self.collectives.all_gather(rows, mine)
+            self._wait(work, op, version, 0)
+        if all(v == _YES for v in torch.cat(rows).tolist()):
+            return decision
+        return DeltaDecision(False, WholeReason.RECEIVER)
 
     def _commit_vote(
         self,
@@ -688,7 +1054,14 @@ class ShardedTransfer(PipelinedRelay):
         wait_transfer_work(work, op, timeout, self.group, self.ranks, version, written)
 
     def _stats(
-        self, role: str, version: int, progress: _Progress, start: float, voted: float, end: float
+        self,
+        role: str,
+        version: int,
+        progress: _Progress,
+        start: float,
+        voted: float,
+        end: float,
+        decision: DeltaDecision = WHOLE,
     ) -> TransferStats:
         return TransferStats.build(
             role=role,
@@ -702,6 +1075,9 @@ class ShardedTransfer(PipelinedRelay):
             tensors_written=len(progress.tensors_written),
             checksums_verified=progress.checksums_verified,
             layout=f"plan:{self.digest:016x}",
+            sync_kind=SyncKind.DELTA.value if decision.delta else SyncKind.WHOLE.value,
+            whole_reason=None if decision.reason is None else decision.reason.value,
+            full_nbytes=self.nbytes if decision.delta else None,
         )
 
     @contextmanager
@@ -719,3 +1095,35 @@ class ShardedTransfer(PipelinedRelay):
         else:
             with self.timeline.span(kind, name):
                 yield
+
+
+class _Applied(Mapping[str, torch.Tensor]):
+    """A pending delta's version whole, made on first use (an R2R receiver asked for it):
+    the tensors ``into`` makes (copies of the served ones if it is not a function) with the
+    delta applied. Nothing is made while every receiver takes the delta."""
+
+    def __init__(self, into: Targets, target: DeltaTarget) -> None:
+        self._into = into
+        self._target = target
+        self._made: Mapping[str, torch.Tensor] | None = None
+
+    def _tensors(self) -> Mapping[str, torch.Tensor]:
+        if self._made is None:
+            pending = self._target.pending
+            assert pending is not None
+            if callable(self._into):
+                made, _ = self._into()
+            else:
+                made = {n: t.clone() for n, t in self._target.served.items()}
+            pending.apply_to(made)
+            self._made = made
+        return self._made
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors())
+
+    def __len__(self) -> int:
+        return len(self._tensors())
