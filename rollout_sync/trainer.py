@@ -544,7 +544,9 @@ class TransferWeightPusher:
 
         Raises:
             ValueError: the transfer moves whole versions only (its class's ``delta_syncs``
-                is false: a sharded transfer), or ``full_every`` < 1.
+                is false), or ``full_every`` < 1. A sharded transfer gives its own encoder
+                (:meth:`~rollout_sync.transfer.ShardedTransfer.delta_encoder`: each rank's
+                regions).
         """
         if not getattr(self.transfer, "delta_syncs", False):
             raise ValueError(

@@ -106,8 +106,8 @@ def recorded(bracket: WeightSyncBracket, stats: TransferStats) -> TransferStats:
 
 def takes_deltas(transfer: object) -> bool:
     """Whether ``transfer`` moves delta syncs: its class says so (``delta_syncs = True``: a
-    :class:`~rollout_sync.WeightTransfer` and a tree relay do; a sharded transfer and the
-    Fast-LLM stream move whole versions; a transfer of your own need not)."""
+    :class:`~rollout_sync.WeightTransfer`, a tree relay and a sharded transfer do; the Fast-LLM
+    stream moves whole versions; a transfer of your own need not)."""
     return bool(getattr(transfer, "delta_syncs", False))
 
 

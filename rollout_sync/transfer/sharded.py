@@ -168,8 +168,9 @@ class ShardedTransfer(PipelinedRelay):
             receives whole, then sends. The source ranks need not say (their side is the same).
     """
 
-    delta_syncs = False
-    """It moves whole versions only: a ``delta`` given to it is not used."""
+    delta_syncs = True
+    """It moves delta syncs: each source rank's regions (:meth:`delta_encoder`); the pipelined
+    relay passes whole versions on."""
 
     def __init__(
         self,
