@@ -1,7 +1,7 @@
 """Delta syncs (issue 44): how much of the served model does a training step change, what does
 shipping only that cost, and what would it buy on the 1T fleet?
 
-Three parts; the first two run today, the third waits for the delta transfer:
+Three parts:
 
 1. **Measurement.** A testing-kit Llama (:func:`rollout_sync.testing.tiny_llama.tiny_llama`,
    ~23M parameters, ``--quick``: ~0.6M) initialised with std 0.02 (Hugging Face's
@@ -18,11 +18,21 @@ Three parts; the first two run today, the third waits for the delta transfer:
 2. **The model.** :func:`rollout_sync.plan.build_plan` on
    :data:`~rollout_sync.scale.FLEET_1T`'s shape with the measured changed fraction: the best
    delta design whose topology is implemented (by the plan's rule: the fastest refit, or one
-   within :data:`~rollout_sync.plan.CLOSE_REFIT` of it with a shorter stall), against the best
-   implemented full design by the same rule. Delta designs are modelled only today
-   (``fleet_1t_delta_implemented``); the pick does not change when they land.
-3. **The syncs** (``--syncs``; :func:`measure_syncs`, not built yet): full and delta transfers
-   of the measured versions, side by side.
+   within :data:`~rollout_sync.plan.CLOSE_REFIT` of it with a shorter stall) among the
+   implemented delta designs, against the best
+   implemented full design by the same rule (``fleet_1t_delta_implemented`` says whether
+   the package runs that design).
+3. **The syncs** (:func:`measure_syncs`; ``--no-syncs`` skips them): the measured versions of
+   the headline run moved by real syncs, whole and by delta side by side, on three processes
+   (gloo on loopback, every rank's NIC emulated at ``--rate-mb-s``, 50 MB/s by default): a
+   trainer (a :class:`~rollout_sync.transfer.delta_sync.DeltaEncoder` and a paced
+   :class:`~rollout_sync.WeightTransfer`) and two staged :class:`~rollout_sync.RolloutWorker`
+   replicas, the first relaying to the second (pipelined). Version 1 goes whole; then each
+   measured step's version by delta, and the same version again whole, so both kinds move
+   between the same two states. Per sync: the refit (from a barrier until every rank
+   returned), the stall (the replicas' install), what a replica held beyond its served weights
+   (the packed delta until its install; a whole version's staging copy), and every replica's
+   weights checked bit for bit against the trainer's version.
 
 JSON keys: ``changed_fraction`` (median over the measured steps at lr 1e-6),
 ``changed_fraction_3e-6``, ``delta_bytes_over_full`` (median at 1e-6),
@@ -38,13 +48,23 @@ largest tensor's new bf16 copy and its delta), ``fleet_1t_delta_refit_s``,
 (``steps_1e-6``, ``steps_3e-6``: ``step``, ``changed_fraction``, ``delta_bytes_over_full``,
 ``delta_written_fraction`` (elements the delta writes, dense blocks whole), ``encode_s``,
 ``round_trip``), ``round_trip`` (every step's), ``quick``, ``lr``, ``lr_second``,
-``targets_met``, ``wall_s``. Targets: ``delta_bytes_over_full`` <= 0.15,
-``fleet_1t_delta_refit_s`` <= 0.5. Prints a table per learning rate, then, as the last line,
+``targets_met``, ``wall_s``; from part 3: ``sync_time_over_full`` (median over the steps of
+the delta sync's refit over the whole sync's), ``stall_over_full`` (the same of the stalls),
+``sync_delta_refit_s``, ``sync_full_refit_s``, ``sync_delta_bytes_over_full`` (what the
+trainer's delta sends moved), ``staging_bytes_over_weights`` (what a replica staged for a
+delta, over the weights), ``full_staging_bytes_over_weights`` (for a whole version),
+``transfer_buffer_bytes_over_weights`` (the transfers' bucket buffers, the same for both
+kinds), ``bit_identical``, ``sync_rate_mb_s``, ``syncs`` (each sync: ``version``, ``kind``,
+``refit_s``, ``stall_s``, ``nbytes``, ``exact``). Targets: ``delta_bytes_over_full`` <= 0.15,
+``fleet_1t_delta_refit_s`` <= 0.5, ``sync_time_over_full`` <= 0.3,
+``staging_bytes_over_weights`` <= 0.2, ``bit_identical``. Prints a table per learning rate, then, as the last line,
 one JSON object; exits 1 if a delta did not round-trip.
 
-Run: ``python benchmarks/delta.py`` (~12 s on 2 cores; ``--quick``: ~3 s)
+Run: ``python benchmarks/delta.py`` (about 1 minute on 2 quiet cores, 2 loaded; ``--quick``:
+~15 s)
 
-    python benchmarks/delta.py [--steps 9] [--lr 1e-6 3e-6] [--quick] [--json PATH]
+    python benchmarks/delta.py [--steps 9] [--lr 1e-6 3e-6] [--quick] [--no-syncs]
+                               [--rate-mb-s 50] [--json PATH]
 """
 
 from __future__ import annotations
@@ -251,9 +271,8 @@ def _best(designs: Sequence[Design]) -> Design:
 
 
 def fleet_1t(changed_fraction: float) -> dict[str, Any]:
-    """The cost model on FLEET_1T's shape with ``changed_fraction``: the best delta design whose
-    topology is implemented (implemented itself or not: today none is) and the best implemented
-    full one."""
+    """The cost model on FLEET_1T's shape with ``changed_fraction``: the best implemented delta
+    design and the best implemented full one."""
     _, itemsize = dtype_bytes("bfloat16")
     model = ModelSpec.of(FLEET_1T.model_bytes / itemsize, FLEET_1T.tensors, "bfloat16")
     fleet = FleetSpec(
@@ -264,7 +283,7 @@ def fleet_1t(changed_fraction: float) -> dict[str, Any]:
         bucket_bytes=FLEET_1T.bucket_bytes,
     )
     plan = build_plan(model, fleet, changed_fraction=changed_fraction, base=FLEET_1T)
-    delta = _best([d for d in plan.designs if d.delta and d.topology.implemented])
+    delta = _best([d for d in plan.designs if d.delta and d.implemented])
     full = _best([d for d in plan.designs if not d.delta and d.implemented])
     return {
         "fleet_1t_delta_refit_s": round(delta.refit_s, 4),

@@ -17,10 +17,11 @@ The rules, in order of importance:
 2. **The designs.** Every :class:`~rollout_sync.scale.Topology` (its alias ``SHARDED`` is
    ``SHARDED_PIPELINED``) in place, staged in device memory (installed by an HBM copy,
    ``Fleet.device_install_bytes_per_s``) and staged in host memory (installed over PCIe,
-   ``SyncCosts.install_bytes_per_s``); with a changed fraction, one delta design per topology,
-   modelled only (:func:`delta_bytes` says its encoding). Whether a design runs today is
-   :attr:`Topology.implemented <rollout_sync.scale.Topology.implemented>`; a delta design never
-   does yet.
+   ``SyncCosts.install_bytes_per_s``); with a changed fraction, one delta design per topology
+   (:func:`delta_bytes` says its encoding; docs/delta.md). Whether a design runs today is
+   :attr:`Topology.implemented <rollout_sync.scale.Topology.implemented>`, and for a delta
+   design :attr:`Topology.delta_implemented <rollout_sync.scale.Topology.delta_implemented>`
+   too (every topology but the pipelined sharded relay).
 3. **Memory per replica GPU**, beyond the served weights: the transfer's bucket buffers (two
    where a replica GPU sends, as the first replica's does with several replicas, whether it
    relays each bucket or sends R2R after P2R; else one receive buffer; a bucket no larger than
@@ -419,7 +420,7 @@ class Design:
     staging: Staging
     delta: bool
     """Only the changed elements travel (:func:`delta_bytes`), staged in device memory and
-    applied while parked: modelled, not implemented."""
+    applied while parked (docs/delta.md)."""
     estimate: RefitEstimate
     """The cost model's refit, stall and phases (the bytes moved are the delta's for a delta
     design)."""
@@ -446,8 +447,9 @@ class Design:
 
     @property
     def implemented(self) -> bool:
-        """The package runs this design today: its topology does, and it is not a delta."""
-        return self.topology.implemented and not self.delta
+        """The package runs this design today: its topology does, and, for a delta design,
+        the topology moves deltas (:attr:`~rollout_sync.scale.Topology.delta_implemented`)."""
+        return self.topology.implemented and (not self.delta or self.topology.delta_implemented)
 
     @property
     def refit_s(self) -> float:

@@ -219,6 +219,13 @@ class Topology(enum.Enum):
         one does."""
         return True
 
+    @property
+    def delta_implemented(self) -> bool:
+        """Whether the package moves delta syncs over this topology (docs/delta.md): every one
+        but :attr:`SHARDED_PIPELINED`, whose relay passes whole versions on (a delta given to
+        it goes whole, saying why)."""
+        return self is not Topology.SHARDED_PIPELINED
+
     @classmethod
     def _missing_(cls, value: object) -> Topology | None:
         """``"sharded"``, the value :attr:`SHARDED` had before sharding landed (in the

@@ -203,17 +203,19 @@ def test_implemented_comes_from_the_topology(monkeypatch: pytest.MonkeyPatch) ->
     assert "modelled only" in before["reason"]
 
 
-def test_delta_designs_are_modelled_only_and_never_recommended() -> None:
+def test_delta_designs_are_implemented_but_over_the_pipelined_sharded_relay() -> None:
     plan = _json([*FLEET_70B_ARGV, "--changed-fraction", "0.01"])
     deltas = [d for d in plan["designs"] if d["delta"]]
     assert len(deltas) == len(Topology) and len(plan["designs"]) == 4 * len(Topology)
     encoded = 2 * 0.01 * 140e9  # bf16: a 16-bit position and a 16-bit value per element
     for d in deltas:
-        assert d["implemented"] is False and d["staging"] == "device"
+        pipelined = d["topology"] == Topology.SHARDED_PIPELINED.value
+        assert d["implemented"] is not pipelined and d["staging"] == "device"
         assert d["sync_bytes"] == pytest.approx(encoded)
         assert d["staging_bytes_per_gpu"] == pytest.approx(encoded / 4, abs=1)
-    assert not _by_name(plan)[plan["recommended"]]["delta"]
-    assert plan["designs"][0]["delta"]  # the fastest refit: a delta, modelled
+    recommended = _by_name(plan)[plan["recommended"]]
+    assert recommended["delta"] and recommended["implemented"]  # a delta, where one runs
+    assert plan["designs"][0]["delta"]  # the fastest refit: a delta
     assert plan["changed_fraction"] == 0.01 and "delta" in plan["assumptions"]
     model = ModelSpec.of(10, 1, "float32")
     assert delta_bytes(model, 0.5) == 5 * (2 + 4)

@@ -23,7 +23,7 @@ from rollout_sync.errors import (
     ManifestRejected,
 )
 from rollout_sync.testing import EventLog, RecordingRollout, run_group
-from rollout_sync.trainer import TransferWeightPusher
+from rollout_sync.trainer import TransferWeightPusher, WeightBroadcastCallback
 from rollout_sync.transfer import TransferConfig, TransferHooks, WeightTransfer
 from rollout_sync.transfer.delta import BLOCK_ELEMENTS, pack_delta, unpack_delta
 from rollout_sync.transfer.delta_sync import (
@@ -230,13 +230,29 @@ def _worker_job(rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for mode in (SyncMode.SYNC, SyncMode.STAGED):
         if rank == 0:
-            pusher = TransferWeightPusher(groups.p2r_transfer(config=config), delta=True)
-            kinds = []
+            # In place, the documented callback; staged, a pusher of one's own.
+            pusher = TransferWeightPusher(
+                groups.p2r_transfer(config=config), delta=mode is SyncMode.STAGED
+            )
+            pushed = {"version": 0}
+            callback = WeightBroadcastCallback(
+                lambda pushed=pushed: _version(pushed["version"]),
+                pusher=pusher,
+                timer=None,
+                delta=True,
+                sync_on_run_begin=False,
+            )
+            kinds, metrics = [], []
             for version in (1, 2, 3, 4):
-                pusher.push_weights(_version(version), version=version, timeout=20)
+                if mode is SyncMode.SYNC:
+                    pushed["version"] = version
+                    assert callback.sync(step=version) == version
+                    metrics.append(callback.report())
+                else:
+                    pusher.push_weights(_version(version), version=version, timeout=20)
                 stats = pusher.last_stats
-                kinds.append((stats.sync_kind, stats.whole_reason))
-            out[mode.value] = {"kinds": kinds, "extra": pusher.encoder.extra_bytes}
+                kinds.append((stats.sync_kind, stats.whole_reason, stats.nbytes))
+            out[mode.value] = {"kinds": kinds, "metrics": metrics}
             continue
         rollout = RecordingRollout(
             EventLog(),
@@ -281,12 +297,18 @@ def _worker_job(rank: int) -> dict[str, Any]:
 def test_the_worker_takes_deltas_in_place_and_staged_and_a_replica_behind_gets_the_whole() -> None:
     results = run_group(_worker_job, 4, timeout_s=110, group_timeout_s=20)
     for mode in ("sync", "staged"):
-        assert results[0][mode]["kinds"] == [
+        kinds = results[0][mode]["kinds"]
+        assert [kind[:2] for kind in kinds] == [
             ("whole", WholeReason.FIRST.value),
             ("delta", None),
             ("whole", WholeReason.RECEIVER.value),  # rank 3 still holds version 1
             ("delta", None),
         ], mode
+        if mode == "sync":  # the callback's metrics: the bytes that moved, the deltas counted
+            metrics = results[0][mode]["metrics"]
+            assert [m["weight_sync_delta_count"] for m in metrics] == [0, 1, 0, 1]
+            assert [m["weight_sync_bytes"] for m in metrics] == [k[2] for k in kinds]
+            assert metrics[1]["weight_sync_bytes"] < 0.15 * metrics[0]["weight_sync_bytes"]
         for rank in (1, 2, 3):
             after = [r for r in results[rank][mode] if r[0] == "after"]
             served = [(v, held, torn) for _, v, held, _, torn in after]

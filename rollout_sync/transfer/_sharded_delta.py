@@ -38,6 +38,7 @@ import torch
 from ..errors import DeltaError
 from .delta import (
     TensorDelta,
+    bits_of,
     check_delta,
     delta_changes,
     delta_of_changes,
@@ -56,13 +57,7 @@ __all__ = ["ShardedDelta", "ShardedDeltaEncoder", "ShardedReceivedDelta"]
 
 _MAGIC = 0x5253_4844_4C54_0001
 """The first word of a pair's payload ("RSHDLT", format 1)."""
-_INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _REASONS = tuple(WholeReason)
-
-
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's elements as integers of their size (a view: writes land)."""
-    return tensor.view(-1).view(_INTEGER_OF_SIZE[tensor.element_size()])
 
 
 def region_key(move: Move) -> str:
@@ -419,7 +414,7 @@ class ShardedReceivedDelta:
         part-way, what was written is restored before it is raised."""
         try:
             for region in self.regions:
-                bits = _bits(self.targets[region.move.target_local])
+                bits = bits_of(self.targets[region.move.target_local])
                 self.undo.append((bits, region.positions, region.old_bits))
                 bits[region.positions] = region.new_bits
         except BaseException:
@@ -440,7 +435,7 @@ class ShardedReceivedDelta:
     def apply_to(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Write the new version's changes into other copies of the base (a staging copy)."""
         for region in self.regions:
-            _bits(tensors[region.move.target_local])[region.positions] = region.new_bits
+            bits_of(tensors[region.move.target_local])[region.positions] = region.new_bits
 
     def encoded(self, cache: DigestCache) -> EncodedDelta:
         """The same changes as a delta of this rank's local tensors (what an R2R
@@ -512,7 +507,7 @@ def _check_pair(
         check_delta(delta, region, name=name)
         offsets, new = delta_changes(delta)
         positions = region_positions(served.shape, move.target_box, offsets)
-        old = _bits(served)[positions].clone()
+        old = bits_of(served)[positions].clone()
         digest = updated_digest(base, offsets, old, new)
         if digest != (d0, d1):
             raise DeltaError(

@@ -49,7 +49,10 @@ __all__ = [
     "DeltaBlock",
     "Overwritten",
     "TensorDelta",
+    "apply_changes",
     "apply_delta",
+    "bits_of",
+    "changed_positions",
     "check_delta",
     "delta_changes",
     "delta_of_changes",
@@ -110,8 +113,9 @@ class TensorDelta:
         return sum(b.count for b in self.blocks)
 
 
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    """The flat tensor's bits as integers of its element size."""
+def bits_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The flat tensor's bits as integers of its element size (a view: writing it writes the
+    tensor)."""
     flat = tensor.detach().reshape(-1)
     return flat.view(_INTEGER_OF_SIZE[flat.element_size()])
 
@@ -129,9 +133,9 @@ def encoded_bytes(kind: BlockKind, n: int, count: int, element_size: int) -> int
     return element_size * n
 
 
-def encode_delta(base: torch.Tensor, new: torch.Tensor) -> TensorDelta:
-    """``new`` as its changes against ``base`` (same shape and dtype), each changed block in
-    its smallest encoding.
+def changed_positions(base: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """The flat positions (``int64``, increasing) where ``new``'s bits differ from ``base``'s
+    (same shape and dtype).
 
     Raises:
         ValueError: ``base`` and ``new`` differ in shape or dtype.
@@ -141,11 +145,24 @@ def encode_delta(base: torch.Tensor, new: torch.Tensor) -> TensorDelta:
             f"a delta needs a base of the same shape and dtype: {list(base.shape)} "
             f"{base.dtype} against {list(new.shape)} {new.dtype}"
         )
-    old_bits, new_bits = _bits(base), _bits(new)
+    return (bits_of(base) != bits_of(new)).nonzero().reshape(-1)
+
+
+def encode_delta(
+    base: torch.Tensor, new: torch.Tensor, *, changed: torch.Tensor | None = None
+) -> TensorDelta:
+    """``new`` as its changes against ``base`` (same shape and dtype), each changed block in
+    its smallest encoding. ``changed``: :func:`changed_positions` of the two, if the caller
+    has them already.
+
+    Raises:
+        ValueError: ``base`` and ``new`` differ in shape or dtype.
+    """
+    if changed is None:
+        changed = changed_positions(base, new)
     values = new.detach().reshape(-1)
     size = new.element_size()
     numel = values.numel()
-    changed = (old_bits != new_bits).nonzero().reshape(-1)
     blocks: list[DeltaBlock] = []
     if changed.numel():
         which = torch.div(changed, BLOCK_ELEMENTS, rounding_mode="floor")
@@ -264,13 +281,13 @@ class Overwritten:
 
     def restore(self) -> None:
         """Put every overwritten element back (bit for bit), in reverse order."""
-        bits = _bits(self.target)
+        bits = bits_of(self.target)
         for positions, old in zip(reversed(self.positions), reversed(self.old_bits), strict=True):
             bits[positions] = old
 
     def digest_update(self, digest: tuple[int, int]) -> tuple[int, int]:
         """``digest`` of the target before the apply, moved to its state after it."""
-        bits = _bits(self.target)
+        bits = bits_of(self.target)
         out = digest
         for positions, old in zip(self.positions, self.old_bits, strict=True):
             out = updated_digest(out, positions, old, bits[positions])
@@ -285,15 +302,19 @@ def apply_delta(target: torch.Tensor, delta: TensorDelta, *, name: str = "tensor
         DeltaError: as :func:`check_delta`; nothing was written.
     """
     check_delta(delta, target, name=name)
-    bits = _bits(target)
-    undo = Overwritten(target, [], [])
-    for block in delta.blocks:
-        n = _block_size(delta.numel, block.index)
-        positions = _offsets(block, n) + block.index * BLOCK_ELEMENTS
-        values = _values(block, n, target.dtype).view(bits.dtype)
-        undo.positions.append(positions)
-        undo.old_bits.append(bits[positions].clone())
-        bits[positions] = values
+    positions, new_bits = delta_changes(delta)
+    return apply_changes(target, positions, new_bits)
+
+
+def apply_changes(
+    target: torch.Tensor, positions: torch.Tensor, new_bits: torch.Tensor
+) -> Overwritten:
+    """Write ``new_bits`` (integers of the element size) at the flat ``positions`` of
+    ``target`` (checked already: :func:`delta_changes` of a checked delta); returns what it
+    overwrote."""
+    bits = bits_of(target)
+    undo = Overwritten(target, [positions], [bits[positions]])  # a gather: a copy
+    bits[positions] = new_bits
     return undo
 
 
@@ -307,20 +328,15 @@ def moved_digest(
         DeltaError: as :func:`check_delta`.
     """
     check_delta(delta, base, name=name)
-    bits = _bits(base)
-    for block in delta.blocks:
-        n = _block_size(delta.numel, block.index)
-        positions = _offsets(block, n) + block.index * BLOCK_ELEMENTS
-        new = _values(block, n, delta.dtype).view(bits.dtype)
-        digest = updated_digest(digest, positions, bits[positions], new)
-    return digest
+    positions, new_bits = delta_changes(delta)
+    return updated_digest(digest, positions, bits_of(base)[positions], new_bits)
 
 
 def linear_digest(tensor: torch.Tensor) -> tuple[int, int]:
     """``(sum x_i, sum (i + 1) x_i)`` modulo a prime over the tensor's elements read as
     integers of their size (its bits): equal for equal bytes, moved by
     :func:`updated_digest` from the changed elements alone."""
-    return _digest_terms(torch.arange(tensor.numel()), _bits(tensor))
+    return _digest_terms(torch.arange(tensor.numel()), bits_of(tensor))
 
 
 def updated_digest(

@@ -35,14 +35,17 @@ import torch
 from ..errors import DeltaError
 from .delta import (
     Overwritten,
-    TensorDelta,
+    apply_changes,
     apply_delta,
+    bits_of,
+    changed_positions,
     check_delta,
+    delta_changes,
     encode_delta,
     linear_digest,
-    moved_digest,
     pack_delta,
     unpack_delta,
+    updated_digest,
 )
 
 __all__ = [
@@ -181,6 +184,8 @@ class DeltaEncoder:
         self.digests: dict[str, tuple[int, int]] = {}
         self.syncs = 0
         """Syncs encoded so far (whole or delta): what ``full_every`` counts."""
+        self._changes: tuple[int | None, dict[str, tuple[torch.Tensor, torch.Tensor]]] = (None, {})
+        """The last encoded version's changed positions and new bits, by tensor."""
 
     @property
     def extra_bytes(self) -> int:
@@ -205,21 +210,26 @@ class DeltaEncoder:
         full = _nbytes(weights)
         packed: dict[str, torch.Tensor] = {}
         entries: list[DeltaEntry] = []
+        changes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         budget = full
         for name, tensor in weights.items():
-            delta = encode_delta(base[name], tensor.detach().to(base[name].device))
-            if not delta.blocks:
+            old, new = base[name], tensor.detach().to(base[name].device)
+            changed = changed_positions(old, new)
+            if not changed.numel():
                 continue
-            data = pack_delta(delta)
+            data = pack_delta(encode_delta(old, new, changed=changed))
             budget -= data.numel()
             if budget <= 0:
                 return WholeReason.NOT_SMALLER
             packed[name] = data
-            digest = moved_digest(self.digests[name], base[name], delta, name=name)
+            old_bits, new_bits = bits_of(old)[changed], bits_of(new)[changed]
+            digest = updated_digest(self.digests[name], changed, old_bits, new_bits)
+            changes[name] = (changed, new_bits)
             entries.append(
                 DeltaEntry(name, tuple(tensor.shape), tensor.dtype, digest, self.digests[name])
             )
         header = DeltaHeader(self.base_version, tuple(entries), full)
+        self._changes = (version, changes)
         return EncodedDelta(version, header, packed, full)
 
     def committed(
@@ -234,13 +244,18 @@ class DeltaEncoder:
             self.base = {n: t.detach().to("cpu", copy=True) for n, t in weights.items()}
             self.digests = {n: linear_digest(t) for n, t in self.base.items()}
         else:
+            kept_version, kept = self._changes
             for entry in delta.header.entries:
                 target = self.base[entry.name]
-                unpacked = unpack_delta(
-                    delta.packed[entry.name], numel=target.numel(), dtype=target.dtype
-                )
-                apply_delta(target, unpacked, name=entry.name)
+                if kept_version == version and entry.name in kept:
+                    apply_changes(target, *kept[entry.name])  # what encode() found changed
+                else:
+                    unpacked = unpack_delta(
+                        delta.packed[entry.name], numel=target.numel(), dtype=target.dtype
+                    )
+                    apply_delta(target, unpacked, name=entry.name)
                 self.digests[entry.name] = entry.digest
+        self._changes = (None, {})
         self.base_version = version
 
     def forget(self) -> None:
@@ -335,10 +350,13 @@ class ReceivedDelta:
 
     version: int
     header: DeltaHeader
-    deltas: dict[str, TensorDelta]
+    changes: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    """Each tensor's changed flat positions and the bits of their new values (checked)."""
     targets: Mapping[str, torch.Tensor]
     digests: dict[str, tuple[int, int]]
     """The new version's digest of each tensor, proven from the changed elements."""
+    nbytes: int
+    """The packed bytes it came as (what a staged delta stages)."""
     undo: list[Overwritten] = field(default_factory=list)
 
     @classmethod
@@ -358,48 +376,45 @@ class ReceivedDelta:
                 unsorted or repeated, or the proof fails (named: the tensor, the block).
         """
         assert target.version is not None
-        deltas: dict[str, TensorDelta] = {}
+        changes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         digests: dict[str, tuple[int, int]] = {}
+        nbytes = 0
         for entry in header.entries:
             served = target.served[entry.name]
-            delta = unpack_delta(
-                packed[entry.name], numel=entry.numel, dtype=entry.dtype, name=entry.name
-            )
+            data = packed[entry.name].to(served.device)
+            delta = unpack_delta(data, numel=entry.numel, dtype=entry.dtype, name=entry.name)
             check_delta(delta, served, name=entry.name)
+            positions, new_bits = delta_changes(delta)
             before = target.digests.get(entry.name, served, target.version)
-            after = moved_digest(before, served, delta, name=entry.name)
+            after = updated_digest(before, positions, bits_of(served)[positions], new_bits)
             if after != entry.digest:
                 raise DeltaError(
                     f"{entry.name}: the delta of version {version} applied to version "
                     f"{header.base_version} here would not equal the sender's version {version} "
                     f"(digest {after} against {entry.digest}); nothing was written"
                 )
-            deltas[entry.name], digests[entry.name] = delta, after
-        return cls(version, header, deltas, target.served, digests)
+            changes[entry.name], digests[entry.name] = (positions, new_bits), after
+            nbytes += data.numel()
+        return cls(version, header, changes, target.served, digests, nbytes)
 
     def apply(self, cache: DigestCache) -> int:
         """Write every delta into its target (checked and proven already); the tensors written.
         Their digests move to the new version in ``cache``. On an error part-way, what was
         written is restored before it is raised."""
         try:
-            for name, delta in self.deltas.items():
-                self.undo.append(apply_delta(self.targets[name], delta, name=name))
+            for name, (positions, new_bits) in self.changes.items():
+                self.undo.append(apply_changes(self.targets[name], positions, new_bits))
         except BaseException:
             self.restore()
             raise
         for name, digest in self.digests.items():
             cache.put(name, self.version, digest)
-        return len(self.deltas)
-
-    @property
-    def nbytes(self) -> int:
-        """The packed bytes it holds (what a staged delta stages)."""
-        return sum(d.nbytes for d in self.deltas.values())
+        return len(self.changes)
 
     def apply_to(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Write the new version's changes into other copies of the base (a staging copy)."""
-        for name, delta in self.deltas.items():
-            apply_delta(tensors[name], delta, name=name)
+        for name, (positions, new_bits) in self.changes.items():
+            apply_changes(tensors[name], positions, new_bits)
 
     def restore(self) -> None:
         """Put back every element :meth:`apply` overwrote, bit for bit."""
