@@ -57,8 +57,9 @@ delta, over the weights), ``full_staging_bytes_over_weights`` (for a whole versi
 kinds), ``bit_identical``, ``sync_rate_mb_s``, ``syncs`` (each sync: ``version``, ``kind``,
 ``refit_s``, ``stall_s``, ``nbytes``, ``exact``). Targets: ``delta_bytes_over_full`` <= 0.15,
 ``fleet_1t_delta_refit_s`` <= 0.5, ``sync_time_over_full`` <= 0.3,
-``staging_bytes_over_weights`` <= 0.2, ``bit_identical``. Prints a table per learning rate, then, as the last line,
-one JSON object; exits 1 if a delta did not round-trip.
+``staging_bytes_over_weights`` <= 0.2, ``bit_identical``. Prints a table per learning rate,
+then, as the last line, one JSON object; exits 1 if a delta did not round-trip or a replica's
+weights differed from the trainer's version.
 
 Run: ``python benchmarks/delta.py`` (about 1 minute on 2 quiet cores, 2 loaded; ``--quick``:
 ~15 s)
