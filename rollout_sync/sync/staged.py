@@ -19,7 +19,7 @@ install applies it to the served weights, parked, as the whole install copies th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -29,7 +29,7 @@ from ..errors import RolloutSyncError, StagedCommitAborted, WeightMismatchError
 from ..guard import WeightSyncBracket
 from ..staging import StagingArea, check_two_communicators
 from ..transfer import BUFFER_WRITE, TransferStats
-from ..transfer.delta_sync import ReceivedDelta
+from ..transfer.delta_sync import MadeOnFirstUse, ReceivedDelta
 from .commit import version_to_install
 from .contract import (
     InstallStrategy,
@@ -175,7 +175,7 @@ class Staged(InstallStrategy):
         if pending is not None:
             # Pass on the delta the P2R brought; a receiver on another base asks for the whole
             # version, made then (the staging copy, with the delta applied).
-            whole = _Made(partial(self._materialize, target, pending))
+            whole = MadeOnFirstUse(partial(self._materialize, target, pending))
             try:
                 stats = self.send(r2r, lambda: (whole, pending.version, None))
             except BaseException as exc:
@@ -370,25 +370,3 @@ class Staged(InstallStrategy):
             failed_ranks=failed,
             kept_version=kept,
         )
-
-
-class _Made(Mapping[str, torch.Tensor]):
-    """Tensors made on first use (a whole version only a fallback needs)."""
-
-    def __init__(self, make: Callable[[], Mapping[str, torch.Tensor]]) -> None:
-        self._make = make
-        self._made: Mapping[str, torch.Tensor] | None = None
-
-    def _tensors(self) -> Mapping[str, torch.Tensor]:
-        if self._made is None:
-            self._made = self._make()
-        return self._made
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._tensors()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._tensors())
-
-    def __len__(self) -> int:
-        return len(self._tensors())

@@ -49,7 +49,15 @@ from .delta import (
     unpack_delta,
     updated_digest,
 )
-from .delta_sync import DeltaEntry, DeltaHeader, DeltaTarget, DigestCache, EncodedDelta, WholeReason
+from .delta_sync import (
+    DeltaEntry,
+    DeltaHeader,
+    DeltaTarget,
+    DigestCache,
+    EncodedDelta,
+    WholeReason,
+    scheduled_whole,
+)
 from .layout import Box, region_of
 from .plan import Move, TransferPlan
 
@@ -180,10 +188,10 @@ class ShardedDeltaEncoder:
         committed version, or why it goes whole."""
         self.syncs += 1
         base = self.base
-        if base is None or self.base_version is None:
-            return WholeReason.FIRST
-        if self.full_every is not None and (self.syncs - 1) % self.full_every == 0:
-            return WholeReason.KEYFRAME
+        base_version = self.base_version
+        scheduled = scheduled_whole(self.syncs, self.full_every, base_version)
+        if scheduled is not None or base is None or base_version is None:
+            return scheduled or WholeReason.FIRST
         if any(
             n not in weights
             or weights[n].shape != base[n].shape
@@ -215,7 +223,7 @@ class ShardedDeltaEncoder:
             fingerprints[t] = fingerprint([self.digests[(t, i)] for i in range(len(moves))])
         if budget <= 0:
             return WholeReason.NOT_SMALLER
-        return ShardedDelta(version, self.base_version, payloads, fingerprints, new_digests, full)
+        return ShardedDelta(version, base_version, payloads, fingerprints, new_digests, full)
 
     def committed(
         self, weights: Mapping[str, torch.Tensor], version: int, delta: object | None

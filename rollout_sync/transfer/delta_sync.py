@@ -27,7 +27,7 @@ the source sends the same version whole at once, in the same transfer
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -55,9 +55,11 @@ __all__ = [
     "DeltaTarget",
     "DigestCache",
     "EncodedDelta",
+    "MadeOnFirstUse",
     "ReceivedDelta",
     "SyncKind",
     "WholeReason",
+    "scheduled_whole",
 ]
 
 
@@ -156,6 +158,18 @@ class EncodedDelta:
         return sum(t.numel() for t in self.packed.values())
 
 
+def scheduled_whole(
+    syncs: int, full_every: int | None, base_version: int | None
+) -> WholeReason | None:
+    """Why an encoder's ``syncs``-th sync goes whole before anything is compared: it has no
+    committed base (``base_version`` None), or it is a keyframe (``full_every``)."""
+    if base_version is None:
+        return WholeReason.FIRST
+    if full_every is not None and (syncs - 1) % full_every == 0:
+        return WholeReason.KEYFRAME
+    return None
+
+
 def _nbytes(weights: Mapping[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in weights.values())
 
@@ -199,10 +213,10 @@ class DeltaEncoder:
         why it goes whole."""
         self.syncs += 1
         base = self.base
-        if base is None or self.base_version is None:
-            return WholeReason.FIRST
-        if self.full_every is not None and (self.syncs - 1) % self.full_every == 0:
-            return WholeReason.KEYFRAME
+        base_version = self.base_version
+        scheduled = scheduled_whole(self.syncs, self.full_every, base_version)
+        if scheduled is not None or base is None or base_version is None:
+            return scheduled or WholeReason.FIRST
         if list(base) != list(weights) or any(
             base[n].shape != t.shape or base[n].dtype != t.dtype for n, t in weights.items()
         ):
@@ -228,7 +242,7 @@ class DeltaEncoder:
             entries.append(
                 DeltaEntry(name, tuple(tensor.shape), tensor.dtype, digest, self.digests[name])
             )
-        header = DeltaHeader(self.base_version, tuple(entries), full)
+        header = DeltaHeader(base_version, tuple(entries), full)
         self._changes = (version, changes)
         return EncodedDelta(version, header, packed, full)
 
@@ -420,3 +434,26 @@ class ReceivedDelta:
         """Put back every element :meth:`apply` overwrote, bit for bit."""
         while self.undo:
             self.undo.pop().restore()
+
+
+class MadeOnFirstUse(Mapping[str, torch.Tensor]):
+    """Tensors made by ``make`` on first use: a delta's version whole, which only a receiver
+    that asks for the whole version needs (an R2R source holding the delta pending)."""
+
+    def __init__(self, make: Callable[[], Mapping[str, torch.Tensor]]) -> None:
+        self._make = make
+        self._made: Mapping[str, torch.Tensor] | None = None
+
+    def _tensors(self) -> Mapping[str, torch.Tensor]:
+        if self._made is None:
+            self._made = self._make()
+        return self._made
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors())
+
+    def __len__(self) -> int:
+        return len(self._tensors())

@@ -90,6 +90,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -128,7 +129,7 @@ from ._sharded_delta import (
 )
 from ._sharded_relay import PipelinedRelay
 from .config import TransferConfig, TransferHooks, TransferStats
-from .delta_sync import DeltaTarget, EncodedDelta, SyncKind, WholeReason
+from .delta_sync import DeltaTarget, EncodedDelta, MadeOnFirstUse, SyncKind, WholeReason
 from .layout import region_of
 from .manifest import OriginChecksums, bucket_checksum
 from .plan import TransferPlan
@@ -701,7 +702,7 @@ class ShardedTransfer(PipelinedRelay):
             assert delta is not None and delta.received is not None
             extra["delta"] = delta.received
             if tensors is None:  # kept pending: the whole version only if a receiver asks
-                tensors, storage = _Applied(into, delta), None
+                tensors, storage = MadeOnFirstUse(partial(_applied, into, delta)), None
         assert tensors is not None
         try:
             sent = send(tensors, version=stats.version, storage=storage, **extra)
@@ -1098,33 +1099,14 @@ class ShardedTransfer(PipelinedRelay):
                 yield
 
 
-class _Applied(Mapping[str, torch.Tensor]):
-    """A pending delta's version whole, made on first use (an R2R receiver asked for it):
-    the tensors ``into`` makes (copies of the served ones if it is not a function) with the
-    delta applied. Nothing is made while every receiver takes the delta."""
-
-    def __init__(self, into: Targets, target: DeltaTarget) -> None:
-        self._into = into
-        self._target = target
-        self._made: Mapping[str, torch.Tensor] | None = None
-
-    def _tensors(self) -> Mapping[str, torch.Tensor]:
-        if self._made is None:
-            pending = self._target.pending
-            assert pending is not None
-            if callable(self._into):
-                made, _ = self._into()
-            else:
-                made = {n: t.clone() for n, t in self._target.served.items()}
-            pending.apply_to(made)
-            self._made = made
-        return self._made
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._tensors()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._tensors())
-
-    def __len__(self) -> int:
-        return len(self._tensors())
+def _applied(into: Targets, target: DeltaTarget) -> Mapping[str, torch.Tensor]:
+    """A pending delta's version whole (an R2R receiver asked for it): the tensors ``into``
+    makes (copies of the served ones if it is not a function) with the delta applied."""
+    pending = target.pending
+    assert pending is not None
+    if callable(into):
+        made, _ = into()
+    else:
+        made = {n: t.clone() for n, t in target.served.items()}
+    pending.apply_to(made)
+    return made

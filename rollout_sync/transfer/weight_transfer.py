@@ -472,17 +472,7 @@ class WeightTransfer:
         """The manifest of ``weights`` and its bytes, reused while the layout is unchanged (a
         delta's, never: its sizes change every sync). ``delta``: the delta these weights are,
         or why a version that could have gone by delta goes whole."""
-        if isinstance(delta, EncodedDelta):
-            manifest = WeightManifest.build(
-                weights,
-                bucket_bytes=self.config.bucket_bytes,
-                require_all=require_all,
-                checksums=self.config.checksums,
-                origin=origin,
-                decision=decision,
-                delta=delta.header,
-            )
-            return manifest, manifest.to_bytes()
+        encoded = delta if isinstance(delta, EncodedDelta) else None
         key = (
             tuple((n, t.shape, t.dtype, t.layout) for n, t in weights.items()),
             self.config.bucket_bytes,
@@ -493,7 +483,7 @@ class WeightTransfer:
             delta,
         )
         cached = self._encoded
-        if cached is not None and cached[0] == key:
+        if encoded is None and cached is not None and cached[0] == key:
             return cached[1], cached[2]
         manifest = WeightManifest.build(
             weights,
@@ -502,8 +492,11 @@ class WeightTransfer:
             checksums=self.config.checksums,
             origin=origin,
             decision=decision,
-            whole_reason=delta,
+            delta=None if encoded is None else encoded.header,
+            whole_reason=None if encoded is not None else delta,  # type: ignore[arg-type]
         )
+        if encoded is not None:
+            return manifest, manifest.to_bytes()
         data = manifest.to_bytes()
         self._encoded = (key, manifest, data)
         return manifest, data
@@ -924,17 +917,7 @@ class WeightTransfer:
                     )
                     refused.__cause__ = exc
                     outcome.refusal = refused
-            failed = self._vote_ranks(
-                ok=outcome.failure is None and outcome.refusal is None,
-                op=f"{op}: commit vote",
-                version=version,
-                written=outcome.tensors_written,
-            )
-            commits = (
-                self._verdict(op, version, outcome)
-                if manifest.decision and self.src not in failed
-                else True
-            )
+            failed, commits = self._commit_vote(op, version, manifest, outcome)
         except WeightTransferError as exc:
             if forwarding is not None:
                 forwarding.fill()
@@ -994,19 +977,7 @@ class WeightTransfer:
         manifest_done: float,
     ) -> TransferStats:
         """A receiver's commit vote on ``outcome``; raise any rank's failure, else its stats."""
-        failed = self._vote_ranks(
-            ok=outcome.failure is None and outcome.refusal is None,
-            op=f"{op}: commit vote",
-            version=version,
-            written=outcome.tensors_written,
-        )
-        # Two-phase: a source that voted yes sends its verdict, which every receiver takes
-        # (whatever its own outcome) before it raises anything.
-        commits = (
-            self._verdict(op, version, outcome)
-            if manifest.decision and (self.src not in failed)
-            else True
-        )
+        failed, commits = self._commit_vote(op, version, manifest, outcome)
         self._raise_failures(op, version, outcome, failed)
         if not commits:
             raise WeightTransferError(
@@ -1018,6 +989,25 @@ class WeightTransfer:
                 complete=True,
             )
         return self._receive_stats(role, version, manifest, outcome, start, manifest_done)
+
+    def _commit_vote(
+        self, op: str, version: int, manifest: WeightManifest, outcome: _Outcome
+    ) -> tuple[list[int], bool]:
+        """The commit vote on ``outcome``: the ranks that said no, and whether the version
+        commits (two-phase: a source that voted yes sends its verdict, which every receiver
+        takes, whatever its own outcome, before it raises anything)."""
+        failed = self._vote_ranks(
+            ok=outcome.failure is None and outcome.refusal is None,
+            op=f"{op}: commit vote",
+            version=version,
+            written=outcome.tensors_written,
+        )
+        commits = (
+            self._verdict(op, version, outcome)
+            if manifest.decision and self.src not in failed
+            else True
+        )
+        return failed, commits
 
     def _verdict(self, op: str, version: int, outcome: _Outcome) -> bool:
         """A two-phase manifest's second phase: the source's verdict (commit or not)."""
