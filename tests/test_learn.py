@@ -241,7 +241,7 @@ def test_demo_learn_learns_from_the_replicas_rollouts_in_flight(
         (["--learn", "--lora"], "drop --lora"),
         (["--learn", "--trainer-ranks", "2"], "one fp32 master on one rank"),
         (["--learn", "--mode", "async_per_generation"], "sync or staged"),
-        (["--lr", "0.1"], "--lr need --learn"),
+        (["--lr", "0.1"], "--lr needs --learn or --delta"),
         (["--learn", "--max-staleness", "-1"], "at least 0"),
     ],
 )

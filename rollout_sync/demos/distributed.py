@@ -363,6 +363,8 @@ def _train(
     if config.learn is not None and config.check_every_step:
         digests[broadcast.version + 1] = weights_digest(weights)
     callbacks.run_begin(1)
+    # The push of the initial weights (sync_on_run_begin), apart: the steps' rates leave it out.
+    first_push = None if pusher.last_stats is None else asdict(pusher.last_stats)
     for step in range(1, config.steps + 1):
         train_metrics = train_step(step, broadcast.version)
         if config.check_every_step:  # by the version this step's push will be
@@ -387,6 +389,7 @@ def _train(
         "final_digest": weights_digest(weights),
         "nbytes": sum(t.numel() * t.element_size() for t in weights.values()),
         "transfers": transfers,
+        "first_push": first_push,
         "step_metrics": step_metrics,
         "payloads_received": received,
         "payloads_lost": lost,

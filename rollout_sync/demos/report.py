@@ -81,7 +81,11 @@ def delta_report(
     brought) counts the trainer's reason for that version. With ``--delta`` and no ``--learn``,
     ``changed_fraction_p50``: the share of served elements a training step changed, at the
     median (the learning keys have it with ``--learn``)."""
-    sent = {t["version"]: t.get("whole_reason") for t in trainer["transfers"]}
+    pushes = [
+        *([trainer["first_push"]] if trainer.get("first_push") else []),
+        *trainer["transfers"],
+    ]
+    sent = {t["version"]: t.get("whole_reason") for t in pushes}
     received = [
         t for rep in replicas for t in rep["transfers"] if t["role"] in ("receive", "relay")
     ]
