@@ -91,6 +91,14 @@ class Staged(InstallStrategy):
 
     def transferred(self, command: Any, stats: TransferStats) -> Mapping[str, torch.Tensor]:
         target = Target.of(command)
+        pending = self.pending.get(target.adapter)
+        if pending is not None and pending.version == stats.version and stats.role != "send":
+            # A delta staged and not installed yet (the P2R target waits for its R2R's vote):
+            # neither the served weights nor an older staging copy hold the version received.
+            # The version it makes, on a copy made for the check; the delta stays pending.
+            made = {n: t.detach().clone() for n, t in target.served(self.host.rollout).items()}
+            pending.apply_to(made)
+            return made
         staging = self.stagings.get(target.adapter)
         if staging is not None and stats.role != "send":
             return staging.tensors
