@@ -168,7 +168,8 @@ class RolloutWorker:
             when they complete).
         on_transfer: called with the :class:`TransferStats` and the tensors of every
             successful transfer (the served tensors; in async modes the buffer; staged, the
-            staging area), right after it, outside the bracket, on the thread that ran it and
+            staging area, or for a delta not installed yet a copy of the served tensors with
+            it applied), right after it, outside the bracket, on the thread that ran it and
             before that thread starts the next one, so the tensors hold exactly what was
             transferred. For checks.
         history: how many recent :class:`CommandResult` s (:attr:`results`) and

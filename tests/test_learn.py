@@ -177,6 +177,33 @@ def test_a_policy_learns_the_task_and_a_frozen_one_on_the_same_seed_does_not() -
     assert not learns(frozen_first, frozen_last), (frozen_first, frozen_last)
 
 
+def test_a_next_token_step_at_a_realistic_lr_changes_few_served_elements() -> None:
+    """`demo --delta`'s trainer step: AdamW on the fp32 master at lr 1e-6 moves every element
+    a little, and only the few whose bf16 rounding flips change in the served copy (what a
+    delta ships); the served copy is the master, cast. Bad tokens are refused, nothing
+    stepped."""
+    learner = PolicyLearner(TinyLMConfig(dtype=torch.bfloat16), task=TASK, lr=1e-6)
+    before = {n: t.clone() for n, t in learner.served.items()}
+    tokens = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(0))
+    step = learner.next_token_step(tokens)
+    assert math.isfinite(step.loss) and step.tokens == 4 * 16
+    assert 0 < step.changed_fraction < 0.05
+    changed = sum(int((learner.served[n] != before[n]).sum()) for n in before)
+    total = sum(t.numel() for t in before.values())
+    assert changed / total == pytest.approx(step.changed_fraction)
+    for name, param in learner.master.named_parameters():
+        assert torch.equal(learner.served[name], param.detach().to(torch.bfloat16))
+    stepped = {n: t.clone() for n, t in learner.served.items()}
+    for bad, message in (
+        (tokens[0], r"\[batch, width\]"),
+        (tokens[:, :1], "2..256 tokens"),
+        (tokens + 128, r"\[0, 128\)"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            learner.next_token_step(bad)
+    assert all(torch.equal(learner.served[n], t) for n, t in stepped.items())
+
+
 def test_demo_learn_learns_from_the_replicas_rollouts_in_flight(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
@@ -214,7 +241,7 @@ def test_demo_learn_learns_from_the_replicas_rollouts_in_flight(
         (["--learn", "--lora"], "drop --lora"),
         (["--learn", "--trainer-ranks", "2"], "one fp32 master on one rank"),
         (["--learn", "--mode", "async_per_generation"], "sync or staged"),
-        (["--lr", "0.1"], "--lr need --learn"),
+        (["--lr", "0.1"], "--lr needs --learn or --delta"),
         (["--learn", "--max-staleness", "-1"], "at least 0"),
     ],
 )

@@ -11,6 +11,7 @@ before any write, named, the replica keeps its version, and the next sync lands.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -24,7 +25,7 @@ from rollout_sync.errors import (
 )
 from rollout_sync.testing import EventLog, RecordingRollout, run_group
 from rollout_sync.trainer import TransferWeightPusher, WeightBroadcastCallback
-from rollout_sync.transfer import TransferConfig, TransferHooks, WeightTransfer
+from rollout_sync.transfer import TransferConfig, TransferHooks, TransferStats, WeightTransfer
 from rollout_sync.transfer.delta import BLOCK_ELEMENTS, pack_delta, unpack_delta
 from rollout_sync.transfer.delta_sync import (
     DeltaEncoder,
@@ -262,12 +263,26 @@ def _worker_job(rank: int) -> dict[str, Any]:
         )
         armed: list[bool] = []
         hooks = TransferHooks(after_receive=_corrupt_once(armed)) if rank == 3 else None
+        checked: list[tuple[int, bool]] = []
+
+        def on_transfer(
+            stats: TransferStats,
+            tensors: Mapping[str, torch.Tensor],
+            checked: list[tuple[int, bool]] = checked,
+        ) -> None:
+            # What a check sees of each version received, staged deltas not yet installed too.
+            if stats.role in ("receive", "relay"):
+                want = _version(stats.version)
+                exact = all(torch.equal(tensors[n], want[n]) for n in want)
+                checked.append((stats.version, exact))
+
         worker = RolloutWorker(
             rollout,
             mode=mode,
             p2r=groups.p2r_transfer(config=config),
             r2r=groups.r2r_transfer(config=config, hooks=hooks),
             all_or_none=False,
+            on_transfer=on_transfer,
         )
         reports = []
         for version in (1, 2, 3, 4):
@@ -289,6 +304,7 @@ def _worker_job(rank: int) -> dict[str, Any]:
             for r in reports
         ]
         out[mode.value + "_staging"] = worker.statistics().staging_bytes
+        out[mode.value + "_checked"] = checked
         worker.close(10)
     return out
 
@@ -320,6 +336,8 @@ def test_the_worker_takes_deltas_in_place_and_staged_and_a_replica_behind_gets_t
                 (4, 4, False),
             ], (mode, rank)
             assert all(exact for _, v, held, exact, _ in after if v == held), (mode, rank)
+            checked = results[rank][mode + "_checked"]
+            assert checked and all(exact for _, exact in checked), (mode, rank, checked)
             syncs = [r for r in results[rank][mode] if r[0] != "after"]
             kinds = [kind for _, kind, _, _ in syncs]
             if rank == 1:  # P2R, R2R send, P2R, R2R send (rank 3 failed it), relay, relay

@@ -25,6 +25,7 @@ from ..errors import MatplotlibUnavailableError
 from ..learn import LearnConfig, TokenSetTask
 from ..sync.mode import SyncMode
 from ..trace import REPORT_METADATA_KEY, Timeline, read_chrome_trace
+from ..transfer.delta_sync import WholeReason
 from .distributed import (
     LAUNCHED_AT_ENV,
     LAUNCHERS,
@@ -35,7 +36,7 @@ from .distributed import (
     run_demo_under_torchrun,
     run_distributed_demo,
 )
-from .job import VLLM_LEARN_LR
+from .job import DELTA_LR, VLLM_LEARN_LR
 from .learning import learning_engines
 from .plan_cli import add_plan_parser, run_plan
 
@@ -138,6 +139,30 @@ def _build_parser() -> argparse.ArgumentParser:
         "plain job (one trainer rank, --tp 1), sync or --staged (docs/learning.md)",
     )
     demo.add_argument(
+        "--delta",
+        action="store_true",
+        help="delta syncs: the trainer sends each version as its changes against the last one "
+        "the replicas committed (TransferWeightPusher(delta=True)), P2R and R2R, in place or "
+        "--staged (applied at the install); the first sync, a keyframe (--full-every) or a "
+        "delta no smaller than the whole version goes whole. Without --learn the trainer then "
+        "takes real AdamW steps (betas 0.9/0.999, eps 1e-8, no weight decay) on an fp32 master "
+        f"of the replicas' model, a next-token loss on random tokens, at --lr (default "
+        f"{DELTA_LR:g}), instead of adding noise, and the replicas serve bf16. The report adds "
+        "delta_syncs and full_syncs (versions the replicas received by delta / whole), "
+        "delta_bytes_over_full_p50, full_sync_reasons and, without --learn, "
+        "changed_fraction_p50. The plain job on torch_lm or vllm: not with --trainer-ranks/--tp "
+        "above 1 (the sharded transfer moves whole versions), --lora, --trainer fast-llm or "
+        "--in-process",
+    )
+    demo.add_argument(
+        "--full-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --delta: every N-th sync goes whole, a keyframe (default: none; only the "
+        "fallbacks go whole)",
+    )
+    demo.add_argument(
         "--max-staleness",
         type=int,
         default=None,
@@ -149,8 +174,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "--lr",
         type=float,
         default=None,
-        help=f"with --learn: AdamW's learning rate (default {LearnConfig.lr:g} on torch_lm, "
-        f"{VLLM_LEARN_LR:g} on vllm: what the engine's learner says; 0 freezes the policy)",
+        help=f"AdamW's learning rate, with --learn (default {LearnConfig.lr:g} on torch_lm, "
+        f"{VLLM_LEARN_LR:g} on vllm: what the engine's learner says) or with --delta alone "
+        f"(default {DELTA_LR:g}, a realistic one); 0 freezes the policy",
     )
     demo.add_argument(
         "--seed",
@@ -312,7 +338,7 @@ def _distributed_config(args: argparse.Namespace, mode: SyncMode) -> Distributed
     numel = max(1, int(args.model_mb * (1 << 20) / 4 / DistributedDemoConfig().num_tensors))
     start_s = _engine(args.backend).start_s
     model = TinyLMConfig()
-    if args.learn:
+    if args.learn or args.delta:
         # torch_lm's replicas serve bfloat16 from the trainer's fp32 master (docs/learning.md).
         model = TinyLMConfig(dtype=torch.bfloat16, seed=args.seed)
     config = DistributedDemoConfig(
@@ -333,6 +359,9 @@ def _distributed_config(args: argparse.Namespace, mode: SyncMode) -> Distributed
         timeout_s=DistributedDemoConfig.timeout_s + start_s,
         seed=args.seed,
         model=model,
+        delta=args.delta,
+        full_every=args.full_every,
+        delta_lr=DELTA_LR if args.lr is None or args.learn else args.lr,
     )
     if args.learn:
         config = dataclasses.replace(config, learn=_learn_config(args, config))
@@ -397,14 +426,13 @@ def _refuse_learning_combinations(args: argparse.Namespace) -> None:
     """Exit, before anything starts, on ``--learn`` options that do not go together (the
     config's own check, :func:`~rollout_sync.demos.learning.check_learning_config`, says the
     rest)."""
+    if args.lr is not None and not args.lr >= 0:
+        raise SystemExit(f"--lr must be at least 0, not {args.lr}")
     if not args.learn:
-        given = [
-            f
-            for f, v in (("--max-staleness", args.max_staleness), ("--lr", args.lr))
-            if v is not None
-        ]
-        if given:
-            raise SystemExit(f"{' and '.join(given)} need --learn")
+        if args.max_staleness is not None:
+            raise SystemExit("--max-staleness needs --learn")
+        if args.lr is not None and not args.delta:
+            raise SystemExit("--lr needs --learn or --delta")
         return
     if args.in_process or args.trainer != "default" or args.lora:
         drop = "--in-process" if args.in_process else "--lora" if args.lora else "--trainer"
@@ -420,8 +448,37 @@ def _refuse_learning_combinations(args: argparse.Namespace) -> None:
         )
     if args.max_staleness is not None and args.max_staleness < 0:
         raise SystemExit(f"--max-staleness must be at least 0, not {args.max_staleness}")
-    if args.lr is not None and not args.lr >= 0:
-        raise SystemExit(f"--lr must be at least 0, not {args.lr}")
+
+
+def _delta_refusal(args: argparse.Namespace) -> str | None:
+    """Why ``--delta`` (or ``--full-every``) does not run with the other options, in one line;
+    ``None`` when it does. Called once the engine is known."""
+    if args.full_every is not None and not args.delta:
+        return "--full-every is the keyframe interval of --delta: add --delta"
+    if not args.delta:
+        return None
+    if args.full_every is not None and args.full_every < 1:
+        return f"--full-every must be at least 1, not {args.full_every}"
+    if args.in_process:
+        return "--delta runs the multi-process demo: drop --in-process"
+    if args.trainer != "default":
+        return (
+            f"--delta sends deltas from this package's trainer; the Fast-LLM wire sends whole "
+            f"tensors: drop --trainer {args.trainer}"
+        )
+    if args.trainer_ranks > 1 or args.tp > 1:
+        return (
+            "--delta runs the plain job: the sharded transfer moves whole versions only (drop "
+            "--trainer-ranks and --tp)"
+        )
+    if args.lora:
+        return "--delta sends the whole model's changes; a --lora adapter goes whole: drop --lora"
+    if _engine(args.backend).learner is None:
+        return (
+            f"--delta trains the master of an engine registered with a learner; --backend "
+            f"{args.backend} has none: use --backend {' or '.join(learning_engines())}"
+        )
+    return None
 
 
 def _refuse_sharded_combinations(args: argparse.Namespace, mode: SyncMode) -> None:
@@ -459,12 +516,30 @@ def _format_report(report: dict[str, Any]) -> str:
     if "trainer_ranks" in report and "tp" in report:
         lines.append(f"{'layout':<{width}}  {_layout_line(report)}")
     for key, value in report.items():
+        if key == "full_sync_reasons" and isinstance(value, dict):
+            lines += _reason_lines(key, value, width)
+            continue
         if isinstance(value, float):
             shown = "n/a" if math.isnan(value) else f"{value:.3f}"
+        elif value is None:
+            shown = "n/a"
         else:
             shown = str(value)
         lines.append(f"{key:<{width}}  {shown}")
     return "\n".join(lines)
+
+
+def _reason_lines(key: str, reasons: dict[str, int], width: int) -> list[str]:
+    """``full_sync_reasons``, one reason a line with what it means:
+    ``first 3 (first sync: no committed base to encode against)``."""
+    if not reasons:
+        return [f"{key:<{width}}  none"]
+    lines = []
+    for n, (name, count) in enumerate(reasons.items()):
+        meaning = WholeReason[name.upper()].value if name.upper() in WholeReason.__members__ else ""
+        shown = f"{name} {count}" + (f" ({meaning})" if meaning else "")
+        lines.append(f"{key if n == 0 else '':<{width}}  {shown}")
+    return lines
 
 
 def _layout_line(report: dict[str, Any]) -> str:
@@ -636,6 +711,10 @@ def _run_demo(args: argparse.Namespace, argv: Sequence[str]) -> int:
     _refuse_sharded_combinations(args, mode)
     if args.replicas is None:
         args.replicas = _engine(args.backend).default_replicas
+    refused = _delta_refusal(args)
+    if refused is not None:
+        print(f"rollout-sync demo: {refused}", file=sys.stderr)
+        return 2
     if args.trainer == "fast-llm":
         if args.launcher != "local" or args.in_process or typed_backend not in (None, "torch_lm"):
             raise SystemExit(

@@ -120,7 +120,7 @@ from .job import (
     trainer_adapter,
     trainer_model,
 )
-from .learning import LearningTrainer, check_learning_config
+from .learning import LearningTrainer, NextTokenTrainer, check_learning_config, learning_engines
 from .report import (
     add_process_spans,
     decode_step_ms_p50,
@@ -140,6 +140,7 @@ __all__ = [
     "LAUNCHERS",
     "DistributedDemoConfig",
     "add_process_spans",
+    "check_delta_config",
     "check_demo_config",
     "decode_step_ms_p50",
     "demo_layout",
@@ -270,11 +271,17 @@ def _trainer(
     )
     rollouts = _Rollouts()
     learning: LearningTrainer | None = None
+    next_tokens: NextTokenTrainer | None = None
     train_step: Callable[[int, int], dict[str, Any]]
     if config.learn is not None:
         learning = LearningTrainer(config, receiver, rollouts.add)
         weights: Mapping[str, torch.Tensor] = learning.weights
         train_step = learning.step
+    elif config.delta:  # real AdamW steps: what a delta sync ships is what training changes
+        next_tokens = NextTokenTrainer(config)
+        weights = next_tokens.weights
+        base_nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+        train_step = _drift_step(config, next_tokens.step, receiver, rollouts)
     else:
         weights, advance = trainer_model(config)
         base_nbytes = sum(t.numel() * t.element_size() for t in weights.values())
@@ -283,7 +290,11 @@ def _trainer(
         train_step = _drift_step(config, advance, receiver, rollouts)
     # Unguarded, the trainer keeps receiving payloads through its weight sends.
     pusher = TransferWeightPusher(
-        transfer, barrier=groups.p2r_barrier, receiver=receiver if config.guarded else None
+        transfer,
+        barrier=groups.p2r_barrier,
+        receiver=receiver if config.guarded else None,
+        delta=config.delta,
+        full_every=config.full_every,
     )
     channel = WorkerCommandChannel.for_groups(
         groups, queues, pipelined_relay=config.pipelined_relay
@@ -291,6 +302,8 @@ def _trainer(
     report = _train(config, weights, train_step, pusher, channel, receiver, rollouts, timeline)
     if learning is not None:
         return {**report, "learning": learning.report()}
+    if next_tokens is not None:
+        report = {**report, "next_tokens": next_tokens.report()}
     return {**report, "base_nbytes": base_nbytes}
 
 
@@ -302,7 +315,7 @@ def _drift_step(
 ) -> Callable[[int, int], dict[str, Any]]:
     """The default trainer's step: take the payloads that arrive for ``step_interval_s`` (its
     stand-in for training on them; a rank without a receiver just spends the time), then move
-    the weights (``advance``)."""
+    the weights (``advance``: noise, or with ``delta`` an AdamW step)."""
 
     def train_step(step: int, version: int) -> dict[str, Any]:
         if receiver is not None:
@@ -350,6 +363,8 @@ def _train(
     if config.learn is not None and config.check_every_step:
         digests[broadcast.version + 1] = weights_digest(weights)
     callbacks.run_begin(1)
+    # The push of the initial weights (sync_on_run_begin), apart: the steps' rates leave it out.
+    first_push = None if pusher.last_stats is None else asdict(pusher.last_stats)
     for step in range(1, config.steps + 1):
         train_metrics = train_step(step, broadcast.version)
         if config.check_every_step:  # by the version this step's push will be
@@ -374,6 +389,7 @@ def _train(
         "final_digest": weights_digest(weights),
         "nbytes": sum(t.numel() * t.element_size() for t in weights.values()),
         "transfers": transfers,
+        "first_push": first_push,
         "step_metrics": step_metrics,
         "payloads_received": received,
         "payloads_lost": lost,
@@ -702,7 +718,8 @@ def check_demo_config(config: DistributedDemoConfig) -> None:
             (:func:`~rollout_sync.demos.sharded.check_sharded_config`): ``trainer_ranks`` or
             ``tp`` below 1, an engine other than torch_lm or a mode other than sync, a ``tp``
             that does not divide the model; ``learn``
-            (:func:`~rollout_sync.demos.learning.check_learning_config`).
+            (:func:`~rollout_sync.demos.learning.check_learning_config`); ``delta``
+            (:func:`check_delta_config`).
     """
     if config.replicas < 1 or config.steps < 1:
         raise ValueError("the demo needs at least one replica and one step")
@@ -730,6 +747,42 @@ def check_demo_config(config: DistributedDemoConfig) -> None:
             raise ValueError("the LoRA demo runs the plain job in sync or staged mode")
     if config.learn is not None:
         check_learning_config(config)
+    check_delta_config(config)
+
+
+def check_delta_config(config: DistributedDemoConfig) -> None:
+    """Refuse delta options the job cannot run (``delta``, ``full_every``, ``delta_lr``).
+
+    A delta sync needs a transfer that sends deltas and a trainer whose versions a delta can
+    encode: the plain job's P2R and R2R (the sharded transfer moves whole versions only), the
+    whole model (an adapter goes whole), and an engine registered with a learner (without
+    ``learn`` the trainer takes AdamW steps on its master).
+
+    Raises:
+        ValueError: ``full_every`` without ``delta`` or below 1, a negative ``delta_lr``, or
+            ``delta`` with ``trainer_ranks`` or ``tp`` above 1, ``lora``, or an engine without
+            a learner.
+    """
+    if config.full_every is not None and (not config.delta or config.full_every < 1):
+        raise ValueError(
+            f"full_every is the keyframe interval of delta syncs: pass delta=True and "
+            f"full_every >= 1, not {config.full_every!r}"
+        )
+    if not config.delta:
+        return
+    if not config.delta_lr >= 0:
+        raise ValueError(f"delta_lr must be at least 0, not {config.delta_lr!r}")
+    if config.sharded:
+        raise ValueError(
+            "delta syncs run on the plain job: the sharded transfer moves whole versions only"
+        )
+    if config.lora:
+        raise ValueError("delta syncs move the whole model's changes; an adapter moves whole")
+    if registered_engine(config.backend).learner is None:
+        raise ValueError(
+            f"delta syncs train the master of an engine registered with a learner; engine "
+            f"{config.backend!r} has none (delta: {learning_engines()})"
+        )
 
 
 def demo_limit_s(config: DistributedDemoConfig) -> float:

@@ -33,6 +33,7 @@ from ..trace import Timeline
 from ..transfer.layout import Layout, region_of
 
 __all__ = [
+    "DELTA_LR",
     "DEMO_ADAPTER",
     "VLLM_LEARN_LR",
     "VLLM_START_S",
@@ -103,6 +104,22 @@ class DistributedDemoConfig:
     generate. On torch_lm that is ``model`` and it pushes ``model.dtype`` (give ``model``
     bfloat16 to serve bf16, as ``rollout-sync demo --learn`` does); on vllm the tiny Llama,
     pushed in bf16. The plain job, sync or staged."""
+    delta: bool = False
+    """The trainer sends each version as its changes against the last one the replicas
+    committed (``TransferWeightPusher(delta=True)``; the first sync, a keyframe or a delta no
+    smaller than the whole version go whole). Without ``learn`` the trainer then takes real
+    AdamW steps at ``delta_lr`` instead of adding noise
+    (:class:`~rollout_sync.demos.learning.NextTokenTrainer`: the master of the engine's
+    ``learner``, a next-token loss on random tokens) and pushes the learner's served dtype,
+    which the replicas serve (give ``model`` bfloat16 on torch_lm, as ``rollout-sync demo
+    --delta`` does). Needs an engine registered with a learner; the plain job only, no
+    ``lora``."""
+    full_every: int | None = None
+    """With ``delta``: every ``full_every``-th sync goes whole (a keyframe); ``None``: only the
+    fallbacks do."""
+    delta_lr: float = 1e-6
+    """With ``delta`` and no ``learn``: AdamW's learning rate (:data:`DELTA_LR`, a realistic
+    one for a large model: 1-4 % of bf16 elements change a step)."""
 
     @property
     def sharded(self) -> bool:
@@ -116,6 +133,10 @@ DEMO_ADAPTER = "policy"
 VLLM_START_S = 150.0
 """Allowance for starting the vLLM replicas' engines (inside the first sync) on a busy machine:
 the ``vllm`` engine's ``start_s``."""
+
+
+DELTA_LR = DistributedDemoConfig.delta_lr
+"""``rollout-sync demo --delta``'s default learning rate without ``--learn``."""
 
 
 VLLM_LEARN_LR = 5e-3

@@ -17,6 +17,10 @@ rollouts (:mod:`rollout_sync.learn`; docs/learning.md).
 * **Report** (:func:`learning_report`): the reward curve, staleness, what staleness dropped, the
   importance weights, the changed fraction per sync, tokens per second and how long replicas
   idled.
+
+Also here, :class:`NextTokenTrainer`: the trainer's step of ``rollout-sync demo --delta`` without
+``--learn``, a real AdamW step on the same fp32 master (a next-token loss on random tokens), so
+the versions the job pushes differ as training makes them differ.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from ..learn import (
     LearnConfig,
     PolicyLearner,
     RolloutGroups,
+    TokenSetTask,
     rollout_from_payload,
     rollout_payload,
 )
@@ -53,6 +58,7 @@ __all__ = [
     "GroupFeed",
     "LearningLM",
     "LearningTrainer",
+    "NextTokenTrainer",
     "PromptGroup",
     "check_learning_config",
     "learner_model",
@@ -429,6 +435,56 @@ class LearningTrainer:
             "rollouts_invalid": self.invalid,
             "window_ns": self.window_ns,
         }
+
+
+class NextTokenTrainer:
+    """The trainer's step under ``--delta`` without ``--learn``: one real AdamW step (betas
+    0.9/0.999, eps 1e-8, no weight decay) on the fp32 master of the model the engine's
+    registration names (its ``learner``) at ``config.delta_lr``, on the next-token loss of a
+    batch of random tokens (:meth:`~rollout_sync.learn.PolicyLearner.next_token_step`), then
+    the served copy (:attr:`weights`, in the learner's served dtype) refreshed.
+
+    Adding noise to every element changes every element; a training step at a realistic
+    learning rate changes the few whose served rounding flips, which is what a delta sync
+    ships. The batch (:data:`BATCH` rows of up to :data:`WIDTH` tokens) is drawn from
+    ``config.seed``."""
+
+    BATCH = 8
+    WIDTH = 33
+
+    def __init__(self, config: DistributedDemoConfig) -> None:
+        model = learner_model(config)
+        self.learner = PolicyLearner(
+            model.build(),
+            task=TokenSetTask(vocab_size=model.vocab_size),  # unused by next-token steps
+            lr=config.delta_lr,
+            served_dtype=model.served_dtype,
+        )
+        self.lr = config.delta_lr
+        self.vocab_size = model.vocab_size
+        self.width = min(self.WIDTH, model.max_seq_len)
+        self._tokens = torch.Generator().manual_seed(config.seed + 5)
+        self.losses: list[float] = []
+        self.changed_fractions: list[float] = []
+
+    def __repr__(self) -> str:
+        return f"<NextTokenTrainer {len(self.losses)} steps at lr {self.lr:g}>"
+
+    @property
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The served copy: what the job pushes, rewritten in place by every step."""
+        return self.learner.served
+
+    def step(self, step: int) -> None:
+        """Training step ``step``: one AdamW step on a fresh batch of random tokens."""
+        tokens = torch.randint(0, self.vocab_size, (self.BATCH, self.width), generator=self._tokens)
+        result = self.learner.next_token_step(tokens)
+        self.losses.append(result.loss)
+        self.changed_fractions.append(result.changed_fraction)
+
+    def report(self) -> dict[str, Any]:
+        """Plain values for the report (they cross processes)."""
+        return {"losses": self.losses, "changed_fractions": self.changed_fractions}
 
 
 def _fifth_mean(values: Sequence[float], last: bool) -> float:

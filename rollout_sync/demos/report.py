@@ -1,11 +1,12 @@
 """The main job's report: what the trainer's and the replicas' values, and their merged
 timeline, say about a run (torn reads, overlaps, payloads, timings, rates, bit-identical
-checks, and with ``--learn`` the learning keys). :func:`report_of` is what every launcher's
-run ends with (:mod:`rollout_sync.demos.distributed`)."""
+checks, with ``--learn`` the learning keys, with ``--delta`` the delta keys). :func:`report_of`
+is what every launcher's run ends with (:mod:`rollout_sync.demos.distributed`)."""
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from ..trace import (
     token_rates_in_windows,
     torn_forwards,
 )
+from ..transfer.delta_sync import WholeReason
 from .job import DistributedDemoConfig
 from .learning import learning_report
 from .sharded import demo_layout, expected_digests
@@ -27,6 +29,7 @@ from .sharded import demo_layout, expected_digests
 __all__ = [
     "add_process_spans",
     "decode_step_ms_p50",
+    "delta_report",
     "park_steps",
     "report_of",
     "version_skew_ms_max",
@@ -58,7 +61,61 @@ def report_of(
     if config.learn is not None:
         pids = [rep["pid"] for rep in replicas]
         report = {**report, **learning_report(trainer, pids, timeline)}
+    if config.delta:
+        report = {**report, **delta_report(trainer, replicas)}
     return {"launcher": launcher, **report}
+
+
+def delta_report(
+    trainer: Mapping[str, Any], replicas: Sequence[Mapping[str, Any]]
+) -> dict[str, Any]:
+    """The report's delta keys, over every version every replica received (its
+    :class:`~rollout_sync.transfer.TransferStats`, P2R or R2R: one per replica and version).
+
+    ``delta_syncs`` / ``full_syncs``: the versions that came by delta / whole;
+    ``delta_bytes_over_full_p50``: over the delta ones, the bytes moved over the whole
+    version's, at the median (``None`` without a delta); ``full_sync_reasons``: why the whole
+    ones went whole, counted by :class:`~rollout_sync.transfer.delta_sync.WholeReason` name
+    (``first``, ``keyframe``, ``not_smaller``, ...). A replica that took a version whole over
+    R2R because its source took it whole from the trainer (the R2R passes on what the P2R
+    brought) counts the trainer's reason for that version. With ``--delta`` and no ``--learn``,
+    ``changed_fraction_p50``: the share of served elements a training step changed, at the
+    median (the learning keys have it with ``--learn``)."""
+    pushes = [
+        *([trainer["first_push"]] if trainer.get("first_push") else []),
+        *trainer["transfers"],
+    ]
+    sent = {t["version"]: t.get("whole_reason") for t in pushes}
+    received = [
+        t for rep in replicas for t in rep["transfers"] if t["role"] in ("receive", "relay")
+    ]
+    deltas = [t for t in received if t.get("sync_kind") == "delta"]
+    reasons = Counter(
+        _reason_name(t.get("whole_reason") or sent.get(t["version"]))
+        for t in received
+        if t.get("sync_kind") != "delta"
+    )
+    ratios = [t["nbytes"] / t["full_nbytes"] for t in deltas if t.get("full_nbytes")]
+    out: dict[str, Any] = {
+        "delta_syncs": len(deltas),
+        "full_syncs": len(received) - len(deltas),
+        "delta_bytes_over_full_p50": percentile(ratios, 50) if ratios else None,
+        "full_sync_reasons": dict(reasons.most_common()),
+    }
+    changed = trainer.get("next_tokens", {}).get("changed_fractions")
+    if changed is not None:
+        out["changed_fraction_p50"] = percentile(changed, 50)
+    return out
+
+
+def _reason_name(reason: str | None) -> str:
+    """A :class:`WholeReason`'s value by its name (``"first"``); another text as it is."""
+    if reason is None:
+        return "not_given"
+    try:
+        return WholeReason(reason).name.lower()
+    except ValueError:
+        return reason
 
 
 def _sharded_report(

@@ -152,11 +152,11 @@ class VLLMReplica(VLLMAsyncBackend):
         build_tiny_llama(directory, seed=_REPLICA_MODEL_SEED)
 
     def engine_config(self, demo: DistributedDemoConfig, directory: str) -> VLLMEngineConfig:
-        """float32, a 64 MiB KV cache, an adapter slot with ``--lora``."""
+        """float32 (with ``delta``, :data:`LEARN_SERVED_DTYPE`: what the trainer's AdamW master
+        is served in), a 64 MiB KV cache, an adapter slot with ``--lora``."""
         lora = VLLMLoRASettings(max_adapters=1, max_lora_rank=demo.lora_rank) if demo.lora else None
-        return VLLMEngineConfig(
-            directory, dtype="float32", kv_cache_memory_bytes=64 << 20, lora=lora
-        )
+        dtype = str(LEARN_SERVED_DTYPE).removeprefix("torch.") if demo.delta else "float32"
+        return VLLMEngineConfig(directory, dtype=dtype, kv_cache_memory_bytes=64 << 20, lora=lora)
 
     def build_feeder(
         self, demo: DistributedDemoConfig, sender: PayloadSender, seed: int

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from .loss import PolicyLoss, group_advantages, truncated_importance_loss
 from .models import CausalLMPolicy, LearnerModel, PolicyModel, TinyLMPolicy
-from .policy import LearnerStep, PolicyLearner, sequence_logprobs
+from .policy import LearnerStep, PolicyLearner, TokenStep, sequence_logprobs
 from .rollouts import (
     GROUP_KEY,
     InvalidRollout,
@@ -44,6 +44,7 @@ __all__ = [
     "TakenGroups",
     "TinyLMPolicy",
     "TokenSetTask",
+    "TokenStep",
     "group_advantages",
     "rollout_from_payload",
     "rollout_payload",

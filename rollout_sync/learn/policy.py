@@ -8,7 +8,9 @@ their elements that changed (what a delta sync would ship). A step scores each r
 task's reward (from the tokens the replica generated), computes group-relative advantages,
 recomputes every generated token's log-probability under the master at the replicas'
 temperature, and takes one AdamW step on the truncated importance-weighted loss
-(:mod:`rollout_sync.learn.loss`).
+(:mod:`rollout_sync.learn.loss`). :meth:`PolicyLearner.next_token_step` takes an AdamW step on a
+plain next-token loss instead (pretraining-like steps on given tokens, for a trainer with no
+task: ``rollout-sync demo --delta``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from .models import PolicyModel, TinyLMPolicy
 from .rollouts import Rollout
 from .task import TokenSetTask
 
-__all__ = ["LearnerStep", "PolicyLearner", "sequence_logprobs"]
+__all__ = ["LearnerStep", "PolicyLearner", "TokenStep", "sequence_logprobs"]
 
 
 def _policy(model: PolicyModel | TinyCausalLM) -> PolicyModel:
@@ -86,6 +88,18 @@ class LearnerStep:
     ratios: list[float]
     """Every token's importance ratio (current over behaviour, untruncated)."""
     clipped: int
+    changed_fraction: float
+    """Elements of the served copy that changed (bit for bit) with this step."""
+
+
+@dataclass(frozen=True)
+class TokenStep:
+    """What one next-token step (:meth:`PolicyLearner.next_token_step`) did."""
+
+    loss: float
+    """Mean cross-entropy of the tokens predicted, before the step."""
+    tokens: int
+    """Tokens predicted (each sequence's length less one, summed)."""
     changed_fraction: float
     """Elements of the served copy that changed (bit for bit) with this step."""
 
@@ -177,6 +191,47 @@ class PolicyLearner:
             tokens=int(mask.sum()),
             ratios=result.ratios.tolist(),
             clipped=result.clipped,
+            changed_fraction=self._refresh_served(),
+        )
+
+    def next_token_step(self, tokens: torch.Tensor) -> TokenStep:
+        """One AdamW step on the next-token loss of ``tokens`` (``[B, W]`` int64, every row
+        real: position ``i`` predicts token ``i + 1``), then the served copy rewritten from the
+        master. The same optimizer as :meth:`step`: the steps of a pretraining-like trainer,
+        whose changed fractions are what a delta sync of real training ships.
+
+        Raises:
+            ValueError: ``tokens`` is not ``[B, W]`` integers with ``W >= 2`` and ``W`` within
+                the model's context, or holds an id outside its vocabulary.
+        """
+        if tokens.dim() != 2 or tokens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"next_token_step takes [batch, width] integer token ids, not a "
+                f"{tokens.dtype} tensor of shape {tuple(tokens.shape)}"
+            )
+        batch, width = tokens.shape
+        if batch < 1 or not 2 <= width <= self.policy.max_seq_len:
+            raise ValueError(
+                f"next_token_step needs at least one row of 2..{self.policy.max_seq_len} tokens "
+                f"(max_seq_len), got shape {tuple(tokens.shape)}"
+            )
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.policy.vocab_size:
+            raise ValueError(
+                f"token ids must lie in [0, {self.policy.vocab_size}) (vocab_size), got "
+                f"{int(tokens.min())}..{int(tokens.max())}"
+            )
+        tokens = tokens.long()
+        real = torch.ones(batch, width - 1, dtype=torch.bool)
+        logits = self.policy.logits(tokens[:, :-1], real)
+        loss = torch.nn.functional.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        return TokenStep(
+            loss=float(loss.detach()),
+            tokens=batch * (width - 1),
             changed_fraction=self._refresh_served(),
         )
 

@@ -91,6 +91,14 @@ class Staged(InstallStrategy):
 
     def transferred(self, command: Any, stats: TransferStats) -> Mapping[str, torch.Tensor]:
         target = Target.of(command)
+        pending = self.pending.get(target.adapter)
+        if pending is not None and pending.version == stats.version and stats.role != "send":
+            # A delta staged and not installed yet (the P2R target waits for its R2R's vote):
+            # neither the served weights nor an older staging copy hold the version received.
+            # The version it makes, on a copy made if the callback reads it; the delta stays
+            # pending.
+            served = target.served(self.host.rollout)
+            return MadeOnFirstUse(partial(_with_delta, served, pending))
         staging = self.stagings.get(target.adapter)
         if staging is not None and stats.role != "send":
             return staging.tensors
@@ -370,3 +378,12 @@ class Staged(InstallStrategy):
             failed_ranks=failed,
             kept_version=kept,
         )
+
+
+def _with_delta(
+    served: Mapping[str, torch.Tensor], pending: ReceivedDelta
+) -> Mapping[str, torch.Tensor]:
+    """A copy of ``served`` with ``pending`` applied: the version a staged delta makes."""
+    made = {n: t.detach().clone() for n, t in served.items()}
+    pending.apply_to(made)
+    return made
