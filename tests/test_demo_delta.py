@@ -172,8 +172,8 @@ def test_without_delta_the_demo_is_unchanged(monkeypatch: pytest.MonkeyPatch) ->
         (["--delta", "--full-every", "0"], "--full-every must be at least 1, not 0"),
         (["--delta", "--in-process"], "drop --in-process"),
         (["--delta", "--trainer", "fast-llm"], "the Fast-LLM wire sends whole tensors"),
-        (["--delta", "--trainer-ranks", "2"], "the sharded transfer moves whole versions only"),
-        (["--delta", "--tp", "2"], "the sharded transfer moves whole versions only"),
+        (["--delta", "--trainer-ranks", "2"], "no AdamW master to take small steps"),
+        (["--delta", "--tp", "2"], "no AdamW master to take small steps"),
         (["--delta", "--lora"], "a --lora adapter goes whole: drop --lora"),
         (["--delta", "--backend", "torn_read"], "torn_read has none: use --backend torch_lm"),
         (["--delta", "--mode", "async_per_forward"], "torn_read has none"),
@@ -208,7 +208,7 @@ def test_the_config_check_refuses_what_the_job_cannot_send_deltas_with() -> None
     check_demo_config(DistributedDemoConfig(delta=True, full_every=3))
     for config, message in (
         (DistributedDemoConfig(full_every=3), "pass delta=True"),
-        (DistributedDemoConfig(delta=True, trainer_ranks=2), "sharded transfer"),
+        (DistributedDemoConfig(delta=True, trainer_ranks=2), "no AdamW master"),
         (DistributedDemoConfig(delta=True, lora=True), "an adapter moves whole"),
         (DistributedDemoConfig(delta=True, backend="torn_read"), "has none"),
         (DistributedDemoConfig(delta=True, delta_lr=-1.0), "delta_lr must be at least 0"),

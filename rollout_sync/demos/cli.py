@@ -151,7 +151,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "delta_syncs and full_syncs (versions the replicas received by delta / whole), "
         "delta_bytes_over_full_p50, full_sync_reasons and, without --learn, "
         "changed_fraction_p50. The plain job on torch_lm or vllm: not with --trainer-ranks/--tp "
-        "above 1 (the sharded transfer moves whole versions), --lora, --trainer fast-llm or "
+        "above 1 (the sharded job's trainer has no AdamW master), --lora, --trainer fast-llm or "
         "--in-process",
     )
     demo.add_argument(
@@ -468,8 +468,9 @@ def _delta_refusal(args: argparse.Namespace) -> str | None:
         )
     if args.trainer_ranks > 1 or args.tp > 1:
         return (
-            "--delta runs the plain job: the sharded transfer moves whole versions only (drop "
-            "--trainer-ranks and --tp)"
+            "--delta runs the plain job: the sharded job's trainer ranks move their shards by "
+            "seeded noise, with no AdamW master to take small steps (drop --trainer-ranks and "
+            "--tp; sharded transfers move deltas: docs/delta.md)"
         )
     if args.lora:
         return "--delta sends the whole model's changes; a --lora adapter goes whole: drop --lora"

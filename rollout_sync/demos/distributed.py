@@ -753,8 +753,8 @@ def check_demo_config(config: DistributedDemoConfig) -> None:
 def check_delta_config(config: DistributedDemoConfig) -> None:
     """Refuse delta options the job cannot run (``delta``, ``full_every``, ``delta_lr``).
 
-    A delta sync needs a transfer that sends deltas and a trainer whose versions a delta can
-    encode: the plain job's P2R and R2R (the sharded transfer moves whole versions only), the
+    A delta sync needs a trainer whose versions a delta can encode: the plain job's (the
+    sharded job's trainer ranks move their shards by seeded noise, with no AdamW master), the
     whole model (an adapter goes whole), and an engine registered with a learner (without
     ``learn`` the trainer takes AdamW steps on its master).
 
@@ -774,7 +774,8 @@ def check_delta_config(config: DistributedDemoConfig) -> None:
         raise ValueError(f"delta_lr must be at least 0, not {config.delta_lr!r}")
     if config.sharded:
         raise ValueError(
-            "delta syncs run on the plain job: the sharded transfer moves whole versions only"
+            "delta syncs run on the plain job: the sharded job's trainer ranks have no AdamW "
+            "master to take small steps"
         )
     if config.lora:
         raise ValueError("delta syncs move the whole model's changes; an adapter moves whole")
