@@ -145,3 +145,141 @@ def _collectives_child(rank: int, port: int) -> tuple[int, list[int], int]:
 def test_standalone_group_collectives_use_group_ranks() -> None:
     results = run_processes(_collectives_child, 2, (find_free_port(),), timeout_s=50)
     assert results == {0: (11, [0, 1], 0), 1: (11, [0, 1], 1)}
+
+
+# -- a delta, rebuilt from a host copy of the base (vLLM for CPU cannot apply one in place) ----
+
+
+def _stepped(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """``weights`` with 4 elements of layers 0, 3, 4 and 7 changed."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {n: t.clone() for n, t in weights.items()}
+    for i in (0, 3, 4, 7):
+        flat = out[f"layers.{i}.weight"].view(-1)
+        flat[torch.randperm(flat.numel(), generator=gen)[:4]] += 1.0
+    return out
+
+
+def _delta_child(rank: int, port: int) -> dict[str, Any]:
+    import dataclasses
+
+    from rollout_sync.errors import DeltaRefused
+    from rollout_sync.transfer.delta_sync import DeltaEncoder, DeltaTarget, DigestCache
+
+    group = standalone_group("127.0.0.1", port, rank, 2, timeout_s=20)
+    # 4 KiB buckets: the rebuilt tensors go to the loader in two calls.
+    transfer = WeightTransfer(group, 0, config=TransferConfig(bucket_bytes=4096, timeout_s=20))
+    v1 = _model(1)
+    v2 = _stepped(v1, 1)
+    v3 = _stepped(v2, 2)
+    out: dict[str, Any] = {}
+    if rank == 0:
+        encoder = DeltaEncoder()
+        sends: list[Any] = []
+        for version, weights, hostile in (
+            (1, v1, False),
+            (2, v2, False),
+            (3, v3, False),
+            (3, v3, True),
+            (3, v3, False),
+        ):
+            encoded = encoder.encode(weights, version)
+            if hostile:
+                assert not isinstance(encoded, str)
+                entries = list(encoded.header.entries)
+                a, b = entries[1].digest
+                entries[1] = dataclasses.replace(entries[1], digest=(a, b ^ 1))
+                header = dataclasses.replace(encoded.header, entries=tuple(entries))
+                encoded = dataclasses.replace(encoded, header=header)
+            try:
+                stats = transfer.send(weights, version=version, delta=encoded)
+            except ChecksumMismatchError as exc:
+                sends.append(("failed", list(exc.failed_ranks)))
+                continue
+            sends.append((stats.sync_kind, stats.nbytes))
+            encoder.committed(weights, version, encoded if stats.sync_kind == "delta" else None)
+        out["sends"] = sends
+        return out
+
+    host: dict[str, torch.Tensor] = {}
+    cache = DigestCache()
+    loaded: list[list[str]] = []
+    begun: list[int] = []
+    fail = [False]
+
+    def load(names: list[str], tensors: list[torch.Tensor]) -> None:
+        if fail[0]:
+            raise RuntimeError("the model refused a tensor")
+        loaded.append(list(names))
+        for name, tensor in zip(names, tensors, strict=True):
+            host.setdefault(name, tensor.clone()).copy_(tensor)  # whole: refresh the copy
+            out.setdefault("exact", []).append(torch.equal(tensor, _current[0][name]))
+
+    def begin(manifest: WeightManifest) -> None:
+        begun.append(1)
+
+    _current = [v1]
+    transfer.stream(_expected(), load, begin=begin)  # version 1, whole
+    loaded.clear()
+    begun.clear()
+
+    # Version 2 by delta: the changed tensors, rebuilt, in two loader calls after begin.
+    _current[0] = v2
+    stats = transfer.stream(
+        _expected(), load, begin=begin, delta=DeltaTarget(host, 1, cache, apply=True)
+    )
+    out["v2"] = (stats.sync_kind, stats.tensors_written, loaded[:], len(begun))
+    out["v2_host"] = all(torch.equal(host[n], v2[n]) for n in v2)
+
+    # Version 3: the loader fails; the host copy is restored bit for bit.
+    _current[0] = v3
+    fail[0] = True
+    try:
+        transfer.stream(
+            _expected(), load, begin=begin, delta=DeltaTarget(host, 2, cache, apply=True)
+        )
+    except WeightTransferError as exc:
+        out["v3_failed"] = (type(exc).__name__, exc.tensors_written)
+    out["v3_host_restored"] = all(torch.equal(host[n], v2[n]) for n in v2)
+    fail[0] = False
+
+    # Version 3 with a wrong digest: refused at the proof; nothing begun, loaded or written.
+    loaded.clear()
+    begun.clear()
+    try:
+        transfer.stream(
+            _expected(), load, begin=begin, delta=DeltaTarget(host, 2, cache, apply=True)
+        )
+    except DeltaRefused as exc:
+        out["hostile"] = (str(exc), len(loaded), len(begun), exc.tensors_written)
+    out["hostile_host"] = all(torch.equal(host[n], v2[n]) for n in v2)
+
+    # Staged (apply=False): kept pending, nothing loaded; applied later it is version 3.
+    target = DeltaTarget(host, 2, cache, apply=False)
+    stats = transfer.stream(_expected(), load, begin=begin, delta=target)
+    out["staged"] = (stats.sync_kind, len(loaded), len(begun), target.pending is not None)
+    assert target.pending is not None
+    target.pending.apply(cache)
+    out["staged_host"] = all(torch.equal(host[n], v3[n]) for n in v3)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_stream_rebuilds_a_delta_from_a_host_copy_proven_before_any_load() -> None:
+    results = run_processes(_delta_child, 2, (find_free_port(),), timeout_s=100, intra_op_threads=1)
+    source, replica = results[0], results[1]
+    changed = [f"layers.{i}.weight" for i in (0, 3, 4, 7)]
+    sends = source["sends"]
+    assert sends[0][0] == "whole" and sends[1][0] == "delta" and sends[1][1] < 512
+    assert sends[2] == ("failed", [1]) and sends[3] == ("failed", [1])
+    assert sends[4][0] == "delta"
+    # Only the changed tensors, in bucket-sized calls, after begin; exactly version 2.
+    kind, written, calls, begins = replica["v2"]
+    assert kind == "delta" and written == 4 and begins == 1
+    assert calls == [changed[:2], changed[2:]]
+    assert all(replica["exact"]) and replica["v2_host"]
+    assert replica["v3_failed"] == ("WeightTransferError", 2) and replica["v3_host_restored"]
+    message, loads, begun, written = replica["hostile"]
+    assert "layers.3.weight" in message and (loads, begun, written) == (0, 0, 0)
+    assert replica["hostile_host"]
+    assert replica["staged"] == ("delta", 0, 0, True) and replica["staged_host"]

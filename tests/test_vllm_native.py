@@ -8,9 +8,11 @@ compared with a plain transformers forward of the same weights.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -44,6 +46,7 @@ from rollout_sync.testing import (
     random_llama_weights,
 )
 from rollout_sync.trace import Span, find_overlaps
+from rollout_sync.transfer.delta_sync import DeltaEncoder, EncodedDelta, WholeReason
 
 pytestmark = pytest.mark.vllm
 
@@ -389,6 +392,228 @@ def test_unguarded_the_rollout_sync_engine_survives_a_mid_generation_update_sile
     version = native.push()
     result = native.backend.generate([PROMPT], greedy_params(16), timeout=60)[0]
     assert list(result.token_ids) == native.greedy(version, PROMPT, 16)
+
+
+# -- delta syncs: rebuilt from the worker's host copy, loaded as a whole update ----------------
+
+UNCHANGED = {  # parts of fused modules no delta below changes: they come from the host copy
+    "model.layers.0.self_attn.k_proj.weight",
+    "model.layers.0.self_attn.v_proj.weight",
+    "model.layers.1.mlp.up_proj.weight",
+}
+
+
+def _step(weights: Mapping[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """``weights`` with 2 % of the elements of every tensor but ``UNCHANGED`` moved (a
+    training step's change)."""
+    generator = torch.Generator().manual_seed(seed)
+    out = {n: t.clone() for n, t in weights.items()}
+    for name, tensor in out.items():
+        if name in UNCHANGED:
+            continue
+        flat = tensor.view(-1)
+        changed = torch.randperm(flat.numel(), generator=generator)[: max(1, flat.numel() // 50)]
+        flat[changed] = flat[changed] * 1.01 + 1e-3
+    return out
+
+
+class _WrongDigest(DeltaEncoder):
+    """The trainer's encoder, whose next delta claims a wrong new digest for one tensor (what
+    a corrupted or hostile sender sends): the worker's proof must refuse it."""
+
+    armed = True
+
+    def encode(
+        self, weights: Mapping[str, torch.Tensor], version: int
+    ) -> EncodedDelta | WholeReason:
+        out = super().encode(weights, version)
+        if not isinstance(out, EncodedDelta) or not self.armed:
+            return out
+        self.armed = False
+        entries = list(out.header.entries)
+        a, b = entries[3].digest
+        entries[3] = dataclasses.replace(entries[3], digest=(a, (b + 1) % 997))
+        header = dataclasses.replace(out.header, entries=tuple(entries))
+        return dataclasses.replace(out, header=header)
+
+
+class _LostFinishReply:
+    """The guarded client, whose ``finish_weight_update`` reply is lost once after the update
+    landed: the trainer's push fails, so its encoder keeps the old base while the worker
+    serves (and its host copy holds) the new version."""
+
+    def __init__(self, inner: GuardedWeightSyncClient) -> None:
+        self.inner = inner
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.inner.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        self.inner.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        self.inner.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.inner.finish_weight_update(weight_version)
+        raise TimeoutError("the reply to finish_weight_update was lost (test)")
+
+
+@contextmanager
+def _delta_trainer(native: Native, **fields: Any) -> Iterator[RolloutSyncTrainerEngine]:
+    """A trainer engine with ``fields`` (``delta=True`` ...) in place of the module's, which is
+    put back afterwards (a new group: the worker serves one trainer at a time) with a version
+    of its own pushed, so the tests after this one find what they expect."""
+    old = native.engine
+    info = RolloutSyncTrainerInitInfo.on_this_host(bucket_bytes=64 << 10, timeout_s=30.0, **fields)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        info, client=native.client, source=MappingSource(native.current)
+    )
+    assert isinstance(engine, RolloutSyncTrainerEngine)
+    old.shutdown()
+    native.engine = engine
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+        info = dataclasses.replace(old.init_info, master_port=find_free_port())
+        plain = WeightTransferTrainerFactory.trainer_init(
+            info, client=native.client, source=MappingSource(native.current)
+        )
+        assert isinstance(plain, RolloutSyncTrainerEngine)
+        plain.callback.version = engine.version
+        native.engine = plain
+        native.push()
+
+
+def _landed(native: Native, weights: Mapping[str, torch.Tensor], version: int) -> None:
+    """The worker serves ``weights`` as ``version``: verified by its read-back, and greedy
+    tokens exactly the transformers forward of ``weights``."""
+    state = native.backend.native_transfer_state()
+    assert state["torn"] is None and not native.backend.parked
+    assert _served_version(native) == str(version)
+    out = native.backend.generate([PROMPT, [3, 4, 5]], greedy_params(20), timeout=60)
+    assert list(out[0].token_ids) == native.reference(weights, PROMPT, 20)
+    assert list(out[1].token_ids) == native.reference(weights, [3, 4, 5], 20)
+
+
+@pytest.mark.timeout(300)
+def test_delta_syncs_rebuild_from_the_host_copy_and_fall_back_whole(native: Native) -> None:
+    full = sum(t.numel() * t.element_size() for t in native.current.values())
+    state = native.backend.native_transfer_state
+    with _delta_trainer(native, delta=True) as engine:
+        assert engine.encoder is not None
+        v = engine.version
+        a = dict(native.weights_of(v + 1))
+        native.send(engine, v + 1, a)  # no base yet: whole
+        stats = engine.last_stats
+        assert stats is not None and (stats.sync_kind, stats.whole_reason) == (
+            "whole",
+            WholeReason.FIRST.value,
+        )
+        assert state()["host_copy_version"] == v + 1
+        assert state()["host_copy_mb"] == pytest.approx(full / 1e6)
+        _landed(native, a, v + 1)
+
+        # A training step's change goes by delta: only its packed bytes on the wire, the
+        # worker rebuilds whole tensors from its host copy (and the unchanged parts of fused
+        # modules), loads them through vLLM's reload and reads them back.
+        b = _step(a, seed=1)
+        expected = DeltaEncoder()
+        expected.committed(a, v + 1, None)
+        delta = expected.encode(b, v + 2)
+        assert isinstance(delta, EncodedDelta) and not UNCHANGED & set(delta.packed)
+        updates = state()["updates"]
+        native.send(engine, v + 2, b)
+        stats = engine.last_stats
+        assert stats is not None and stats.sync_kind == "delta", stats
+        assert stats.nbytes == delta.nbytes < 0.1 * full and stats.full_nbytes == full
+        worker = state()
+        assert worker["last_sync_kind"] == "delta" and worker["updates"] == updates + 1
+        assert worker["host_copy_version"] == v + 2
+        _landed(native, b, v + 2)
+
+        # Staged: only the packed delta is staged; the install rebuilds from the host copy.
+        c = _step(b, seed=2)
+        native.current.clear()
+        native.current.update(c)
+        engine.push(c, version=v + 3, label=str(v + 3), timeout=60, staged=True)
+        assert engine.last_stats is not None and engine.last_stats.sync_kind == "delta"
+        assert state()["last_stage_mb"] < 0.1 * full / 1e6
+        _landed(native, c, v + 3)
+        metrics = engine.metrics()
+        assert metrics is not None and metrics["weight_sync_delta_count"] == 1  # send_weights'
+
+        # The worker lands v + 4 but the trainer never hears so: its base stays v + 3, the
+        # worker's host copy holds v + 4, another base: the worker asks for the whole version.
+        d = _step(c, seed=3)
+        engine.client = _LostFinishReply(native.client)
+        try:
+            with pytest.raises(TimeoutError):
+                native.send(engine, v + 4, d)
+        finally:
+            engine.client = native.client
+        assert state()["host_copy_version"] == v + 4
+        e = _step(d, seed=4)
+        native.send(engine, v + 5, e)
+        assert engine.last_stats is not None
+        assert (engine.last_stats.sync_kind, engine.last_stats.whole_reason) == (
+            "whole",
+            WholeReason.RECEIVER.value,
+        )
+        _landed(native, e, v + 5)
+        f = _step(e, seed=5)
+        native.send(engine, v + 6, f)  # and then by delta again
+        assert engine.last_stats is not None and engine.last_stats.sync_kind == "delta"
+        _landed(native, f, v + 6)
+
+    # Without the host copy a worker takes every version whole.
+    with _delta_trainer(native, delta=True, delta_host_copy=False) as engine:
+        v = engine.version
+        a = dict(native.weights_of(v + 1))
+        native.send(engine, v + 1, a)
+        native.send(engine, v + 2, _step(a, seed=6))
+        assert engine.last_stats is not None
+        assert (engine.last_stats.sync_kind, engine.last_stats.whole_reason) == (
+            "whole",
+            WholeReason.RECEIVER.value,
+        )
+        assert state()["host_copy_version"] is None
+        _landed(native, _step(a, seed=6), v + 2)
+
+
+@pytest.mark.timeout(240)
+def test_a_delta_with_a_wrong_digest_is_refused_with_nothing_loaded(native: Native) -> None:
+    state = native.backend.native_transfer_state
+    with _delta_trainer(native, delta=True) as engine:
+        v = engine.version
+        a = dict(native.weights_of(v + 1))
+        native.send(engine, v + 1, a)
+        hostile = _WrongDigest()
+        assert engine.encoder is not None
+        hostile.__dict__.update(engine.encoder.__dict__)
+        engine.encoder = hostile
+        # A guard of its own: it counts the engine's updates from its first start (the
+        # module's guard did not see the updates other tests sent through other guards, and
+        # takes a failure then as torn: its safe side).
+        guard = GuardedWeightSyncClient(native.client.inner, rollout=native.backend)
+        engine.client = guard
+        before = state()
+        with pytest.raises(ChecksumMismatchError) as caught:
+            native.send(engine, v + 2, _step(a, seed=7))
+        assert caught.value.failed_ranks == (1,)
+        # Refused at the proof, before the reload started: nothing loaded, not torn, the
+        # host copy untouched; the guard resumed generation on the version served.
+        after = state()
+        assert after["torn"] is None and after["updates"] == before["updates"]
+        assert after["host_copy_version"] == v + 1
+        assert guard.torn is None and "refused the delta" in str(guard.reports[-1].error)
+        _landed(native, a, v + 1)
+        # The next delta on the same base lands.
+        b = _step(a, seed=8)
+        native.send(engine, v + 2, b)
+        assert engine.last_stats is not None and engine.last_stats.sync_kind == "delta"
+        _landed(native, b, v + 2)
 
 
 # -- the trainer in a process of its own -------------------------------------------------------

@@ -210,6 +210,16 @@ only when a delta cannot serve)."""
 
 
 @dataclass
+class _DeltaLoad:
+    """A stream's loader, for a delta it rebuilds from its host copy; ``handed`` counts the
+    tensors given to ``load`` (what a failure then reports as written)."""
+
+    load: Callable[[list[str], list[torch.Tensor]], None]
+    begin: Callable[[WeightManifest], None] | None
+    handed: int = 0
+
+
+@dataclass
 class _Arrival:
     """One manifest as a receiver took it."""
 
@@ -614,6 +624,7 @@ class WeightTransfer:
         accept: Callable[[WeightManifest], None] | None = None,
         begin: Callable[[WeightManifest], None] | None = None,
         allow_subset: bool = True,
+        delta: DeltaTarget | None = None,
     ) -> TransferStats:
         """Receive one broadcast and hand each bucket's tensors to ``load`` as it arrives.
 
@@ -629,6 +640,22 @@ class WeightTransfer:
         A ``begin`` or ``load`` that raises stops all further loading on this rank, which
         keeps receiving (the group is not left hanging) and votes no at the commit.
 
+        ``delta``: for a loader that cannot take a delta in place (vLLM for CPU repacks its
+        weights after loading), a host copy of the base it serves
+        (:class:`~rollout_sync.transfer.delta_sync.DeltaTarget`; without one, or on another
+        base, this rank votes for the whole version, which the source then sends at once). A
+        delta on that base arrives in buffers of the packed deltas alone and is checked and
+        proven against ``delta.served`` before anything is loaded. Then, with ``delta.apply``,
+        it is written into ``delta.served`` and ``begin`` runs, and the rebuilt whole tensor
+        of every changed name (a copy of the written one, the loader's to keep) goes to
+        ``load`` in the delta's order, in calls of about a bucket's bytes; the names it does
+        not change are not loaded. All of this happens before the commit vote, as for a whole
+        version; whenever the version does not land here ``delta.served`` is restored, bit for
+        bit (the loader's engine is then torn as after a whole version's failed load: see
+        ``tensors_written``). With ``apply=False`` nothing is loaded and nothing written: the
+        proven delta is kept in ``delta.pending`` (a staged receive; the caller rebuilds at
+        its install). ``expected`` and ``allow_subset`` concern whole versions only.
+
         Returns:
             This rank's receive, as ``role="stream"``; ``tensors_written`` counts the tensors
             handed to ``load``.
@@ -639,6 +666,8 @@ class WeightTransfer:
             ManifestRejected: another rank rejected it; nothing was loaded.
             WeightTransferError: ``begin`` or ``load`` raised (chained), or as for
                 :meth:`receive`; ``tensors_written`` says how much was loaded.
+            DeltaRefused: a delta that fails its checks or its proof; nothing was loaded
+                (``begin`` did not run) and ``delta.served`` is untouched.
         """
         if self.is_source:
             raise RuntimeError(f"stream() on the source rank {self.src}; call send()")
@@ -651,6 +680,7 @@ class WeightTransfer:
                 expected,
                 allow_subset,
                 None,
+                delta,
                 whole_asked=whole_asked,
             )
             manifest = arrival.manifest
@@ -668,6 +698,12 @@ class WeightTransfer:
         assert manifest is not None
         manifest_done = time.perf_counter()
         outcome = _Outcome()
+        if manifest.delta is not None:
+            assert delta is not None  # a rank without one voted for the whole version
+            loader = _DeltaLoad(load, begin) if delta.apply else None
+            return self._take_delta(
+                "stream", manifest, version, delta, op, outcome, start, None, loader
+            )
         if begin is not None:
             try:
                 begin(manifest)
@@ -869,13 +905,16 @@ class WeightTransfer:
         outcome: _Outcome,
         start: float,
         forwarding: _Forward | None,
+        loader: _DeltaLoad | None = None,
     ) -> TransferStats:
         """Receive a delta: its buckets into buffers of the packed deltas alone (passed on
         through ``forwarding`` as they arrive), then check and prove it and apply it
         (``target.apply``; else keep it in ``target.pending``), and vote. What was written is
         restored whenever the version does not land here, so a delta never leaves the targets
         torn: every error it raises says ``tensors_written`` 0, unless the version landed
-        whole here and failed elsewhere (``complete``)."""
+        whole here and failed elsewhere (``complete``). ``loader`` (a stream's): after the
+        apply, the rebuilt tensors go to its ``load`` before the vote, and ``tensors_written``
+        counts what it was handed (its engine is torn by a failure from then on)."""
         manifest_done = time.perf_counter()
         header = manifest.delta
         assert header is not None
@@ -893,7 +932,7 @@ class WeightTransfer:
                 assert received is not None
                 received.restore()
             if isinstance(exc, WeightTransferError):
-                exc.tensors_written = 0
+                exc.tensors_written = 0 if loader is None else loader.handed
 
         try:
             self._receive_buckets(
@@ -917,6 +956,9 @@ class WeightTransfer:
                     )
                     refused.__cause__ = exc
                     outcome.refusal = refused
+            if received is not None and loader is not None:
+                # After the proof and the apply, before the vote: as a whole version loads.
+                self._load_delta(loader, received, manifest, op, outcome)
             failed, commits = self._commit_vote(op, version, manifest, outcome)
         except WeightTransferError as exc:
             if forwarding is not None:
@@ -942,6 +984,52 @@ class WeightTransfer:
             undo(exc)
             raise
         return self._receive_stats(role, version, manifest, outcome, start, manifest_done)
+
+    def _load_delta(
+        self,
+        loader: _DeltaLoad,
+        received: ReceivedDelta,
+        manifest: WeightManifest,
+        op: str,
+        outcome: _Outcome,
+    ) -> None:
+        """Hand a stream's loader the rebuilt tensors of an applied delta: ``begin``, then a
+        copy of each changed target, in calls of about a bucket's bytes. A failure is recorded
+        in ``outcome`` (voted no, raised after the vote, chained) and stops the loading."""
+        outcome.tensors_written = 0  # from here on: what the loader was handed
+        if loader.begin is not None:
+            try:
+                loader.begin(manifest)
+            except Exception as exc:  # reported after the commit vote
+                outcome.failure, outcome.cause = f"starting to load failed: {exc}", exc
+                return
+        chunks: list[list[str]] = [[]]
+        size = 0
+        for name in received.changes:
+            target = received.targets[name]
+            if chunks[-1] and size + target.numel() * target.element_size() > (
+                self.config.bucket_bytes
+            ):
+                chunks.append([])
+                size = 0
+            chunks[-1].append(name)
+            size += target.numel() * target.element_size()
+        for k, names in enumerate(chunks):
+            # Copies: the loader may keep them (vLLM's layerwise reload does, until a layer is
+            # complete), and the targets are restored if the version does not land.
+            tensors = [received.targets[n].clone() for n in names]
+            loader.handed += len(names)
+            outcome.tensors_written = loader.handed
+            try:
+                with self._write_span(f"load rebuilt tensors {k + 1}/{len(chunks)}"):
+                    loader.load(names, tensors)
+            except Exception as exc:  # reported after the commit vote, chained
+                outcome.failure = (
+                    f"loading the rebuilt tensors of the delta ({k + 1}/{len(chunks)}) "
+                    f"failed: {exc}"
+                )
+                outcome.cause = exc
+                return
 
     @contextmanager
     def _write_span(self, name: str) -> Iterator[None]:

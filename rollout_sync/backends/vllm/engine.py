@@ -52,6 +52,22 @@ served weights and version stay as they were, and ``torn`` stays ``None``. Under
 parallelism with an NCCL group a staged receive would run beside forwards that do their own
 NCCL collectives: refused (:class:`~rollout_sync.errors.TwoCommunicatorsRefused`).
 
+**Delta syncs** (``RolloutSyncInitInfo(delta_host_copy=True)``; docs/delta.md). vLLM for CPU
+repacks and replaces its linear weights after loading, so a delta cannot be applied to what it
+serves. With the option on, the engine keeps a :class:`HostCopy`: the served weights on the
+host, in the dtype the trainer sends, refreshed from the tensors every whole update hands the
+loader (no read of vLLM's weights), holding the version last committed, and a
+:class:`~rollout_sync.transfer.delta_sync.DigestCache` of it. A delta on that version is
+received packed, checked and proven against the host copy before anything is loaded, then
+applied to it; the whole tensors of every changed name (and the unchanged parts of their fused
+modules, from the host copy) go through vLLM's layerwise reload and the read-back as a whole
+update's do: the delta saves wire bytes, not the load. Without the option, with no complete
+host copy yet, while torn, or on another base, the engine votes for the whole version, which
+the trainer then sends at once in the same transfer. A delta refused or unproven loads
+nothing (not torn, host copy untouched); a load that fails part-way is torn as a whole
+update's is, and the host copy is dropped (the next sync goes whole). A staged delta stages
+the packed delta alone and rebuilds at the install.
+
 The trainer side is :class:`~rollout_sync.backends.vllm.trainer.RolloutSyncTrainerEngine`.
 Both are registered by :func:`~rollout_sync.backends.vllm.plugin.register_engines`.
 """
@@ -60,6 +76,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +97,8 @@ from ...errors import (
 )
 from ...trace import SpanKind, Timeline
 from ...transfer import TransferConfig, TransferStats, WeightManifest, WeightTransfer
+from ...transfer.delta import apply_changes
+from ...transfer.delta_sync import DeltaTarget, DigestCache, ReceivedDelta, SyncKind
 from .worker import (
     ProbePlan,
     Witness,
@@ -97,6 +116,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "HostCopy",
     "RolloutSyncInitInfo",
     "RolloutSyncUpdateInfo",
     "RolloutSyncWeightTransferEngine",
@@ -126,6 +146,10 @@ class RolloutSyncInitInfo(WeightTransferInitInfo):
     timeout_s: float = 60.0
     verify_columns: int = 16
     """Input columns read back per module after each update."""
+    delta_host_copy: bool = False
+    """Keep a :class:`HostCopy` of the served weights (one copy of them in host memory, in
+    the dtype the trainer sends), so that a delta sync can be taken (see the module); without
+    it every delta is answered with a vote for the whole version."""
 
     def __post_init__(self) -> None:
         if self.group_backend not in ("gloo", "nccl"):
@@ -188,6 +212,47 @@ def join_transfer_group(
 
 
 @dataclass
+class HostCopy:
+    """The weights a worker serves, on the host, in the dtype the trainer sends: what a delta
+    is applied to and whole tensors are rebuilt from (vLLM for CPU repacks what it serves).
+
+    Written by a whole update from the tensors it hands the loader, and by a delta proven
+    against it; read by the transfer (a delta's checks and proof) and the rebuild.
+    """
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    version: int | None = None
+    """The version every tensor holds and the engine serves, verified by its read-back;
+    ``None`` (no complete copy, an update in progress or failed): a delta gets a vote for the
+    whole version."""
+    digests: DigestCache = field(default_factory=DigestCache)
+    """Each tensor's digest, per version: taken once after a whole update, moved by deltas."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def refresh(self, names: list[str], tensors: list[torch.Tensor]) -> None:
+        """Copy tensors a whole update loads (reusing the buffer of a name while its shape
+        and dtype are unchanged)."""
+        for name, tensor in zip(names, tensors, strict=True):
+            kept = self.tensors.get(name)
+            if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype:
+                self.tensors[name] = tensor.detach().to("cpu", copy=True)
+            else:
+                kept.copy_(tensor.detach())
+
+    def covers(self, names: Mapping[str, torch.Tensor]) -> bool:
+        """Whether it holds a tensor of every name (of each one's shape and dtype)."""
+        return all(
+            n in self.tensors
+            and self.tensors[n].shape == t.shape
+            and self.tensors[n].dtype == t.dtype
+            for n, t in names.items()
+        )
+
+
+@dataclass
 class StagedReceive:
     """One staged receive: the transfer's thread and what it landed.
 
@@ -200,6 +265,9 @@ class StagedReceive:
     tensors: list[torch.Tensor] = field(default_factory=list)
     witnesses: list[Witness] = field(default_factory=list)
     stats: TransferStats | None = None
+    delta: ReceivedDelta | None = None
+    """A delta received instead (proven against the host copy, nothing written): the install
+    rebuilds the whole tensors from the host copy."""
     error: BaseException | None = None
     """Why the receive failed (``None`` while it runs or once it landed whole)."""
     done: threading.Event = field(default_factory=threading.Event)
@@ -207,8 +275,9 @@ class StagedReceive:
 
     @property
     def nbytes(self) -> int:
-        """The staging memory the received tensors take."""
-        return sum(t.numel() * t.element_size() for t in self.tensors)
+        """The staging memory the received tensors (or the packed delta) take."""
+        staged = sum(t.numel() * t.element_size() for t in self.tensors)
+        return staged + (0 if self.delta is None else self.delta.nbytes)
 
     def status(self) -> str:
         """``"receiving"``, ``"staged"`` (whole and verified) or ``"failed"``."""
@@ -263,6 +332,16 @@ class RolloutSyncWeightTransferEngine(
         self.staged_discarded = 0
         self.last_stage_bytes = 0
         self.last_install_s = 0.0
+        self.host: HostCopy | None = None
+        """The host copy delta syncs are rebuilt from (``delta_host_copy``), else ``None``."""
+        self._members: dict[str, list[str]] = {}
+        """Each load group's checkpoint names (a fused module's parts)."""
+        self._changed: set[str] | None = None
+        """While a delta loads: the names it changes (``None``: a whole update loads)."""
+        self._loaded: set[str] = set()
+        """While a delta loads: the names handed to the model so far."""
+        self._host_pending: ReceivedDelta | None = None
+        """A staged delta being installed: written into the host copy once it landed."""
 
     # -- the lifecycle vLLM drives ---------------------------------------------------------------
 
@@ -283,6 +362,11 @@ class RolloutSyncWeightTransferEngine(
         self._verify_columns = init_info.verify_columns
         self._timeout_s = init_info.timeout_s
         self._group_id = f"{init_info.master_address}:{init_info.master_port}"
+        # A copy kept across trainers stays valid: a delta is taken only on the bits it holds.
+        if not init_info.delta_host_copy:
+            self.host = None
+        elif self.host is None:
+            self.host = HostCopy()
 
     def start_weight_update(self) -> None:
         """Open an update. Touches nothing: the reload starts after the first manifest vote."""
@@ -299,6 +383,7 @@ class RolloutSyncWeightTransferEngine(
         self._reload_started = False
         self._witnesses = []
         self.last_load_s = 0.0
+        self._changed, self._host_pending = None, None
 
     def _reset_reload(self) -> None:
         """An earlier update failed mid-load: finalize its reload (its layers stay torn until
@@ -336,10 +421,12 @@ class RolloutSyncWeightTransferEngine(
                 accept=self._accept,
                 begin=self._begin,
                 allow_subset=update_info.allow_subset,
+                delta=self._delta_target(apply=True) if update_info.final else None,
             )
         except BaseException as exc:
             if self._reload_started:
                 self.torn = f"an update failed mid-load: {type(exc).__name__}: {exc}"
+                self._drop_host_copy()
                 self._record_write(error=True)
             raise
         if update_info.final:
@@ -428,11 +515,20 @@ class RolloutSyncWeightTransferEngine(
             staged.names.extend(names)
             staged.tensors.extend(tensors)
 
+        delta = self._delta_target(apply=False)
+
         def receive() -> None:
             try:
                 staged.stats = transfer.stream(
-                    self._expected, keep, accept=self._accept, allow_subset=update_info.allow_subset
+                    self._expected,
+                    keep,
+                    accept=self._accept,
+                    allow_subset=update_info.allow_subset,
+                    delta=delta,
                 )
+                if staged.stats.sync_kind == SyncKind.DELTA.value:
+                    assert delta is not None and delta.pending is not None
+                    staged.delta = delta.pending
             except BaseException as exc:  # handed to the install, which raises it
                 staged.error = exc
                 staged.names, staged.tensors, staged.witnesses = [], [], []
@@ -466,24 +562,109 @@ class RolloutSyncWeightTransferEngine(
                 operation="install a staged rollout_sync update",
                 version=getattr(error, "version", None),
             ) from error
+        if staged.delta is not None:
+            self._check_staged_base(staged.delta)
         start = time.perf_counter()
         self.last_stats = staged.stats
         self.last_stage_bytes = staged.nbytes
         try:
-            self._begin(None)
-            self._witnesses = staged.witnesses
-            load_start = time.perf_counter()
-            self._load_into_model(staged.names, staged.tensors)
-            self.last_load_s = time.perf_counter() - load_start
+            if staged.delta is not None:
+                self._install_delta(staged.delta)
+            else:
+                self._begin(None)
+                if self.host is not None:
+                    self.host.refresh(staged.names, staged.tensors)
+                self._witnesses = staged.witnesses
+                load_start = time.perf_counter()
+                self._load_into_model(staged.names, staged.tensors)
+                self.last_load_s = time.perf_counter() - load_start
         except BaseException as exc:
             self.torn = f"installing a staged update failed mid-load: {type(exc).__name__}: {exc}"
+            self._drop_host_copy()
             self._record_write(error=True)
             raise
         finally:
             staged.names, staged.tensors = [], []  # the reload holds what it still needs
+            staged.delta = None
         self._complete()
         self.staged_installs += 1
         self.last_install_s = time.perf_counter() - start
+
+    def _check_staged_base(self, delta: ReceivedDelta) -> None:
+        """A staged delta installs only on the host copy it was proven against (nothing
+        else updates between its receive and its install; refused loudly if something did)."""
+        host = self.host
+        if host is None or host.version != delta.header.base_version or self.torn is not None:
+            self.staged_discarded += 1
+            raise WeightTransferError(
+                f"the staged delta of version {delta.version} applies to version "
+                f"{delta.header.base_version}, but the host copy now holds "
+                f"{None if host is None else host.version} (torn: {self.torn}); nothing was "
+                "installed, the model serves the version it served",
+                operation="install a staged rollout_sync update",
+                version=delta.version,
+            )
+
+    def _install_delta(self, delta: ReceivedDelta) -> None:
+        """Rebuild the whole tensors a staged delta changes from the host copy (the host copy
+        itself is written once the install landed) and load them as a whole update's."""
+        host = self.host
+        assert host is not None
+        self._begin(None, changed=set(delta.changes))
+        self._host_pending = delta
+        limit = DEFAULT_BUCKET_BYTES if self.transfer is None else self.transfer.config.bucket_bytes
+        load_start = time.perf_counter()
+        chunk: list[str] = []
+        size = 0
+        for name in [*delta.changes, None]:
+            if chunk and (name is None or size >= limit):
+                # Copies of the base with the delta written: the reload keeps them.
+                tensors = [host.tensors[n].clone() for n in chunk]
+                for n, rebuilt in zip(chunk, tensors, strict=True):
+                    apply_changes(rebuilt, *delta.changes[n])
+                self._load(chunk, tensors)
+                chunk, size = [], 0
+            if name is not None:
+                chunk.append(name)
+                size += host.tensors[name].numel() * host.tensors[name].element_size()
+        self.last_load_s = time.perf_counter() - load_start
+
+    def _delta_target(self, *, apply: bool) -> DeltaTarget | None:
+        """The host copy as a delta sync's target, or ``None`` (every delta then gets a vote
+        for the whole version): no host copy, none complete, torn, or mid-update."""
+        host = self.host
+        if (
+            host is None
+            or host.version is None
+            or self.torn is not None
+            or self._reload_started
+            or not host.covers(self._expected)
+        ):
+            return None
+        return DeltaTarget(host.tensors, host.version, host.digests, apply=apply)
+
+    def _drop_host_copy(self) -> None:
+        """The host copy may no longer hold what is served (a failed update): drop it, so
+        every delta gets a vote for the whole version until a whole update of every served
+        weight has refreshed it."""
+        if self.host is not None:
+            self.host = HostCopy()  # new objects: a staged receive may still hold the old
+        self._host_pending = None
+
+    def _commit_host_copy(self, version: int | None) -> None:
+        """An update landed (verified): the host copy holds ``version`` where it holds every
+        served name."""
+        host = self.host
+        pending, self._host_pending = self._host_pending, None
+        if host is None:
+            return
+        if pending is not None:
+            try:
+                pending.apply(host.digests)  # proven already; restores itself on a failure
+            except Exception:  # the engine landed; only the copy is behind: drop it
+                host.version = None
+                return
+        host.version = version if host.covers(self._expected) else None
 
     def _complete(self) -> None:
         if not self._reload_started:
@@ -493,6 +674,7 @@ class RolloutSyncWeightTransferEngine(
             self._finish_reload()
         except BaseException as exc:
             self.torn = f"finishing the update failed: {type(exc).__name__}: {exc}"
+            self._drop_host_copy()
             self._record_write(error=True)
             raise
         finally:
@@ -503,9 +685,11 @@ class RolloutSyncWeightTransferEngine(
         self.last_verify_s = time.perf_counter() - start
         self._witnesses = []
         self._record_write(error=bool(problems))
+        self._changed, self._loaded = None, set()
         if problems:
             shown = "; ".join(problems[:3]) + ("; ..." if len(problems) > 3 else "")
             self.torn = f"{len(problems)} tensor(s) did not land: {shown}"
+            self._drop_host_copy()
             raise WeightsNotLandedError(
                 problems,
                 torn=True,
@@ -513,6 +697,7 @@ class RolloutSyncWeightTransferEngine(
             )
         self.torn = None
         self.updates += 1
+        self._commit_host_copy(None if self.last_stats is None else self.last_stats.version)
 
     def shutdown(self) -> None:
         """Leave the transfer group (the engine keeps serving); a staged receive still open
@@ -543,6 +728,11 @@ class RolloutSyncWeightTransferEngine(
             "staged_discarded": self.staged_discarded,
             "last_stage_mb": self.last_stage_bytes / 1e6,
             "last_install_s": self.last_install_s,
+            "last_sync_kind": None if stats is None else stats.sync_kind,
+            "last_whole_reason": None if stats is None else stats.whole_reason,
+            "last_full_mb": (stats.full_nbytes or 0) / 1e6 if stats is not None else 0.0,
+            "host_copy_version": None if self.host is None else self.host.version,
+            "host_copy_mb": None if self.host is None else self.host.nbytes / 1e6,
         }
 
     # -- inside a transfer -----------------------------------------------------------------------
@@ -563,6 +753,20 @@ class RolloutSyncWeightTransferEngine(
             name: torch.empty(shape, dtype=dtype, device="meta")
             for name, (shape, dtype) in specs.items()
         }
+        self._members = {}
+        for name, group in self._plan.groups.items():
+            self._members.setdefault(group, []).append(name)
+
+    def _with_fused_parts(self, names: set[str]) -> set[str]:
+        """``names`` and every other part of the fused modules they load into."""
+        plan = self._plan
+        assert plan is not None
+        out = set(names)
+        for name in names:
+            group = plan.groups.get(name)
+            if group is not None:
+                out.update(self._members[group])
+        return out
 
     def _accept(self, manifest: WeightManifest) -> None:
         """This rank's objections beyond names, shapes and dtypes: tensors it could not read
@@ -570,6 +774,9 @@ class RolloutSyncWeightTransferEngine(
         plan = self._plan
         assert plan is not None
         names = {e.name for e in manifest.entries}
+        if manifest.delta is not None:
+            # The unchanged parts of a fused module come from the host copy.
+            names = self._with_fused_parts(names)
         problems = [
             f"{name}: cannot be read back from the served model ({plan.unverifiable[name]})"
             for name in sorted(names)
@@ -579,11 +786,17 @@ class RolloutSyncWeightTransferEngine(
         if problems:
             raise WeightMismatchError(problems, context="rollout_sync native weight update")
 
-    def _begin(self, manifest: WeightManifest | None) -> None:
+    def _begin(self, manifest: WeightManifest | None, *, changed: set[str] | None = None) -> None:
         """After the vote (or at a staged install): start vLLM's layerwise reload (every layer
-        leaves its device)."""
+        leaves its device). ``changed`` (or the manifest's delta): a delta loads those names,
+        with the unchanged parts of their fused modules from the host copy."""
         if self._reload_started:
             return  # a second chunk of the same update
+        if manifest is not None and manifest.delta is not None:
+            changed = {e.name for e in manifest.delta.entries}
+        self._changed, self._loaded = changed, set()
+        if changed is None and self.host is not None:
+            self.host.version = None  # refreshed as the whole update loads
         self.torn = "an update is in progress (layers are on the meta device until finish)"
         self._reload_started = True
         self._write_start_ns = time.monotonic_ns()
@@ -594,12 +807,38 @@ class RolloutSyncWeightTransferEngine(
         assert plan is not None
         start = time.perf_counter()
         seed = self.updates
+        if self._changed is not None:
+            names, tensors = self._add_fused_parts(names, tensors)
+        elif self.host is not None:
+            self.host.refresh(names, tensors)
         for name, tensor in zip(names, tensors, strict=True):
             self._witnesses.append(
                 witness_of(name, tensor, plan, columns=self._verify_columns, seed=seed)
             )
         self._load_into_model(names, tensors)
         self.last_load_s += time.perf_counter() - start
+
+    def _add_fused_parts(
+        self, names: list[str], tensors: list[torch.Tensor]
+    ) -> tuple[list[str], list[torch.Tensor]]:
+        """A delta's rebuilt tensors, each followed by the parts of its fused module that the
+        delta does not change (copies from the host copy; each loaded once: a changed part
+        comes with its own rebuilt tensor)."""
+        host, plan, changed = self.host, self._plan, self._changed
+        assert host is not None and plan is not None and changed is not None
+        out_names: list[str] = []
+        out_tensors: list[torch.Tensor] = []
+        for name, tensor in zip(names, tensors, strict=True):
+            out_names.append(name)
+            out_tensors.append(tensor)
+            self._loaded.add(name)
+            group = plan.groups.get(name)
+            for part in [] if group is None else self._members[group]:
+                if part not in changed and part not in self._loaded:
+                    out_names.append(part)
+                    out_tensors.append(host.tensors[part].clone())
+                    self._loaded.add(part)
+        return out_names, out_tensors
 
     def _record_write(self, *, error: bool) -> None:
         if self.timeline is not None:

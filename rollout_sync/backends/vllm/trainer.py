@@ -21,6 +21,15 @@ Register that callback with the trainer's callbacks and every successful step pu
 ``step_end`` returns ``weight_sync_time_ms``; or call :meth:`~RolloutSyncTrainerEngine.send_weights`
 yourself and read :meth:`~RolloutSyncTrainerEngine.metrics`.
 
+**Delta syncs** (``RolloutSyncTrainerInitInfo(delta=True, full_every=N)``, docs/delta.md): the
+sender keeps a :class:`~rollout_sync.transfer.delta_sync.DeltaEncoder` (one copy of the last
+version every worker committed, in the dtype it sends) and sends each version as its changes
+against it; the workers keep a host copy to rebuild whole tensors from
+(``delta_host_copy``, on with ``delta``). The first sync, a keyframe, a delta no smaller than the
+whole version, or a worker that cannot take it (no host copy, another base, torn) makes the sync
+whole, automatically, in the same transfer; :attr:`RolloutSyncTrainerEngine.last_stats` says
+``sync_kind`` and ``whole_reason``, and the metrics count ``weight_sync_delta_count``.
+
 Multi-rank trainers: build the engine on every rank. Rank 0 sends; the other ranks only iterate
 the source (an FSDP ``full_tensor()`` is a collective they must join).
 """
@@ -48,6 +57,7 @@ from ...errors import WeightTransferTimeout
 from ...metrics import WeightSyncTimer
 from ...trainer import WeightBroadcastCallback
 from ...transfer import TransferStats, WeightTransfer
+from ...transfer.delta_sync import DeltaEncoder, EncodedDelta, WholeReason
 from .engine import (
     DEFAULT_BUCKET_BYTES,
     RolloutSyncInitInfo,
@@ -94,8 +104,9 @@ class RolloutSyncTrainerInitInfo(TrainerInitInfo):
     times data-parallel replicas); the workers join as ranks 1 .. world_size - 1.
     ``group_backend``: ``"gloo"`` or ``"nccl"``; ``None`` picks NCCL where CUDA is available.
     ``require_all``: every update carries every served weight (``False``: the source may be a
-    subset, whole fused modules only). ``staged``: see the field. ``timer``: times each push
-    (default: the clock that fits the group backend); not sent anywhere.
+    subset, whole fused modules only). ``staged``, ``delta``, ``full_every``,
+    ``delta_host_copy``: see the fields. ``timer``: times each push (default: the clock that
+    fits the group backend); not sent anywhere.
     """
 
     backend: ClassVar[str] = ENGINE_NAME
@@ -115,7 +126,26 @@ class RolloutSyncTrainerInitInfo(TrainerInitInfo):
     ``finish_weight_update`` installs what they staged; with a
     :class:`~rollout_sync.backends.vllm.client.GuardedWeightSyncClient` built with
     ``staged=True`` generation is parked for the install alone."""
+    delta: bool = False
+    """Send each version as its changes against the last one every worker committed (see the
+    module); whole when a worker cannot take it."""
+    full_every: int | None = None
+    """With ``delta``: every ``full_every``-th push goes whole (a keyframe)."""
+    delta_host_copy: bool | None = None
+    """Whether the workers keep the host copy a delta is rebuilt from
+    (:attr:`~rollout_sync.backends.vllm.engine.RolloutSyncInitInfo.delta_host_copy`: one copy
+    of the weights in each worker's host memory); ``None``: as ``delta``. ``False`` with
+    ``delta``: every sync goes whole (the workers ask for it)."""
     timer: WeightSyncTimer | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.full_every is not None and not self.delta:
+            raise ValueError(
+                "RolloutSyncTrainerInitInfo: full_every is the keyframe interval of delta "
+                "syncs: pass delta=True"
+            )
+        if self.full_every is not None and self.full_every < 1:
+            raise ValueError(f"full_every must be at least 1, got {self.full_every!r}")
 
     @classmethod
     def on_this_host(cls, world_size: int = 2, **fields: Any) -> Self:
@@ -149,6 +179,7 @@ class RolloutSyncTrainerInitInfo(TrainerInitInfo):
             checksums=self.checksums,
             timeout_s=self.timeout_s,
             verify_columns=self.verify_columns,
+            delta_host_copy=self.delta if self.delta_host_copy is None else self.delta_host_copy,
         )
 
 
@@ -172,6 +203,11 @@ class RolloutSyncTrainerEngine(TrainerWeightTransferEngine[RolloutSyncTrainerIni
         self.last_stats: TransferStats | None = None
         self.backend = init_info.resolved_group_backend()
         """The group's backend (what ``WeightBroadcastCallback`` picks its timer clock from)."""
+        self.encoder: DeltaEncoder | None = None
+        """The sender's delta encoder (``delta``), else ``None``: its base is the last version
+        every worker committed (:attr:`~DeltaEncoder.extra_bytes` of trainer memory)."""
+        if init_info.delta and self.is_sender:
+            self.encoder = DeltaEncoder(full_every=init_info.full_every)
         timer: WeightSyncTimer | None = None
         if self.is_sender:
             timer = (
@@ -277,6 +313,7 @@ class RolloutSyncTrainerEngine(TrainerWeightTransferEngine[RolloutSyncTrainerIni
         if transfer is None:
             raise RuntimeError("trainer_init() has not opened the transfer group")
         deadline = deadline_after(timeout + self.init_info.timeout_s)
+        encoded = None if self.encoder is None else self.encoder.encode(weights, version)
         update = asdict(
             RolloutSyncUpdateInfo(
                 allow_subset=not require_all,
@@ -289,9 +326,13 @@ class RolloutSyncTrainerEngine(TrainerWeightTransferEngine[RolloutSyncTrainerIni
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout_sync-update")
         try:
             if staged:
-                self._stage(transfer, weights, version, require_all, update, deadline, pool)
+                self._stage(
+                    transfer, weights, version, require_all, update, deadline, pool, encoded
+                )
             else:
-                self._transfer(transfer, weights, version, require_all, update, deadline, pool)
+                self._transfer(
+                    transfer, weights, version, require_all, update, deadline, pool, encoded
+                )
         except BaseException as exc:
             # A guarded client whose update is still open (this side failed, the engine's may
             # not have) gives it up: torn, parked, egress released.
@@ -310,6 +351,18 @@ class RolloutSyncTrainerEngine(TrainerWeightTransferEngine[RolloutSyncTrainerIni
         finally:
             pool.shutdown(wait=False)
         self.client.finish_weight_update(label)
+        if self.encoder is not None:
+            # Every worker committed this version: the base moves to it. A push that failed
+            # leaves the base: a worker that landed it anyway asks for the whole next time.
+            stats = self.last_stats
+            sent = (
+                encoded
+                if isinstance(encoded, EncodedDelta)
+                and stats is not None
+                and stats.sync_kind == "delta"
+                else None
+            )
+            self.encoder.committed(weights, version, sent)
         return self.last_stats
 
     def _transfer(
@@ -321,11 +374,14 @@ class RolloutSyncTrainerEngine(TrainerWeightTransferEngine[RolloutSyncTrainerIni
         update: dict[str, Any],
         deadline: float,
         pool: concurrent.futures.ThreadPoolExecutor,
+        delta: EncodedDelta | WholeReason | None = None,
     ) -> None:
         """``update_weights`` on ``pool`` beside this process's send; both bounded."""
         received = pool.submit(self.client.update_weights, update)
         try:
-            self.last_stats = transfer.send(weights, version=version, require_all=require_all)
+            self.last_stats = transfer.send(
+                weights, version=version, require_all=require_all, delta=delta
+            )
         except BaseException as send_error:
             # The workers' side ends within the transfer's timeout too; the send's typed
             # error is raised, with the workers' own (their reason) as its cause.
@@ -345,12 +401,15 @@ class RolloutSyncTrainerEngine(TrainerWeightTransferEngine[RolloutSyncTrainerIni
         update: dict[str, Any],
         deadline: float,
         pool: concurrent.futures.ThreadPoolExecutor,
+        delta: EncodedDelta | WholeReason | None = None,
     ) -> None:
         """Start the workers' staged receive (``update_weights`` returns at once), then send;
         both bounded. A worker that refused to start its receive (the call raised) gets no
         send: nothing would receive it."""
         _result(pool.submit(self.client.update_weights, update), deadline, "update_weights")
-        self.last_stats = transfer.send(weights, version=version, require_all=require_all)
+        self.last_stats = transfer.send(
+            weights, version=version, require_all=require_all, delta=delta
+        )
 
     def _materialize(self) -> dict[str, torch.Tensor]:
         """The source's tensors, each materialized (an FSDP gather), in metadata order; on
