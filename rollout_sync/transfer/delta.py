@@ -356,7 +356,9 @@ def updated_digest(
 def _digest_terms(positions: torch.Tensor, bits: torch.Tensor) -> tuple[int, int]:
     """The digest's two sums over elements at flat ``positions`` with these ``bits``: each
     element read as unsigned words of at most 32 bits (an 8-byte element as two), every term
-    reduced modulo a 31-bit prime, so no product or sum overflows int64."""
+    reduced modulo a 31-bit prime, so no product or sum overflows int64. Elements of at most
+    16 bits skip the reductions they do not need (a word is below the prime; a product below
+    2**47, so sums of 2**15 of them fit), which makes a whole tensor's digest a few passes."""
     p = _DIGEST_PRIME
     if bits.element_size() == 8:
         words = bits.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
@@ -366,11 +368,23 @@ def _digest_terms(positions: torch.Tensor, bits: torch.Tensor) -> tuple[int, int
         where = positions
     if not words.numel():
         return 0, 0
-    values = words.remainder(p)
-    weights = (where.to(torch.int64) + 1).remainder(p)
-    plain = int(values.sum().remainder(p))
-    weighted = int((values * weights).remainder(p).sum().remainder(p))
-    return plain, weighted
+    narrow = bits.element_size() <= 2
+    values = words if narrow else words.remainder(p)  # below the prime either way
+    weights = where.to(torch.int64) + 1
+    if int(weights.max()) >= p:
+        weights = weights.remainder(p)
+    plain = int(values.sum()) % p  # fewer than 2**32 terms below 2**31
+    products = values.mul_(weights) if narrow else (values * weights).remainder_(p)
+    return plain, _sum_mod(products, p, 1 << 15)
+
+
+def _sum_mod(terms: torch.Tensor, p: int, chunk: int) -> int:
+    """``sum(terms) % p`` for terms below 2**47, summed ``chunk`` at a time (no overflow)."""
+    whole = terms.numel() - terms.numel() % chunk
+    total = int(terms[whole:].sum()) % p
+    if whole:
+        total += int(terms[:whole].view(-1, chunk).sum(1).remainder_(p).sum())
+    return total % p
 
 
 _PACK_MAGIC = 0x5244454C54410001
