@@ -23,7 +23,14 @@ from rollout_sync.errors import (
     DeltaRefused,
     ManifestRejected,
 )
-from rollout_sync.testing import EventLog, RecordingRollout, run_group
+from rollout_sync.testing import (
+    EventLog,
+    FaultSchedule,
+    Kill,
+    RecordingRollout,
+    run_group,
+    transfer_fault_hooks,
+)
 from rollout_sync.trainer import TransferWeightPusher, WeightBroadcastCallback
 from rollout_sync.transfer import TransferConfig, TransferHooks, TransferStats, WeightTransfer
 from rollout_sync.transfer.delta import BLOCK_ELEMENTS, pack_delta, unpack_delta
@@ -348,3 +355,62 @@ def test_the_worker_takes_deltas_in_place_and_staged_and_a_replica_behind_gets_t
         assert results[2][mode + "_staging"] < 0.2 * sum(
             torch.Size(s).numel() * 2 for s in SHAPES.values()
         ), mode
+
+
+# -- a trainer killed mid-delta ----------------------------------------------------------------
+
+
+def _killed_delta_job(rank: int) -> dict[str, Any]:
+    """Rank 0 sends version 1 whole, then dies after packing the last bucket of version 2's
+    delta (once the replica took the one before); rank 1 receives in place."""
+    groups = build_sync_groups(0, [1], timeout_s=10)
+    config = TransferConfig(bucket_bytes=4096, timeout_s=10, checksums=True)
+    if rank == 0:
+        pusher = TransferWeightPusher(groups.p2r_transfer(config=config), delta=True)
+        pusher.push_weights(_version(1), version=1, timeout=10)
+        assert isinstance(pusher.transfer, WeightTransfer)
+        pusher.transfer.hooks = transfer_fault_hooks()
+        pusher.push_weights(_version(2), version=2, timeout=10)
+        return {}
+    rollout = RecordingRollout(
+        EventLog(), {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in SHAPES.items()}
+    )
+    worker = RolloutWorker(rollout, p2r=groups.p2r_transfer(config=config), weight_sync_timeout=10)
+    try:
+        assert worker.handle(P2R(step=1)).ok
+        assert isinstance(worker.p2r, WeightTransfer)
+        worker.p2r.hooks = transfer_fault_hooks()
+        result = worker.handle(P2R(step=2))
+        served = rollout.served_weights()
+        return {
+            "error": None if result.ok else type(result.exception).__name__,
+            "written": getattr(result.exception, "tensors_written", None),
+            "torn": rollout.weights_torn,
+            "version": rollout.weight_version,
+            "exact": all(torch.equal(served[n], t) for n, t in _version(1).items()),
+        }
+    finally:
+        worker.close(10)
+
+
+@pytest.mark.timeout(60)
+def test_a_trainer_killed_mid_delta_leaves_the_replica_whole_on_its_version() -> None:
+    """The same kill tears a replica mid-whole-sync (tests/test_transfer_mp.py); a delta is
+    written only once it arrived whole and was proven, so the replica keeps serving version 1
+    exactly: nothing written, not torn."""
+    results = run_group(
+        _killed_delta_job,
+        2,
+        timeout_s=60,
+        group_timeout_s=10,
+        # The delta's buckets: embed's (16 kB), layer.weight's (6 kB), norm's. The replica took
+        # the second; the third never leaves.
+        faults=FaultSchedule(Kill(0, "after_pack", 2, after="after_receive:1")),
+    )
+    assert results[1] == {
+        "error": "WeightTransferError",
+        "written": 0,
+        "torn": False,
+        "version": 1,
+        "exact": True,
+    }
