@@ -122,3 +122,43 @@ def test_a_position_past_the_last_block_end_is_refused() -> None:
     )
     with pytest.raises(DeltaError, match="out of range"):
         check_delta(bad, base)
+
+
+def test_an_apply_that_fails_part_way_puts_back_what_it_wrote(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ReceivedDelta.apply writes tensor by tensor; an error at the second leaves the first
+    restored bit for bit and nothing listed to undo (so the receive reports nothing written),
+    and the digest cache is not moved."""
+    from rollout_sync.transfer import delta_sync
+    from rollout_sync.transfer.delta_sync import DeltaEncoder, DeltaTarget, DigestCache
+
+    base = {"a": _pair(3 * BLOCK_ELEMENTS, 0.0)[0], "b": _pair(1000, 0.0, seed=1)[0]}
+    new = {"a": _pair(3 * BLOCK_ELEMENTS, 0.05)[1], "b": _pair(1000, 0.05, seed=1)[1]}
+    encoder = DeltaEncoder()
+    encoder.encode(base, 1)
+    encoder.committed(base, 1, None)
+    encoded = encoder.encode(new, 2)
+    assert not isinstance(encoded, delta_sync.WholeReason)
+    served = {n: t.clone() for n, t in base.items()}
+    cache = DigestCache()
+    target = DeltaTarget(served, 1, cache)
+    received = delta_sync.ReceivedDelta.check(2, encoded.header, encoded.packed, target)
+    real = delta_sync.apply_changes
+    calls = []
+
+    def failing(tensor: torch.Tensor, positions: torch.Tensor, bits: torch.Tensor) -> object:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the device went away")
+        return real(tensor, positions, bits)
+
+    monkeypatch.setattr(delta_sync, "apply_changes", failing)
+    with pytest.raises(RuntimeError, match="device went away"):
+        received.apply(cache)
+    assert len(calls) == 2 and not received.undo
+    assert all(torch.equal(_bits(served[n]), _bits(base[n])) for n in base)
+    assert all(cache.digests[n][0] == 1 for n in base)  # still the base's, not moved
+    monkeypatch.setattr(delta_sync, "apply_changes", real)
+    assert received.apply(cache) == 2
+    assert all(torch.equal(_bits(served[n]), _bits(new[n])) for n in new)

@@ -405,7 +405,7 @@ class ReceivedDelta:
                 raise DeltaError(
                     f"{entry.name}: the delta of version {version} applied to version "
                     f"{header.base_version} here would not equal the sender's version {version} "
-                    f"(digest {after} against {entry.digest}); nothing was written"
+                    f"(digest {after} against {entry.digest})"
                 )
             changes[entry.name], digests[entry.name] = (positions, new_bits), after
             nbytes += data.numel()
@@ -414,7 +414,8 @@ class ReceivedDelta:
     def apply(self, cache: DigestCache) -> int:
         """Write every delta into its target (checked and proven already); the tensors written.
         Their digests move to the new version in ``cache``. On an error part-way, what was
-        written is restored before it is raised."""
+        written is restored before it is raised (:attr:`undo` is then empty; were the restore
+        itself to fail, what it could not put back stays in :attr:`undo`)."""
         try:
             for name, (positions, new_bits) in self.changes.items():
                 self.undo.append(apply_changes(self.targets[name], positions, new_bits))
@@ -433,7 +434,8 @@ class ReceivedDelta:
     def restore(self) -> None:
         """Put back every element :meth:`apply` overwrote, bit for bit."""
         while self.undo:
-            self.undo.pop().restore()
+            self.undo[-1].restore()
+            self.undo.pop()  # only once it is back: what could not be stays listed
 
 
 class MadeOnFirstUse(Mapping[str, torch.Tensor]):

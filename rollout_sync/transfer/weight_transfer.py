@@ -839,14 +839,16 @@ class WeightTransfer:
             outcome = _Outcome()
             try:
                 whole = self._manifest_vote(op, arrival)
-            except WeightTransferError:
+            except WeightTransferError as exc:
                 if forwarding is not None:
                     forwarding.fill()
                     forwarding.close(ok=False)
+                elif downstream_whole:  # they wait for the whole version's manifest
+                    forward.abort(
+                        f"the relay's source failed: {type(exc).__name__}", version=version
+                    )
                 raise
             if not whole:
-                if downstream_whole:  # pragma: no cover - this rank voted for it: never
-                    forward_open = False
                 break
             if forwarding is not None:
                 # Downstream took the delta, upstream goes whole (another rank of the source's
@@ -946,17 +948,23 @@ class WeightTransfer:
                         applied = True  # from the first write on: restored on any failure
                         with self._write_span(f"apply the delta of version {version}"):
                             outcome.tensors_written = received.apply(target.digests)
-                except Exception as exc:  # its checks, or an apply that failed (restored)
-                    applied, received = False, None
-                    refused = DeltaRefused(
-                        f"{op}: refused the delta: {exc}; nothing was written (this replica "
-                        f"keeps version {header.base_version})",
-                        operation=op,
-                        version=version,
-                    )
-                    refused.__cause__ = exc
-                    outcome.refusal = refused
-            if received is not None and loader is not None:
+                except Exception as exc:  # its checks, or an apply that failed
+                    if received is not None and received.undo:
+                        # The apply failed and so did putting the old values back: torn.
+                        outcome.tensors_written = len(received.changes)
+                        outcome.failure, outcome.cause = f"applying the delta failed: {exc}", exc
+                        applied = False
+                    else:  # refused before any write, or restored bit for bit
+                        applied, received = False, None
+                        refused = DeltaRefused(
+                            f"{op}: refused the delta: {exc}; nothing was written (this "
+                            f"replica keeps version {header.base_version})",
+                            operation=op,
+                            version=version,
+                        )
+                        refused.__cause__ = exc
+                        outcome.refusal = refused
+            if received is not None and loader is not None and outcome.failure is None:
                 # After the proof and the apply, before the vote: as a whole version loads.
                 self._load_delta(loader, received, manifest, op, outcome)
             failed, commits = self._commit_vote(op, version, manifest, outcome)
@@ -968,7 +976,7 @@ class WeightTransfer:
             raise
         if forwarding is not None:
             forwarding.close(ok=outcome.failure is None and outcome.refusal is None)
-        if received is not None:
+        if received is not None and outcome.failure is None:
             # Whole and proven here (raised below if it failed elsewhere: ``complete``).
             target.received = EncodedDelta(version, header, packed, header.full_nbytes)
             target.pending = None if target.apply else received
