@@ -414,3 +414,67 @@ def test_a_trainer_killed_mid_delta_leaves_the_replica_whole_on_its_version() ->
         "version": 1,
         "exact": True,
     }
+
+
+# -- an apply that fails part-way and whose restore fails too: torn, and said so --------------
+
+
+@pytest.mark.timeout(60)
+def test_an_apply_whose_restore_also_failed_reports_the_targets_written(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The delta's apply fails at its second tensor and putting the first back fails as well:
+    the receive must not say that nothing was written (the worker would go on serving a mix
+    of versions), but count the delta's tensors as written, so the targets are torn. Two ranks
+    of a standalone gloo group, in threads of this process."""
+    import threading
+
+    from rollout_sync.distributed import standalone_group
+    from rollout_sync.errors import WeightTransferError
+    from rollout_sync.testing import find_free_port
+    from rollout_sync.transfer import delta, delta_sync
+
+    base, new = _version(1), _version(2)
+    encoder = DeltaEncoder()
+    encoder.encode(base, 1)
+    encoder.committed(base, 1, None)
+    encoded = encoder.encode(new, 2)
+    assert isinstance(encoded, EncodedDelta)
+    served = {n: t.clone() for n, t in base.items()}
+    real, calls = delta_sync.apply_changes, []
+
+    def failing(tensor: torch.Tensor, positions: torch.Tensor, bits: torch.Tensor) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the device went away")
+        return real(tensor, positions, bits)
+
+    def restore_fails(self: Any) -> None:
+        raise RuntimeError("and stayed away")
+
+    monkeypatch.setattr(delta_sync, "apply_changes", failing)
+    monkeypatch.setattr(delta.Overwritten, "restore", restore_fails)
+    port, out = find_free_port(), {}
+
+    def run(rank: int) -> None:
+        group = standalone_group("127.0.0.1", port, rank, 2, timeout_s=20)
+        transfer = WeightTransfer(group, 0, config=TransferConfig(timeout_s=20))
+        try:
+            if rank == 0:
+                out[0] = transfer.send(new, version=2, delta=encoded)
+            else:
+                out[1] = transfer.receive(served, delta=DeltaTarget(served, 1, DigestCache()))
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(50)
+    error = out[1]
+    assert isinstance(error, WeightTransferError), error
+    assert error.tensors_written == len(SHAPES) and error.targets_torn, error
+    assert "applying the delta failed" in str(error)
+    assert not torch.equal(served["embed"], base["embed"])  # the first tensor stays written
+    assert isinstance(out[0], ChecksumMismatchError)  # the replica voted no

@@ -72,7 +72,10 @@ class DeltaReceive(Receiving):
                 assert received is not None
                 received.restore()
             if isinstance(exc, WeightTransferError):
-                exc.tensors_written = 0 if loader is None else loader.handed
+                handed = 0 if loader is None else loader.handed
+                # An apply whose restore failed too left what ``undo`` still lists written.
+                left = 0 if received is None or not received.undo else len(received.changes)
+                exc.tensors_written = max(handed, left)
 
         try:
             self._receive_buckets(
