@@ -478,3 +478,49 @@ def test_an_apply_whose_restore_also_failed_reports_the_targets_written(
     assert "applying the delta failed" in str(error)
     assert not torch.equal(served["embed"], base["embed"])  # the first tensor stays written
     assert isinstance(out[0], ChecksumMismatchError)  # the replica voted no
+
+
+def test_a_staged_install_whose_apply_and_restore_failed_leaves_the_weights_torn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A staged replica installs a pending delta: the apply fails at its second tensor and
+    putting the first back fails too. The served weights mix two versions, so they are marked
+    torn (before the mend they stayed untorn, still labelled version 1)."""
+    import contextlib
+    import types
+
+    from rollout_sync.sync.slot import EngineSlot
+    from rollout_sync.sync.staged import Staged
+    from rollout_sync.transfer import delta, delta_sync
+
+    base, new = _version(1), _version(2)
+    encoder = DeltaEncoder()
+    encoder.encode(base, 1)
+    encoder.committed(base, 1, None)
+    encoded = encoder.encode(new, 2)
+    assert isinstance(encoded, EncodedDelta)
+    rollout = RecordingRollout(EventLog(), {n: t.clone() for n, t in base.items()})
+    rollout.commit_weight_version(1)
+    host = types.SimpleNamespace(
+        rollout=rollout, guarded=True, weight_sync_timeout=5.0, weight_sync_fence=lambda t: None
+    )
+    strategy = Staged(host, EngineSlot(rollout, "test"))
+    target = DeltaTarget(rollout.served_weights(), 1, strategy.digests, apply=False)
+    received = delta_sync.ReceivedDelta.check(2, encoded.header, encoded.packed, target)
+    real, calls = delta_sync.apply_changes, []
+
+    def failing(tensor: torch.Tensor, positions: torch.Tensor, bits: torch.Tensor) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the device went away")
+        return real(tensor, positions, bits)
+
+    def restore_fails(self: Any) -> None:
+        raise RuntimeError("and stayed away")
+
+    monkeypatch.setattr(delta_sync, "apply_changes", failing)
+    monkeypatch.setattr(delta.Overwritten, "restore", restore_fails)
+    bracket = types.SimpleNamespace(stalled=lambda pause: contextlib.nullcontext())
+    with pytest.raises(RuntimeError, match="stayed away"):
+        strategy._install_delta(bracket, received)  # type: ignore[arg-type]
+    assert rollout.weights_torn and rollout.weight_version == 1

@@ -320,19 +320,27 @@ class Staged(InstallStrategy):
         rollout = self.host.rollout
         self.stagings.pop(None, None)
         with bracket.stalled(pause=self.host.guarded):
-            received.apply(self.digests)
+            try:
+                received.apply(self.digests)
+            except BaseException as exc:
+                if received.undo:  # its restore failed too: what it lists is still written
+                    self._torn(received, "applying it failed, and so did putting it back", exc)
+                raise
             try:
                 reload_received(rollout, received.targets)
                 self.host.weight_sync_fence(self.host.weight_sync_timeout)
             except BaseException as exc:
-                rollout.mark_weights_torn(
-                    f"installing the delta of version {received.version} failed after it was "
-                    f"applied: {type(exc).__name__}: {exc}"
-                )
-                self.slot.park_if_torn(self.host.weight_sync_timeout)
+                self._torn(received, "failed after it was applied", exc)
                 raise
             rollout.commit_weight_version(received.version)
         self.slot.landed()
+
+    def _torn(self, received: ReceivedDelta, what: str, exc: BaseException) -> None:
+        self.host.rollout.mark_weights_torn(
+            f"installing the delta of version {received.version}: {what}: "
+            f"{type(exc).__name__}: {exc}"
+        )
+        self.slot.park_if_torn(self.host.weight_sync_timeout)
 
     def _materialize(self, target: Target, pending: ReceivedDelta) -> Mapping[str, torch.Tensor]:
         """The pending delta's version whole: the staging copy of the served weights with
