@@ -251,24 +251,39 @@ class DeltaTransfer(abc.ABC):
                     applied = True  # from the first write on: restored on any failure
                     with self._write_span(SpanKind.WEIGHT_WRITE, f"apply delta v{version}"):
                         received.apply(target.digests)
-            except Exception as exc:  # noqa: BLE001 - its checks, or an apply (restored)
-                applied, received = False, None
-                refused = DeltaRefused(
-                    f"rank {self.rank} refused the delta of version {version}: {exc}; nothing "
-                    f"was written (this replica keeps version {base})",
-                    operation=f"receive the delta of version {version}",
-                    version=version,
-                )
-                refused.__cause__ = exc
-                progress.refusal = refused
+            except Exception as exc:  # noqa: BLE001 - its checks, or an apply that failed
+                applied = False
+                if received is not None and received.undo:
+                    # The apply failed after writing and what it wrote is not all back (its
+                    # restore failed, or it failed past the writes): torn, never "untouched".
+                    progress.tensors_written.update(received.tensors)
+                    progress.write_error = exc
+                else:  # refused before any write, or restored bit for bit
+                    received = None
+                    refused = DeltaRefused(
+                        f"rank {self.rank} refused the delta of version {version}: {exc}; "
+                        f"nothing was written (this replica keeps version {base})",
+                        operation=f"receive the delta of version {version}",
+                        version=version,
+                    )
+                    refused.__cause__ = exc
+                    progress.refusal = refused
         try:
             self._commit_vote(version, progress, failure, receiving=True)
         except BaseException as exc:
             if applied:
                 assert received is not None
-                received.restore()
-            if isinstance(exc, WeightTransferError):
-                exc.tensors_written = 0
+                try:
+                    received.restore()
+                except Exception as undo_error:
+                    raise WeightTransferError(
+                        f"version {version} did not commit ({type(exc).__name__}), and putting "
+                        f"back what rank {self.rank} wrote of its delta failed "
+                        f"({type(undo_error).__name__}: {undo_error}): its part is torn",
+                        operation=f"restore after the delta of version {version}",
+                        version=version,
+                        tensors_written=len(received.tensors),
+                    ) from undo_error
             raise
         assert received is not None  # every rank voted yes
         target.received = encoded
