@@ -36,7 +36,7 @@ from rollout_sync.testing import (
 )
 from rollout_sync.trainer import TransferWeightPusher
 from rollout_sync.transfer import ShardedTransfer, TransferConfig, TransferPlan
-from rollout_sync.transfer._sharded_delta import ShardedDelta
+from rollout_sync.transfer._sharded_delta import ShardedDelta, ShardedReceivedDelta
 from rollout_sync.transfer.delta import BlockKind, pack_delta, unpack_delta
 from rollout_sync.transfer.delta_sync import DeltaTarget, DigestCache, WholeReason
 from rollout_sync.worker import P2R, R2R
@@ -119,6 +119,18 @@ def _outcome(call: Any) -> Any:
         return exc
 
 
+class _FailingPuts(DigestCache):
+    """A digest cache whose ``put`` raises once ``fail`` is set: an apply that fails after its
+    writes, with an error of a type nobody raises on purpose."""
+
+    fail = False
+
+    def put(self, name: str, version: int, digest: tuple[int, int]) -> None:
+        if self.fail:
+            raise RuntimeError("injected: the digest cache broke")
+        super().put(name, version, digest)
+
+
 def _raw_child(rank: int) -> list[tuple[Any, ...]]:
     trainer_layout, replica_layout = _layouts()
     plan = TransferPlan.between(trainer_layout, replica_layout)
@@ -151,11 +163,12 @@ def _raw_child(rank: int) -> list[tuple[Any, ...]]:
         for case in HOSTILE:
             log.append((case, push(case)))
         log.append(push())
+        log.append(("apply_fails_late", push()))
         log.append(("extra", encoder.extra_bytes, trainer_layout.local_specs(rank)))
         return log
     k = rank - 2
     served = replica_layout.shard(_model(0), k)
-    digests = DigestCache()
+    digests: DigestCache = _FailingPuts()
     held: int | None = 0
 
     def take() -> Any:
@@ -185,6 +198,11 @@ def _raw_child(rank: int) -> list[tuple[Any, ...]]:
         untouched = all(torch.equal(before[n], served[n]) for n in served)
         log.append((case, held, error, untouched))
     log.append(take())
+    if isinstance(digests, _FailingPuts) and rank == 2:
+        digests.fail = True
+    before = {n: t.clone() for n, t in served.items()}
+    error = take()
+    log.append(("apply_fails_late", error, all(torch.equal(before[n], served[n]) for n in served)))
     return log
 
 
@@ -211,6 +229,8 @@ def test_sharded_deltas_land_bit_identical_fall_back_whole_and_refuse_hostile_in
             tag, error = log[5 + i]
             assert tag == case and isinstance(error, WeightTransferError), (rank, case, error)
         assert log[5 + len(HOSTILE)][:3] == (6, "delta", None), rank
+        tag, error = log[6 + len(HOSTILE)]
+        assert tag == "apply_fails_late" and isinstance(error, WeightTransferError), error
     for rank in (2, 3):
         log = results[rank]
         assert [entry[:3] for entry in log[:5]] == expected, rank
@@ -223,7 +243,16 @@ def test_sharded_deltas_land_bit_identical_fall_back_whole_and_refuse_hostile_in
             if rank == 2:  # the rank that got the bad payload names the problem
                 assert isinstance(error, DeltaRefused), (case, error)
                 assert HOSTILE[case] in str(error), (case, str(error))
-        assert log[-1] == (6, "delta", None, True), rank
+        assert log[-2] == (6, "delta", None, True), rank
+        # An apply that failed after its writes (not by a refusal): rank 2 is torn and says
+        # so, never "nothing was written"; rank 3 put its own part back.
+        tag, error, untouched = log[-1]
+        assert tag == "apply_fails_late" and isinstance(error, WeightTransferError), error
+        if rank == 2:
+            assert not isinstance(error, DeltaRefused), error
+            assert error.tensors_written > 0 and not untouched, error
+        else:
+            assert error.tensors_written == 0 and untouched, error
 
 
 # -- a trainer rank killed mid-delta ------------------------------------------------------------
@@ -403,3 +432,14 @@ def test_the_pipelined_relay_asks_for_the_whole_version_and_says_why() -> None:
         ], rank
     for rank in (2, 3, 4, 5):
         assert results[rank]["exact"] == [True, True], rank
+
+
+def test_a_restore_that_fails_keeps_what_it_could_not_put_back() -> None:
+    tensor = torch.zeros(4, dtype=torch.int32)
+    received = ShardedReceivedDelta(2, 1, {"w": tensor}, [])
+    good = (tensor, torch.tensor([0]), torch.tensor([7], dtype=torch.int32))
+    bad = (tensor, torch.tensor([9]), torch.tensor([7], dtype=torch.int32))  # out of range
+    received.undo += [good, bad]
+    with pytest.raises(IndexError):
+        received.restore()
+    assert received.undo == [good, bad]  # nothing claimed back: the caller sees it is torn

@@ -1,7 +1,8 @@
 """A sharded transfer's buckets: what each (source, target) pair of ranks sends, cut and packed
 to the bucket size (:func:`_buckets`), the order in which a rank takes its peers' buckets
-(:func:`_interleave`), and a receive's bookkeeping (:class:`_Progress`). Shared by
-:mod:`rollout_sync.transfer.sharded` and its pipelined relay
+(:func:`_interleave`), a receive's bookkeeping (:class:`_Progress`), a delta payload's chunks
+(:func:`_chunks`) and the votes' words. Shared by :mod:`rollout_sync.transfer.sharded`, its
+delta syncs (:mod:`rollout_sync.transfer._sharded_delta_transfer`) and its relays
 (:mod:`rollout_sync.transfer._sharded_relay`)."""
 
 from __future__ import annotations
@@ -17,6 +18,12 @@ from .plan import Move
 
 _ALIGN = 8
 _CHECKSUM_BYTES = 16
+
+_YES = 1
+_NO = 0
+_FORWARD_FAILED = 2
+"""The votes' words; ``_FORWARD_FAILED``: a pipelined relay's commit vote, its own part is
+whole, passing it on failed."""
 
 
 @dataclass(frozen=True)

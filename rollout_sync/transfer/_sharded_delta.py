@@ -419,7 +419,9 @@ class ShardedReceivedDelta:
     def apply(self, cache: DigestCache) -> int:
         """Write every region's changes into its target tensor (checked and proven already);
         the tensors written. Their digests move to the new version in ``cache``. On an error
-        part-way, what was written is restored before it is raised."""
+        part-way, what was written is restored before it is raised (:attr:`undo` is then empty;
+        not so if the restore failed, or the error came after the writes: the caller's sign
+        that something may be written)."""
         try:
             for region in self.regions:
                 bits = bits_of(self.targets[region.move.target_local])
@@ -435,10 +437,12 @@ class ShardedReceivedDelta:
         return len(self.tensors)
 
     def restore(self) -> None:
-        """Put back every element :meth:`apply` overwrote, bit for bit."""
+        """Put back every element :meth:`apply` overwrote, bit for bit (were it to fail, what
+        it could not put back stays in :attr:`undo`)."""
         while self.undo:
-            bits, positions, old = self.undo.pop()
+            bits, positions, old = self.undo[-1]
             bits[positions] = old
+            self.undo.pop()  # only once it is back
 
     def apply_to(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Write the new version's changes into other copies of the base (a staging copy)."""

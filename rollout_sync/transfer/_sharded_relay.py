@@ -1,13 +1,15 @@
-"""The pipelined sharded relay: :class:`~rollout_sync.transfer.ShardedTransfer`'s ``relay()``
-with ``pipelined_relay=True``, written apart from the transfer's own send and receive.
+"""The sharded relays: :class:`~rollout_sync.transfer.ShardedTransfer`'s ``relay()``, written
+apart from the transfer's own send and receive.
 
-Each of the first replica's ranks passes every bucket of its slice on to the same rank of the
-other replicas (an R2R :class:`~rollout_sync.WeightTransfer`, sent in steps:
-:meth:`~rollout_sync.WeightTransfer.begin_send`) as soon as every tensor in it has arrived
-from the trainer ranks, two-phase (the protocol is in :mod:`rollout_sync.transfer.sharded`'s
-docstring). :class:`PipelinedRelay` is a part of ``ShardedTransfer`` (it runs on the
-transfer's own plan vote, receive steps and commit vote); :class:`_Arrivals` is the relay's
-view of its receive.
+The plain relay receives this rank's part whole, then sends it through an R2R
+:class:`~rollout_sync.WeightTransfer` (a delta goes on as a delta). The pipelined one
+(``pipelined_relay=True``): each of the first replica's ranks passes every bucket of its slice
+on to the same rank of the other replicas (an R2R :class:`~rollout_sync.WeightTransfer`, sent
+in steps: :meth:`~rollout_sync.WeightTransfer.begin_send`) as soon as every tensor in it has
+arrived from the trainer ranks, two-phase (the protocol is in
+:mod:`rollout_sync.transfer.sharded`'s docstring). :class:`Relay` is a part of
+``ShardedTransfer`` (it runs on the transfer's own receive, plan vote, receive steps and commit
+vote); :class:`_Arrivals` is the pipelined relay's view of its receive.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import abc
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
+from functools import partial
 
 import torch
 
@@ -24,14 +28,16 @@ from ..errors import (
     WeightMismatchError,
     WeightTransferError,
 )
+from ..trace import SpanKind
 from ..weights import WeightSpec
 from ._sharded_buckets import _Bucket, _Progress
 from ._sharded_delta import DeltaDecision
+from ._sharded_delta_transfer import _applied
 from .config import TransferStats
-from .delta_sync import DeltaTarget
+from .delta_sync import DeltaTarget, MadeOnFirstUse
 from .weight_transfer import StepwiseSend, Targets
 
-__all__ = ["PipelinedRelay"]
+__all__ = ["Relay"]
 
 
 def _forward_failed(error: Exception, version: int) -> WeightTransferError:
@@ -86,12 +92,24 @@ class _Arrivals:
                 self.missing[slot.move.target_local] -= slot.move.nbytes
 
 
-class PipelinedRelay(abc.ABC):
-    """The pipelined relay of a :class:`~rollout_sync.transfer.ShardedTransfer` (a part of it:
-    the members below are the transfer's, named here so that this part says what it uses)."""
+class Relay(abc.ABC):
+    """The relays (plain and pipelined) of a :class:`~rollout_sync.transfer.ShardedTransfer` (a
+    part of it: the members below are the transfer's, named here so that this part says what
+    it uses)."""
 
     rank: int
+    pipelined_relay: bool
     _specs: Mapping[str, WeightSpec]
+
+    @abc.abstractmethod
+    def _receive(
+        self,
+        into: Targets,
+        allow_subset: bool,
+        write_kind: str,
+        verify: Callable[[Mapping[str, torch.Tensor]], None] | None,
+        delta: DeltaTarget | None,
+    ) -> tuple[TransferStats, Mapping[str, torch.Tensor] | None]: ...
 
     @abc.abstractmethod
     def _check(
@@ -139,6 +157,70 @@ class PipelinedRelay(abc.ABC):
         end: float,
         decision: DeltaDecision = ...,
     ) -> TransferStats: ...
+
+    def relay(
+        self,
+        into: Targets,
+        forward: object,
+        *,
+        allow_subset: bool = True,
+        write_kind: str = SpanKind.WEIGHT_WRITE,
+        storage: torch.Tensor | None = None,
+        verify: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
+        delta: DeltaTarget | None = None,
+    ) -> TransferStats:
+        """Receive as :meth:`receive` does, then send what arrived through ``forward`` (an R2R
+        :class:`~rollout_sync.WeightTransfer` between this rank and the same rank of the other
+        replicas). Not pipelined: the second hop starts when the first is complete. A delta
+        goes on as a delta of this rank's local tensors (``delta.received``); a receiver that
+        asks for the whole version gets it from the tensors that now hold it (staged, a copy
+        of the served ones with the delta applied, made only then).
+
+        With ``pipelined_relay``, :meth:`_relay_pipelined` instead: each bucket of
+        ``forward`` goes out as soon as its tensors have arrived (the module docstring); it
+        passes whole versions on, so a sync through it goes whole
+        (:attr:`~rollout_sync.transfer.delta_sync.WholeReason.RELAY`).
+
+        Raises:
+            RelayForwardError: the receive completed (``complete``), passing it on failed.
+        """
+        if self.pipelined_relay:
+            return self._relay_pipelined(
+                into, forward, allow_subset, write_kind, storage, verify, delta
+            )
+        try:
+            stats, tensors = self._receive(into, allow_subset, write_kind, verify, delta)
+        except (WeightTransferError, WeightMismatchError) as exc:
+            abort = getattr(forward, "abort", None)
+            if abort is not None:  # the downstream replicas fail now, not at their limit
+                version = getattr(exc, "version", None)
+                abort(f"the relay's receive failed: {type(exc).__name__}", version=version)
+            raise
+        send: Callable[..., TransferStats] = getattr(forward, "send")  # noqa: B009
+        extra: dict[str, object] = {}
+        if stats.sync_kind == "delta":
+            assert delta is not None and delta.received is not None
+            extra["delta"] = delta.received
+            if tensors is None:  # kept pending: the whole version only if a receiver asks
+                tensors, storage = MadeOnFirstUse(partial(_applied, into, delta)), None
+        assert tensors is not None
+        try:
+            sent = send(tensors, version=stats.version, storage=storage, **extra)
+        except WeightTransferError as exc:
+            raise RelayForwardError(
+                f"received version {stats.version} whole, but passing it on failed: {exc}",
+                operation=f"relay version {stats.version}",
+                version=stats.version,
+                tensors_written=stats.tensors_written,
+                cause=exc,
+            ) from exc
+        # Both hops, one after the other: the relay's time is the receive's and the send's.
+        return replace(
+            stats,
+            role="relay",
+            transfer_s=stats.transfer_s + sent.total_s,
+            total_s=stats.total_s + sent.total_s,
+        )
 
     def _relay_pipelined(
         self,

@@ -29,29 +29,11 @@ its own local tensors, a target rank writes regions of its own. One transfer, in
    serves it: one rank's part of a replica is not a version on its own, so even a target that
    received its own part whole is torn when another rank failed.
 
-**Delta syncs** (:mod:`rollout_sync.transfer._sharded_delta`): a source rank's
-:meth:`ShardedTransfer.delta_encoder` keeps a copy of its local tensors as last committed and
-encodes, per move, the region's changes against the same region of that copy (one payload per
-target rank: per move its packed delta and the region's new digest). The plan vote carries
-each rank's delta columns: a source's offer (or why it sends whole: the first sync, a
-keyframe, a delta no smaller than its whole part), its base version, per pair a fingerprint
-of its base regions' digests and the payload's size; a target's offer (a
-:class:`~rollout_sync.transfer.delta_sync.DeltaTarget` on a version, its tensors contiguous)
-and the version it holds. When every rank offers on one base, a one-word base vote follows:
-each target rank matches the digests of the regions it holds (cached per version, so read
-once after a whole sync) against the sources' fingerprints. Every rank so learns whether the
-sync is a delta, and each target the size of each source's payload, which then goes point to
-point in chunks of the bucket size, each with its checksum. Anything else (a source without a
-delta, a target on another version or with other bytes, a pipelined relay) makes the same call
-move the version whole, saying why (``whole_reason``). A target checks every region's delta
-(positions in range, strictly increasing) and proves each region's result by its digest moved
-at the changed positions, before any write; then it applies them in place, keeping what it
-overwrote, or keeps them pending for a staged install (``DeltaTarget.pending``); whatever
-fails up to the commit vote (its own refusal, :class:`~rollout_sync.errors.DeltaRefused`,
-another rank's failure, a dead peer) restores what it wrote, so a delta never leaves a target
-torn (``tensors_written`` 0). ``DeltaTarget.received`` is then the same changes as a delta of
-the rank's local tensors, which the (two-hop) relay and the R2R source pass on to the other
-replicas through their :class:`~rollout_sync.WeightTransfer`.
+**Delta syncs** (:mod:`rollout_sync.transfer._sharded_delta_transfer`): a source rank sends
+each region's changes against the last version every rank committed; the plan vote (then a
+one-word base vote) decides, on every rank at once, whether a sync goes by delta or whole
+(``whole_reason``), and a target proves every region before any write and restores what it
+wrote on any failure up to the commit vote, so a delta never leaves it torn.
 
 **The pipelined relay** (``pipelined_relay=True``, on the first replica's ranks):
 :meth:`ShardedTransfer.relay` passes this rank's slice on to the same rank of the other
@@ -89,8 +71,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -98,9 +78,7 @@ import torch.distributed as dist
 from ..distributed import GroupCollectives
 from ..errors import (
     ChecksumMismatchError,
-    DeltaRefused,
     ManifestRejected,
-    RelayForwardError,
     TransferPlanMismatch,
     WeightMismatchError,
     WeightTransferError,
@@ -108,11 +86,12 @@ from ..errors import (
 from ..trace import SpanKind, Timeline
 from ..weights import WeightSpec, check_weights_match
 from ._sharded_buckets import (
+    _FORWARD_FAILED,
+    _NO,
+    _YES,
     _Bucket,
     _buckets,
     _check_coverage,
-    _Chunk,
-    _chunks,
     _interleave,
     _Progress,
 )
@@ -120,16 +99,13 @@ from ._sharded_delta import (
     WHOLE,
     DeltaDecision,
     ShardedDelta,
-    ShardedDeltaEncoder,
-    ShardedReceivedDelta,
     decide,
-    delta_columns,
     delta_width,
-    holds_base,
 )
-from ._sharded_relay import PipelinedRelay
+from ._sharded_delta_transfer import DeltaTransfer
+from ._sharded_relay import Relay
 from .config import TransferConfig, TransferHooks, TransferStats
-from .delta_sync import DeltaTarget, EncodedDelta, MadeOnFirstUse, SyncKind, WholeReason
+from .delta_sync import DeltaTarget, EncodedDelta, SyncKind, WholeReason
 from .layout import region_of
 from .manifest import OriginChecksums, bucket_checksum
 from .plan import TransferPlan
@@ -137,13 +113,8 @@ from .weight_transfer import Targets, wait_transfer_work
 
 __all__ = ["ShardedTransfer"]
 
-_YES = 1
-_NO = 0
-_FORWARD_FAILED = 2
-"""A pipelined relay's commit vote: its own part is whole, passing it on failed."""
 
-
-class ShardedTransfer(PipelinedRelay):
+class ShardedTransfer(DeltaTransfer, Relay):
     """Move versions from ``source_ranks`` to ``target_ranks`` of ``group`` along ``plan``.
 
     One object per (group, plan); reuse it across syncs. Source ranks call :meth:`send` with
@@ -287,19 +258,6 @@ class ShardedTransfer(PipelinedRelay):
 
     # -- the source side -------------------------------------------------------------------
 
-    def delta_encoder(self, *, full_every: int | None = None) -> ShardedDeltaEncoder:
-        """This source rank's encoder of delta syncs (what
-        :class:`~rollout_sync.trainer.TransferWeightPusher` asks for with ``delta=True``): it
-        keeps a copy of this rank's local tensors as last committed and encodes each move's
-        region against it; pass what its ``encode`` returns to :meth:`send` (``delta=``).
-
-        Raises:
-            RuntimeError: this rank is a target.
-        """
-        if not self.is_source:
-            raise RuntimeError(f"delta_encoder() on target rank {self.rank}: sources encode")
-        return ShardedDeltaEncoder(self.plan, self.index, full_every=full_every)
-
     def send(
         self,
         weights: Mapping[str, torch.Tensor],
@@ -340,25 +298,7 @@ class ShardedTransfer(PipelinedRelay):
         if sharded is not None and sharded.version != version:
             self.abort(f"a delta of version {sharded.version} sent as version {version}")
             raise ValueError(f"a delta of version {sharded.version} sent as version {version}")
-        reason = None
-        if isinstance(delta, EncodedDelta):
-            reason = WholeReason.TRANSFER
-        elif delta is not None and sharded is None:
-            reason = WholeReason(delta)
-        columns = self._columns(
-            offer=sharded is not None,
-            reason=reason,
-            base=None if sharded is None else sharded.base_version,
-            fingerprints=(
-                {}
-                if sharded is None
-                else {(self.index, t): f for t, f in sharded.fingerprints.items()}
-            ),
-            sizes={}
-            if sharded is None
-            else {(self.index, t): p.numel() for t, p in sharded.payloads.items()},
-        )
-        version, decision = self._plan_vote(version, own, columns)
+        version, decision = self._plan_vote(version, own, self._source_columns(delta))
         voted = time.perf_counter()
         progress = _Progress()
         failure: WeightTransferError | None = None
@@ -422,40 +362,6 @@ class ShardedTransfer(PipelinedRelay):
         if bucket.checksummed:
             data = buffer[: bucket.data_bytes]
             buffer[bucket.data_bytes :].view(torch.int64).copy_(bucket_checksum(data))
-
-    def _send_deltas(self, sharded: ShardedDelta, version: int, progress: _Progress) -> None:
-        """Send each target rank its payload, in chunks of the bucket size (each with its
-        checksum), all posted at once: a delta is small, and its targets post every receive
-        before they wait on any, so no order of the sources' sends can block them."""
-        config = self.config
-        in_flight: list[tuple[dist.Work | None, str]] = []
-        k = 0
-        targets = sorted(sharded.payloads)
-        start = self.index % len(targets) if targets else 0
-        for t in targets[start:] + targets[:start]:
-            payload = sharded.payloads[t].to(self.device)
-            chunks = _chunks(payload.numel(), config.bucket_bytes, config.checksums)
-            wire = torch.empty(
-                chunks[-1].wire[1] if chunks else 0, dtype=torch.uint8, device=self.device
-            )
-            dst = self.target_ranks[t]
-            for chunk in chunks:
-                view = wire[chunk.wire[0] : chunk.wire[1]]
-                data = payload[chunk.data[0] : chunk.data[1]]
-                size = data.numel()
-                view[:size].copy_(data)
-                if chunk.checksummed:
-                    view[size:].view(torch.int64).copy_(bucket_checksum(view[:size]))
-                if self.hooks.after_pack is not None:
-                    self.hooks.after_pack(k, view)
-                k += 1
-                op = f"send delta chunk {chunk.index + 1} of version {version} to rank {dst}"
-                with self._span(op):
-                    in_flight.append((self.collectives.send(view, dst, chunk.index), op))
-                progress.buckets += 1
-                progress.nbytes += size
-        for work, op in in_flight:
-            self._wait(work, op, version, 0)
 
     # -- the target side -------------------------------------------------------------------
 
@@ -561,166 +467,6 @@ class ShardedTransfer(PipelinedRelay):
         self._commit_vote(version, progress, failure, receiving=True)
         end = time.perf_counter()
         return self._stats("receive", version, progress, start, voted, end, decision), targets
-
-    def _receive_delta(
-        self, version: int, decision: DeltaDecision, target: DeltaTarget, progress: _Progress
-    ) -> None:
-        """A delta, on this target rank: every source's payload, then the check and proof of
-        every region (no write), the apply (or ``target.pending``), the commit vote. Anything
-        written is restored when the version does not commit, before the error is raised."""
-        failure: WeightTransferError | None = None
-        payloads: dict[int, torch.Tensor] = {}
-        try:
-            payloads = self._receive_payloads(version, decision, progress)
-        except WeightTransferError as exc:
-            failure = exc
-        received: ShardedReceivedDelta | None = None
-        applied = False
-        base = decision.base_version
-        assert base is not None
-        if failure is None and progress.writing:
-            moves = {s: self.plan.pair(s, self.index) for s in payloads}
-            ranks = {s: self.source_ranks[s] for s in payloads}
-            try:
-                received = ShardedReceivedDelta.check(version, base, payloads, moves, target, ranks)
-                encoded = received.encoded(target.digests)
-                if target.apply:
-                    applied = True  # from the first write on: restored on any failure
-                    with self._write_span(SpanKind.WEIGHT_WRITE, f"apply delta v{version}"):
-                        received.apply(target.digests)
-            except Exception as exc:  # noqa: BLE001 - its checks, or an apply (restored)
-                applied, received = False, None
-                refused = DeltaRefused(
-                    f"rank {self.rank} refused the delta of version {version}: {exc}; nothing "
-                    f"was written (this replica keeps version {base})",
-                    operation=f"receive the delta of version {version}",
-                    version=version,
-                )
-                refused.__cause__ = exc
-                progress.refusal = refused
-        try:
-            self._commit_vote(version, progress, failure, receiving=True)
-        except BaseException as exc:
-            if applied:
-                assert received is not None
-                received.restore()
-            if isinstance(exc, WeightTransferError):
-                exc.tensors_written = 0
-            raise
-        assert received is not None  # every rank voted yes
-        target.received = encoded
-        target.pending = None if target.apply else received  # type: ignore[assignment]
-        if target.apply:
-            progress.tensors_written.update(received.tensors)
-
-    def _receive_payloads(
-        self, version: int, decision: DeltaDecision, progress: _Progress
-    ) -> dict[int, torch.Tensor]:
-        """Every source's payload to this rank: every chunk's receive posted before any wait
-        (the sources post all their sends at once), each chunk's checksum verified; a
-        corrupted one is named in ``progress`` (nothing is applied), the rest still taken."""
-        config = self.config
-        posted: list[tuple[int, _Chunk, torch.Tensor, dist.Work | None]] = []
-        wires: dict[int, tuple[torch.Tensor, list[_Chunk]]] = {}
-        for s in sorted(self._queues):
-            size = decision.sizes.get((s, self.index), 0)
-            chunks = _chunks(size, config.bucket_bytes, config.checksums)
-            wire = torch.empty(
-                chunks[-1].wire[1] if chunks else 0, dtype=torch.uint8, device=self.device
-            )
-            wires[s] = (wire, chunks)
-            for chunk in chunks:
-                view = wire[chunk.wire[0] : chunk.wire[1]]
-                src = self.source_ranks[s]
-                posted.append((s, chunk, view, self.collectives.recv(view, src, chunk.index)))
-        for k, (s, chunk, view, work) in enumerate(posted):
-            src = self.source_ranks[s]
-            op = f"receive delta chunk {chunk.index + 1} of version {version} from rank {src}"
-            with self._span(op):
-                self._wait(work, op, version, 0)
-            size = chunk.data[1] - chunk.data[0]
-            progress.buckets += 1
-            progress.nbytes += size
-            try:
-                if self.hooks.after_receive is not None:
-                    self.hooks.after_receive(k, view)
-            except Exception as exc:  # noqa: BLE001 - this rank's own: voted no, then raised
-                progress.write_error = progress.write_error or exc
-            if chunk.checksummed and progress.writing:
-                expected = view[size:].view(torch.int64)
-                ok = bool(torch.equal(bucket_checksum(view[:size]), expected))
-                progress.checksums_verified += ok
-                if not ok:
-                    progress.failed_buckets.append((k, chunk.index + 1, src))
-        payloads = {}
-        for s, (wire, chunks) in wires.items():
-            parts = [wire[c.wire[0] : c.wire[0] + c.data[1] - c.data[0]] for c in chunks]
-            payloads[s] = torch.cat(parts).cpu() if parts else torch.empty(0, dtype=torch.uint8)
-        return payloads
-
-    def relay(
-        self,
-        into: Targets,
-        forward: object,
-        *,
-        allow_subset: bool = True,
-        write_kind: str = SpanKind.WEIGHT_WRITE,
-        storage: torch.Tensor | None = None,
-        verify: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
-        delta: DeltaTarget | None = None,
-    ) -> TransferStats:
-        """Receive as :meth:`receive` does, then send what arrived through ``forward`` (an R2R
-        :class:`~rollout_sync.WeightTransfer` between this rank and the same rank of the other
-        replicas). Not pipelined: the second hop starts when the first is complete. A delta
-        goes on as a delta of this rank's local tensors (``delta.received``); a receiver that
-        asks for the whole version gets it from the tensors that now hold it (staged, a copy
-        of the served ones with the delta applied, made only then).
-
-        With ``pipelined_relay``, :meth:`_relay_pipelined` instead: each bucket of
-        ``forward`` goes out as soon as its tensors have arrived (the module docstring); it
-        passes whole versions on, so a sync through it goes whole
-        (:attr:`~rollout_sync.transfer.delta_sync.WholeReason.RELAY`).
-
-        Raises:
-            RelayForwardError: the receive completed (``complete``), passing it on failed.
-        """
-        if self.pipelined_relay:
-            return self._relay_pipelined(
-                into, forward, allow_subset, write_kind, storage, verify, delta
-            )
-        try:
-            stats, tensors = self._receive(into, allow_subset, write_kind, verify, delta)
-        except (WeightTransferError, WeightMismatchError) as exc:
-            abort = getattr(forward, "abort", None)
-            if abort is not None:  # the downstream replicas fail now, not at their limit
-                version = getattr(exc, "version", None)
-                abort(f"the relay's receive failed: {type(exc).__name__}", version=version)
-            raise
-        send: Callable[..., TransferStats] = getattr(forward, "send")  # noqa: B009
-        extra: dict[str, object] = {}
-        if stats.sync_kind == "delta":
-            assert delta is not None and delta.received is not None
-            extra["delta"] = delta.received
-            if tensors is None:  # kept pending: the whole version only if a receiver asks
-                tensors, storage = MadeOnFirstUse(partial(_applied, into, delta)), None
-        assert tensors is not None
-        try:
-            sent = send(tensors, version=stats.version, storage=storage, **extra)
-        except WeightTransferError as exc:
-            raise RelayForwardError(
-                f"received version {stats.version} whole, but passing it on failed: {exc}",
-                operation=f"relay version {stats.version}",
-                version=stats.version,
-                tensors_written=stats.tensors_written,
-                cause=exc,
-            ) from exc
-        # Both hops, one after the other: the relay's time is the receive's and the send's.
-        return replace(
-            stats,
-            role="relay",
-            transfer_s=stats.transfer_s + sent.total_s,
-            total_s=stats.total_s + sent.total_s,
-        )
 
     def _receive_buckets(
         self,
@@ -840,43 +586,6 @@ class ShardedTransfer(PipelinedRelay):
             return exc
         return None
 
-    def _columns(
-        self,
-        *,
-        offer: bool = False,
-        reason: WholeReason | None = None,
-        base: int | None = None,
-        fingerprints: Mapping[tuple[int, int], int] | None = None,
-        sizes: Mapping[tuple[int, int], int] | None = None,
-    ) -> list[int]:
-        return delta_columns(
-            self.plan.source.world,
-            self.plan.target.world,
-            offer=offer,
-            reason=reason,
-            base=base,
-            fingerprints=fingerprints,
-            sizes=sizes,
-        )
-
-    def _target_columns(self, target: DeltaTarget | None, *, relaying: bool = False) -> list[int]:
-        """A target rank's delta columns: whether it can take a delta on the version it holds
-        (its layout's tensors served, contiguous, of their shapes), or why not."""
-        if target is None:
-            return self._columns()
-        if relaying:
-            return self._columns(reason=WholeReason.RELAY)
-        served = target.served
-        fits = target.version is not None and all(
-            (t := served.get(name)) is not None
-            and t.is_contiguous()
-            and (tuple(t.shape), t.dtype) == (spec.shape, spec.dtype)
-            for name, spec in self._specs.items()
-        )
-        if not fits:
-            return self._columns(reason=WholeReason.RECEIVER)
-        return self._columns(offer=True, base=target.version)
-
     def _plan_vote(
         self,
         version: int | None,
@@ -946,30 +655,6 @@ class ShardedTransfer(PipelinedRelay):
         if decision.delta:
             decision = self._base_vote(int(agreed), decision, target)
         return int(agreed), decision
-
-    def _base_vote(
-        self, version: int, decision: DeltaDecision, target: DeltaTarget | None
-    ) -> DeltaDecision:
-        """All-gather whether each target rank holds the sources' base in every region it
-        receives (its regions' digests, cached per version, against the sources'
-        fingerprints): the delta if all do, else the whole version
-        (:attr:`~rollout_sync.transfer.delta_sync.WholeReason.RECEIVER`). Only a sync every
-        rank offered a delta for runs it, so a whole sync never reads the served weights."""
-        op = f"sharded transfer base vote of version {version}"
-        holds = True
-        if not self.is_source:
-            try:
-                holds = target is not None and holds_base(self.plan, self.index, target, decision)
-            except Exception:  # noqa: BLE001 - a target that cannot tell takes the whole
-                holds = False
-        mine = torch.tensor([_YES if holds else _NO], dtype=torch.int64, device=self.device)
-        rows = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in self.ranks]
-        with self._span(op):
-            work = self.collectives.all_gather(rows, mine)
-            self._wait(work, op, version, 0)
-        if all(v == _YES for v in torch.cat(rows).tolist()):
-            return decision
-        return DeltaDecision(False, WholeReason.RECEIVER)
 
     def _commit_vote(
         self,
@@ -1097,16 +782,3 @@ class ShardedTransfer(PipelinedRelay):
         else:
             with self.timeline.span(kind, name):
                 yield
-
-
-def _applied(into: Targets, target: DeltaTarget) -> Mapping[str, torch.Tensor]:
-    """A pending delta's version whole (an R2R receiver asked for it): the tensors ``into``
-    makes (copies of the served ones if it is not a function) with the delta applied."""
-    pending = target.pending
-    assert pending is not None
-    if callable(into):
-        made, _ = into()
-    else:
-        made = {n: t.clone() for n, t in target.served.items()}
-    pending.apply_to(made)
-    return made
