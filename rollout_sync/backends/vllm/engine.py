@@ -602,17 +602,18 @@ class RolloutSyncWeightTransferEngine(
             return  # nothing (more) was loaded: the model serves what it served
         start = time.perf_counter()
         try:
-            self._finish_reload()
-        except BaseException as exc:
+            try:
+                self._finish_reload()
+            finally:
+                self._reload_started = False
+            self.last_finalize_s = time.perf_counter() - start
+            start = time.perf_counter()
+            problems = self._read_back()
+        except BaseException as exc:  # whatever it is, nothing was verified
             self.torn = f"finishing the update failed: {type(exc).__name__}: {exc}"
             self._drop_host_copy()
             self._record_write(error=True)
             raise
-        finally:
-            self._reload_started = False
-        self.last_finalize_s = time.perf_counter() - start
-        start = time.perf_counter()
-        problems = verify_witnesses(self.model, self._witnesses)
         self.last_verify_s = time.perf_counter() - start
         self._witnesses = []
         self._record_write(error=bool(problems))
@@ -716,8 +717,10 @@ class RolloutSyncWeightTransferEngine(
         if changed is not None:
             assert self.host is not None  # a delta is taken only on the host copy
             self._delta_load = DeltaLoad(self.host, changed, self._fused)
-        elif self.host is not None:
-            self.host.version = None  # refreshed as the whole update loads
+        if self.host is not None:
+            # Until the commit: a whole update refreshes it as it loads, an in-place delta was
+            # written into it already (a staged one is written at the commit).
+            self.host.version = None
         self.torn = "an update is in progress (layers are on the meta device until finish)"
         self._reload_started = True
         self._write_start_ns = time.monotonic_ns()
@@ -766,6 +769,10 @@ class RolloutSyncWeightTransferEngine(
         load: Any = self.model.load_weights
         with disable_mtp_completeness_check():
             load(list(zip(names, tensors, strict=True)))
+
+    def _read_back(self) -> list[str]:
+        """Every loaded tensor read back through its kernel: what did not land."""
+        return verify_witnesses(self.model, self._witnesses)
 
     def _finish_reload(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload

@@ -47,8 +47,10 @@ class HostCopy:
 
     def refresh(self, names: list[str], tensors: list[torch.Tensor]) -> None:
         """Copy tensors a whole update loads (reusing the buffer of a name while its shape
-        and dtype are unchanged)."""
+        and dtype are unchanged). Their cached digests are forgotten: a version number may
+        come again with other bits (a restarted trainer)."""
         for name, tensor in zip(names, tensors, strict=True):
+            self.digests.digests.pop(name, None)
             kept = self.tensors.get(name)
             if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype:
                 self.tensors[name] = tensor.detach().to("cpu", copy=True)
@@ -93,12 +95,13 @@ class HostCopy:
         self, pending: ReceivedDelta | None, version: int | None, served: Mapping[str, torch.Tensor]
     ) -> None:
         """An update landed (verified): write ``pending`` (a staged delta, proven against this
-        copy), then hold ``version`` where this copy has every ``served`` name."""
+        copy), then hold ``version`` where this copy has every ``served`` name. It claims no
+        version while it is written, nor after a write that failed (of any kind)."""
+        self.version = None
         if pending is not None:
             try:
                 pending.apply(self.digests)  # proven already; restores itself on a failure
-            except Exception:  # the engine landed; only the copy is behind: drop it
-                self.version = None
+            except Exception:  # the engine landed; only the copy is behind: it claims nothing
                 return
         self.version = version if self.covers(served) else None
 
