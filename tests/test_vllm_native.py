@@ -8,6 +8,7 @@ compared with a plain transformers forward of the same weights.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -614,6 +615,42 @@ def test_a_delta_with_a_wrong_digest_is_refused_with_nothing_loaded(native: Nati
         native.send(engine, v + 2, b)
         assert engine.last_stats is not None and engine.last_stats.sync_kind == "delta"
         _landed(native, b, v + 2)
+
+
+def test_the_host_copy_claims_only_bits_it_holds() -> None:
+    """A version number sent again whole with other bits is digested anew, and a staged
+    delta whose write stops part-way (of any error type) leaves the copy claiming nothing."""
+    from rollout_sync.backends.vllm.host_copy import HostCopy
+
+    served = {"w": torch.zeros(4)}
+    host = HostCopy()
+    host.refresh(["w"], [torch.zeros(4)])
+    host.commit(None, 3, served)
+    host.digests.get("w", host.tensors["w"], 3)
+    host.refresh(["w"], [torch.ones(4)])  # version 3 again, other bits (a restarted trainer)
+    host.commit(None, 3, served)
+    fresh = HostCopy()
+    fresh.refresh(["w"], [torch.ones(4)])
+    assert host.digests.get("w", host.tensors["w"], 3) == fresh.digests.get(
+        "w", fresh.tensors["w"], 3
+    )
+
+    class _Interrupted(BaseException):
+        pass
+
+    class _Unwritable:
+        def __init__(self, error: BaseException) -> None:
+            self.error = error
+
+        def apply(self, cache: Any) -> int:
+            host.tensors["w"][0] = 7.0  # written, not put back
+            raise self.error
+
+    for error in (RuntimeError("the write failed (test)"), _Interrupted()):
+        host.commit(None, 3, served)
+        with contextlib.suppress(_Interrupted):
+            host.commit(_Unwritable(error), 4, served)  # type: ignore[arg-type]
+        assert host.version is None, error
 
 
 # -- the trainer in a process of its own -------------------------------------------------------

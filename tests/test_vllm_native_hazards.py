@@ -80,12 +80,12 @@ class Harness(TrainerWeights):
         self.version = 0
 
     def trainer(
-        self, flaw: str, *, guarded: bool = True, timeout_s: float = 30.0
+        self, flaw: str, *, guarded: bool = True, timeout_s: float = 30.0, **fields: Any
     ) -> tuple[RolloutSyncTrainerEngine, Any]:
         inner = _WithFlaw(self.backend.weight_sync_client(), flaw)
         client: Any = GuardedWeightSyncClient(inner, rollout=self.backend) if guarded else inner
         info = RolloutSyncTrainerInitInfo.on_this_host(
-            bucket_bytes=SMALL_BUCKETS, timeout_s=timeout_s
+            bucket_bytes=SMALL_BUCKETS, timeout_s=timeout_s, **fields
         )
         engine = RolloutSyncTrainerEngine.trainer_init(
             info, client=client, source=MappingSource(self.current)
@@ -150,6 +150,31 @@ def test_a_load_outside_the_layerwise_reload_is_refused_or_caught(harness: Harne
     try:
         with pytest.raises(Exception):  # noqa: B017 - the engine's own error, from an RPC
             harness.push(engine)
+    finally:
+        engine.shutdown()
+    _torn_then_recovers(harness, client, "update_weights")
+
+
+@pytest.mark.timeout(240)
+def test_an_unexpected_error_reading_back_a_delta_leaves_it_torn_and_the_host_copy_unclaimed(
+    harness: Harness,
+) -> None:
+    """A delta was written into the host copy and loaded, then the read-back fails with an
+    error of a type nobody raises on purpose: the engine is torn naming it, and the host copy
+    claims no version (the next sync goes whole)."""
+    engine, client = harness.trainer("delta_read_back_error", delta=True)
+    try:
+        version = harness.push(engine)  # the first: whole, read back as ever
+        step = {n: t.clone() for n, t in harness.weights_of(version).items()}
+        for tensor in step.values():
+            tensor.view(-1)[:4] += 1.0  # a training step's change: sent by delta
+        harness.version += 1
+        with pytest.raises(Exception, match="a read-back bug"):
+            harness.send(engine, harness.version, step)
+        state = harness.backend.native_transfer_state()
+        assert state is not None and state["last_sync_kind"] == "delta"
+        assert state["torn"] is not None and "RuntimeError" in state["torn"]
+        assert state["host_copy_version"] is None
     finally:
         engine.shutdown()
     _torn_then_recovers(harness, client, "update_weights")

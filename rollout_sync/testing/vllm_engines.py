@@ -12,6 +12,8 @@ worker extension).
   it (silent corruption 3 of ``shared/VLLM_NATIVE.md``).
 * ``"no_reload"``: the model's plain ``load_weights`` outside a layerwise reload; on vLLM for
   CPU the repacked ``lm_head`` keeps the old weights (silent corruption 1).
+* ``"delta_read_back_error"``: the read-back of a delta's load raises an error of a type
+  nobody raises on purpose (a bug): the engine must stay torn, its host copy claiming nothing.
 * ``""``: no flaw (the production engine).
 """
 
@@ -26,7 +28,7 @@ from ..backends.vllm.engine import RolloutSyncInitInfo, RolloutSyncWeightTransfe
 __all__ = ["FLAWED_ENGINE_NAME", "FLAWS", "FlawedInitInfo", "FlawedWeightTransferEngine"]
 
 FLAWED_ENGINE_NAME = "rollout_sync_flawed"
-FLAWS = ("", "reuse_buffer", "no_reload")
+FLAWS = ("", "reuse_buffer", "no_reload", "delta_read_back_error")
 
 
 @dataclass
@@ -59,6 +61,11 @@ class FlawedWeightTransferEngine(RolloutSyncWeightTransferEngine):
     def _finish_reload(self) -> None:
         if self.flaw != "no_reload":
             super()._finish_reload()
+
+    def _read_back(self) -> list[str]:
+        if self.flaw == "delta_read_back_error" and self._delta_load is not None:
+            raise RuntimeError("a read-back bug (test)")
+        return super()._read_back()
 
     def _load_into_model(self, names: list[str], tensors: list[torch.Tensor]) -> None:
         if self.flaw != "reuse_buffer":

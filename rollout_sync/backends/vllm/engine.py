@@ -76,7 +76,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -97,8 +96,8 @@ from ...errors import (
 )
 from ...trace import SpanKind, Timeline
 from ...transfer import TransferConfig, TransferStats, WeightManifest, WeightTransfer
-from ...transfer.delta import apply_changes
-from ...transfer.delta_sync import DeltaTarget, DigestCache, ReceivedDelta, SyncKind
+from ...transfer.delta_sync import DeltaTarget, ReceivedDelta, SyncKind
+from .host_copy import DeltaLoad, FusedParts, HostCopy
 from .worker import (
     ProbePlan,
     Witness,
@@ -212,47 +211,6 @@ def join_transfer_group(
 
 
 @dataclass
-class HostCopy:
-    """The weights a worker serves, on the host, in the dtype the trainer sends: what a delta
-    is applied to and whole tensors are rebuilt from (vLLM for CPU repacks what it serves).
-
-    Written by a whole update from the tensors it hands the loader, and by a delta proven
-    against it; read by the transfer (a delta's checks and proof) and the rebuild.
-    """
-
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    version: int | None = None
-    """The version every tensor holds and the engine serves, verified by its read-back;
-    ``None`` (no complete copy, an update in progress or failed): a delta gets a vote for the
-    whole version."""
-    digests: DigestCache = field(default_factory=DigestCache)
-    """Each tensor's digest, per version: taken once after a whole update, moved by deltas."""
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
-    def refresh(self, names: list[str], tensors: list[torch.Tensor]) -> None:
-        """Copy tensors a whole update loads (reusing the buffer of a name while its shape
-        and dtype are unchanged)."""
-        for name, tensor in zip(names, tensors, strict=True):
-            kept = self.tensors.get(name)
-            if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype:
-                self.tensors[name] = tensor.detach().to("cpu", copy=True)
-            else:
-                kept.copy_(tensor.detach())
-
-    def covers(self, names: Mapping[str, torch.Tensor]) -> bool:
-        """Whether it holds a tensor of every name (of each one's shape and dtype)."""
-        return all(
-            n in self.tensors
-            and self.tensors[n].shape == t.shape
-            and self.tensors[n].dtype == t.dtype
-            for n, t in names.items()
-        )
-
-
-@dataclass
 class StagedReceive:
     """One staged receive: the transfer's thread and what it landed.
 
@@ -334,12 +292,11 @@ class RolloutSyncWeightTransferEngine(
         self.last_install_s = 0.0
         self.host: HostCopy | None = None
         """The host copy delta syncs are rebuilt from (``delta_host_copy``), else ``None``."""
-        self._members: dict[str, list[str]] = {}
-        """Each load group's checkpoint names (a fused module's parts)."""
-        self._changed: set[str] | None = None
-        """While a delta loads: the names it changes (``None``: a whole update loads)."""
-        self._loaded: set[str] = set()
-        """While a delta loads: the names handed to the model so far."""
+        self._fused = FusedParts({}, {})
+        """Which checkpoint names load into one fused module."""
+        self._delta_load: DeltaLoad | None = None
+        """While a delta loads: what it changes and what was handed so far (``None``: a whole
+        update loads)."""
         self._host_pending: ReceivedDelta | None = None
         """A staged delta being installed: written into the host copy once it landed."""
 
@@ -383,7 +340,7 @@ class RolloutSyncWeightTransferEngine(
         self._reload_started = False
         self._witnesses = []
         self.last_load_s = 0.0
-        self._changed, self._host_pending = None, None
+        self._delta_load, self._host_pending = None, None
 
     def _reset_reload(self) -> None:
         """An earlier update failed mid-load: finalize its reload (its layers stay torn until
@@ -614,34 +571,16 @@ class RolloutSyncWeightTransferEngine(
         self._host_pending = delta
         limit = DEFAULT_BUCKET_BYTES if self.transfer is None else self.transfer.config.bucket_bytes
         load_start = time.perf_counter()
-        chunk: list[str] = []
-        size = 0
-        for name in [*delta.changes, None]:
-            if chunk and (name is None or size >= limit):
-                # Copies of the base with the delta written: the reload keeps them.
-                tensors = [host.tensors[n].clone() for n in chunk]
-                for n, rebuilt in zip(chunk, tensors, strict=True):
-                    apply_changes(rebuilt, *delta.changes[n])
-                self._load(chunk, tensors)
-                chunk, size = [], 0
-            if name is not None:
-                chunk.append(name)
-                size += host.tensors[name].numel() * host.tensors[name].element_size()
+        for names, tensors in host.rebuilt(delta, limit):
+            self._load(names, tensors)
         self.last_load_s = time.perf_counter() - load_start
 
     def _delta_target(self, *, apply: bool) -> DeltaTarget | None:
         """The host copy as a delta sync's target, or ``None`` (every delta then gets a vote
         for the whole version): no host copy, none complete, torn, or mid-update."""
-        host = self.host
-        if (
-            host is None
-            or host.version is None
-            or self.torn is not None
-            or self._reload_started
-            or not host.covers(self._expected)
-        ):
+        if self.host is None or self.torn is not None or self._reload_started:
             return None
-        return DeltaTarget(host.tensors, host.version, host.digests, apply=apply)
+        return self.host.target(self._expected, apply=apply)
 
     def _drop_host_copy(self) -> None:
         """The host copy may no longer hold what is served (a failed update): drop it, so
@@ -654,38 +593,31 @@ class RolloutSyncWeightTransferEngine(
     def _commit_host_copy(self, version: int | None) -> None:
         """An update landed (verified): the host copy holds ``version`` where it holds every
         served name."""
-        host = self.host
         pending, self._host_pending = self._host_pending, None
-        if host is None:
-            return
-        if pending is not None:
-            try:
-                pending.apply(host.digests)  # proven already; restores itself on a failure
-            except Exception:  # the engine landed; only the copy is behind: drop it
-                host.version = None
-                return
-        host.version = version if host.covers(self._expected) else None
+        if self.host is not None:
+            self.host.commit(pending, version, self._expected)
 
     def _complete(self) -> None:
         if not self._reload_started:
             return  # nothing (more) was loaded: the model serves what it served
         start = time.perf_counter()
         try:
-            self._finish_reload()
-        except BaseException as exc:
+            try:
+                self._finish_reload()
+            finally:
+                self._reload_started = False
+            self.last_finalize_s = time.perf_counter() - start
+            start = time.perf_counter()
+            problems = self._read_back()
+        except BaseException as exc:  # whatever it is, nothing was verified
             self.torn = f"finishing the update failed: {type(exc).__name__}: {exc}"
             self._drop_host_copy()
             self._record_write(error=True)
             raise
-        finally:
-            self._reload_started = False
-        self.last_finalize_s = time.perf_counter() - start
-        start = time.perf_counter()
-        problems = verify_witnesses(self.model, self._witnesses)
         self.last_verify_s = time.perf_counter() - start
         self._witnesses = []
         self._record_write(error=bool(problems))
-        self._changed, self._loaded = None, set()
+        self._delta_load = None
         if problems:
             shown = "; ".join(problems[:3]) + ("; ..." if len(problems) > 3 else "")
             self.torn = f"{len(problems)} tensor(s) did not land: {shown}"
@@ -753,20 +685,7 @@ class RolloutSyncWeightTransferEngine(
             name: torch.empty(shape, dtype=dtype, device="meta")
             for name, (shape, dtype) in specs.items()
         }
-        self._members = {}
-        for name, group in self._plan.groups.items():
-            self._members.setdefault(group, []).append(name)
-
-    def _with_fused_parts(self, names: set[str]) -> set[str]:
-        """``names`` and every other part of the fused modules they load into."""
-        plan = self._plan
-        assert plan is not None
-        out = set(names)
-        for name in names:
-            group = plan.groups.get(name)
-            if group is not None:
-                out.update(self._members[group])
-        return out
+        self._fused = FusedParts.of(self._plan.groups)
 
     def _accept(self, manifest: WeightManifest) -> None:
         """This rank's objections beyond names, shapes and dtypes: tensors it could not read
@@ -776,7 +695,7 @@ class RolloutSyncWeightTransferEngine(
         names = {e.name for e in manifest.entries}
         if manifest.delta is not None:
             # The unchanged parts of a fused module come from the host copy.
-            names = self._with_fused_parts(names)
+            names = self._fused.closure(names)
         problems = [
             f"{name}: cannot be read back from the served model ({plan.unverifiable[name]})"
             for name in sorted(names)
@@ -794,9 +713,14 @@ class RolloutSyncWeightTransferEngine(
             return  # a second chunk of the same update
         if manifest is not None and manifest.delta is not None:
             changed = {e.name for e in manifest.delta.entries}
-        self._changed, self._loaded = changed, set()
-        if changed is None and self.host is not None:
-            self.host.version = None  # refreshed as the whole update loads
+        self._delta_load = None
+        if changed is not None:
+            assert self.host is not None  # a delta is taken only on the host copy
+            self._delta_load = DeltaLoad(self.host, changed, self._fused)
+        if self.host is not None:
+            # Until the commit: a whole update refreshes it as it loads, an in-place delta was
+            # written into it already (a staged one is written at the commit).
+            self.host.version = None
         self.torn = "an update is in progress (layers are on the meta device until finish)"
         self._reload_started = True
         self._write_start_ns = time.monotonic_ns()
@@ -807,8 +731,8 @@ class RolloutSyncWeightTransferEngine(
         assert plan is not None
         start = time.perf_counter()
         seed = self.updates
-        if self._changed is not None:
-            names, tensors = self._add_fused_parts(names, tensors)
+        if self._delta_load is not None:
+            names, tensors = self._delta_load.with_unchanged_parts(names, tensors)
         elif self.host is not None:
             self.host.refresh(names, tensors)
         for name, tensor in zip(names, tensors, strict=True):
@@ -817,28 +741,6 @@ class RolloutSyncWeightTransferEngine(
             )
         self._load_into_model(names, tensors)
         self.last_load_s += time.perf_counter() - start
-
-    def _add_fused_parts(
-        self, names: list[str], tensors: list[torch.Tensor]
-    ) -> tuple[list[str], list[torch.Tensor]]:
-        """A delta's rebuilt tensors, each followed by the parts of its fused module that the
-        delta does not change (copies from the host copy; each loaded once: a changed part
-        comes with its own rebuilt tensor)."""
-        host, plan, changed = self.host, self._plan, self._changed
-        assert host is not None and plan is not None and changed is not None
-        out_names: list[str] = []
-        out_tensors: list[torch.Tensor] = []
-        for name, tensor in zip(names, tensors, strict=True):
-            out_names.append(name)
-            out_tensors.append(tensor)
-            self._loaded.add(name)
-            group = plan.groups.get(name)
-            for part in [] if group is None else self._members[group]:
-                if part not in changed and part not in self._loaded:
-                    out_names.append(part)
-                    out_tensors.append(host.tensors[part].clone())
-                    self._loaded.add(part)
-        return out_names, out_tensors
 
     def _record_write(self, *, error: bool) -> None:
         if self.timeline is not None:
@@ -867,6 +769,10 @@ class RolloutSyncWeightTransferEngine(
         load: Any = self.model.load_weights
         with disable_mtp_completeness_check():
             load(list(zip(names, tensors, strict=True)))
+
+    def _read_back(self) -> list[str]:
+        """Every loaded tensor read back through its kernel: what did not land."""
+        return verify_witnesses(self.model, self._witnesses)
 
     def _finish_reload(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
