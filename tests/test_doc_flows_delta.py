@@ -10,6 +10,7 @@ nothing delta-specific. Then the trainer swaps in a new pusher built with ``delt
 from __future__ import annotations
 
 import multiprocessing
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -120,9 +121,11 @@ def _job(rank: int, queues: dict[int, Any]) -> dict[str, Any]:
 
 @pytest.mark.timeout(90)
 def test_the_callback_with_delta_and_full_every_as_docs_delta_md_writes_it() -> None:
-    ctx = multiprocessing.get_context("fork")
-    queues = {rank: ctx.Queue() for rank in (1, 2)}
-    results = run_group(_job, 3, (queues,), timeout_s=80, group_timeout_s=30, start_method="fork")
+    # The queues of the children's start method (forkserver under this suite's conftest): a
+    # fork of this process, which other tests leave with threads, could inherit a held lock.
+    method = os.environ.get("ROLLOUT_SYNC_TEST_START_METHOD", "forkserver")
+    queues = {rank: multiprocessing.get_context(method).Queue() for rank in (1, 2)}
+    results = run_group(_job, 3, (queues,), timeout_s=80, group_timeout_s=30, start_method=method)
     trainer = results[0]
     assert trainer["kinds"] == [
         ("whole", WholeReason.FIRST.value),
