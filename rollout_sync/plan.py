@@ -748,7 +748,8 @@ def _assumptions(
         out.append(
             (
                 "delta",
-                f"modelled, not implemented: {changed_fraction:g} of the elements change; each a "
+                f"implemented over every topology but the pipelined sharded relay (docs/delta.md): "
+                f"{changed_fraction:g} of the elements change; each a "
                 "16-bit position and its value (2 x the fraction x the bytes in bf16), staged in "
                 "device memory and applied while parked at the HBM copy rate (optimistic: "
                 "scattered writes); the trainer's diff against the served version not counted",

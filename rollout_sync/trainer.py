@@ -784,6 +784,10 @@ class WeightBroadcastCallback(TrainerCallback):
                 )
             if pusher.encoder is None:
                 pusher.use_deltas(full_every=full_every)
+            elif full_every is not None:
+                pusher.encoder.full_every = full_every  # the callback's keyframes hold
+        self.delta = delta
+        self.full_every = full_every
         self.weights = weights
         self.pusher: WeightPusher = (
             pusher if isinstance(pusher, WeightPusher) else _FunctionPusher(pusher)
@@ -868,7 +872,24 @@ class WeightBroadcastCallback(TrainerCallback):
         a recovery (:mod:`rollout_sync.recovery`), whose groups and command queues replaced the
         broken ones. The version count, the timer and the metrics go on: the next push is
         ``version + 1``, and :attr:`version` is what the recovery re-seeded the replicas to
-        (``recover_weights(..., version=callback.version)``)."""
+        (``recover_weights(..., version=callback.version)``). A callback built with ``delta``
+        turns deltas on in the new pusher as in the first (its base starts empty: its first push
+        goes whole).
+
+        Raises:
+            ValueError: the callback sends deltas and ``pusher`` is not a
+                :class:`TransferWeightPusher`.
+        """
+        if self.delta:
+            if not isinstance(pusher, TransferWeightPusher):
+                raise ValueError(
+                    "a WeightBroadcastCallback(delta=True) sends through a TransferWeightPusher; "
+                    f"use_pusher got {pusher!r}"
+                )
+            if pusher.encoder is None:
+                pusher.use_deltas(full_every=self.full_every)
+            elif self.full_every is not None:
+                pusher.encoder.full_every = self.full_every
         self.pusher = pusher if isinstance(pusher, WeightPusher) else _FunctionPusher(pusher)
         self.channel = channel
 

@@ -3,8 +3,9 @@
 A trainer and two replicas over gloo on loopback. The trainer's ``WeightBroadcastCallback``
 (``delta=True, full_every=2``) announces every step on the replicas' command queues and pushes
 through a plain ``TransferWeightPusher``; the replicas are ``RolloutWorker.run()`` loops with
-nothing delta-specific. Then the trainer swaps in a new pusher built with ``delta=True``
-(``use_pusher``, as after a recovery): its first push goes whole (``first``), the next by delta.
+nothing delta-specific. Then the trainer swaps in a new pusher built plainly (``use_pusher``, as
+after a recovery): the callback turns deltas on in it, so its first push goes whole
+(``first``), the next by delta.
 """
 
 from __future__ import annotations
@@ -69,9 +70,10 @@ def _trainer(queues: dict[int, Any]) -> dict[str, Any]:
 
     for s in range(1, STEPS + 1):
         step(s)
-    # As after a recovery: the new job's pusher, built with delta=True, has no base yet.
+    # As after a recovery: the new job's pusher, built plainly (docs/distributed.md); the
+    # callback turns deltas on in it, and it has no base yet.
     callback.use_pusher(
-        TransferWeightPusher(groups.p2r_transfer(), barrier=groups.p2r_barrier, delta=True),
+        TransferWeightPusher(groups.p2r_transfer(), barrier=groups.p2r_barrier),
         channel=channel,
     )
     for s in range(STEPS + 1, STEPS + 3):

@@ -384,3 +384,28 @@ def test_the_transfer_pusher_refuses_a_receive_hold_without_the_barrier() -> Non
             _SourceTransfer(EventLog()),  # type: ignore[arg-type]
             receiver=_HoldingReceiver(EventLog()),
         )  # type: ignore[arg-type]
+
+
+class _SourceOnly:
+    """Just enough of a P2R source for a pusher that is never pushed through."""
+
+    is_source = True
+    delta_syncs = True
+    group = None
+
+
+def test_the_delta_callback_sets_its_keyframes_and_turns_deltas_on_after_a_recovery() -> None:
+    from rollout_sync.trainer import TransferWeightPusher, WeightBroadcastCallback
+
+    already = TransferWeightPusher(_SourceOnly(), delta=True, full_every=5)  # type: ignore[arg-type]
+    callback = WeightBroadcastCallback(dict, pusher=already, timer=None, delta=True, full_every=2)
+    assert already.encoder is not None and already.encoder.full_every == 2  # the callback's
+    plain = TransferWeightPusher(_SourceOnly())  # type: ignore[arg-type]
+    callback.use_pusher(plain, channel=None)
+    assert plain.encoder is not None and plain.encoder.full_every == 2
+    with pytest.raises(ValueError, match="sends through a TransferWeightPusher"):
+        callback.use_pusher(lambda weights, **kw: None, channel=None)
+    whole = WeightBroadcastCallback(dict, pusher=TransferWeightPusher(_SourceOnly()), timer=None)  # type: ignore[arg-type]
+    other = TransferWeightPusher(_SourceOnly())  # type: ignore[arg-type]
+    whole.use_pusher(other, channel=None)
+    assert other.encoder is None  # a callback without delta leaves the pusher as it is

@@ -40,7 +40,7 @@ def add_plan_parser(commands: Any) -> None:
         help="choose a weight-sync design: every design's refit, stall and memory, ranked",
         description="Every weight-sync design the refit cost model knows (each topology in "
         "place, staged in device memory and staged in host memory; delta designs with "
-        "--changed-fraction, modelled only) for one model on one fleet: ranked by refit and "
+        "--changed-fraction) for one model on one fleet: ranked by refit and "
         "by stall, the device memory each needs per replica GPU and whether it fits in "
         "--free-memory, where the time goes, and a recommendation with its reason. Pure "
         "arithmetic (rollout_sync.plan over rollout_sync.scale) on the 1T fleet's H100-class "
@@ -90,7 +90,7 @@ def add_plan_parser(commands: Any) -> None:
         "--changed-fraction",
         metavar="F",
         help="the measured fraction of served elements one training step changes, in (0, 1]: "
-        "adds delta designs (modelled only, not implemented)",
+        "adds delta designs (implemented but over the pipelined sharded relay: docs/delta.md)",
     )
     plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     plan.add_argument(
@@ -290,7 +290,9 @@ def format_plan(plan: Plan) -> str:
         f"{'s' if f.gpus_per_replica != 1 else ''})",
     ]
     if plan.changed_fraction is not None:
-        lines.append(f"changed fraction: {plan.changed_fraction:g} (delta designs: modelled only)")
+        lines.append(
+            f"changed fraction: {plan.changed_fraction:g} (adds a delta design per topology)"
+        )
     width = max(len(d.name) for d in plan.designs)
     stall_rank = {d.name: i for i, d in enumerate(plan.by_stall, 1)}
     lines += [

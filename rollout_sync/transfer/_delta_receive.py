@@ -109,7 +109,7 @@ class DeltaReceive(Receiving):
                 # After the proof and the apply, before the vote: as a whole version loads.
                 self._load_delta(loader, received, manifest, op, outcome)
             failed, commits = self._commit_vote(op, version, manifest, outcome)
-        except WeightTransferError as exc:
+        except BaseException as exc:  # the transfer's own errors, and any other: undone
             if forwarding is not None:
                 forwarding.fill()
                 forwarding.close(ok=False)

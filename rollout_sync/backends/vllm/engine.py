@@ -385,6 +385,10 @@ class RolloutSyncWeightTransferEngine(
                 self.torn = f"an update failed mid-load: {type(exc).__name__}: {exc}"
                 self._drop_host_copy()
                 self._record_write(error=True)
+            elif not isinstance(exc, WeightTransferError) or exc.tensors_written:
+                # Before the reload, a delta may have been written into the host copy: only
+                # the transfer's own word that nothing was keeps the copy.
+                self._drop_host_copy()
             raise
         if update_info.final:
             self._complete()
