@@ -13,12 +13,12 @@ the weights on relays them bucket by bucket as they arrive, so the two hops over
 * :mod:`.config` - what a caller chooses and gets back: :class:`TransferConfig`,
   :class:`TransferHooks`, :class:`TransferStats`, :data:`BUFFER_WRITE`.
 * :mod:`.weight_transfer` - :class:`WeightTransfer`, moving a version over a process group:
-  send, receive and stream. Its parts are private modules: ``_collectives`` (bounded
-  collectives and the votes), ``_buckets`` (zero-copy spans, staging buffers, views),
+  send, receive and stream, and :class:`StepwiseSend` (a send a bucket at a time). Its parts
+  are private modules: ``_collectives`` (bounded collectives, the votes, the manifest's
+  broadcast and the abort header), ``_buckets`` (zero-copy spans, staging buffers, views),
   ``_receiving`` (a receiver's manifest, buckets, commit vote and failures), ``_delta_receive``
   (a delta's receive: proven, applied or kept pending, restored on failure), ``_relay``
-  (:meth:`WeightTransfer.relay`, the pipelined relay) and ``_stepwise`` (:class:`StepwiseSend`,
-  a send a bucket at a time).
+  (:meth:`WeightTransfer.relay`, the pipelined relay).
 * ``_pipeline`` - buckets in flight: the in-order collective queue, and the relay's second hop
   (private).
 * ``_barrier`` - the P2R barrier's wire format: a manifest-shaped header and a vote, so that a

@@ -19,7 +19,15 @@ from ..errors import (
     WeightTransferTimeout,
 )
 from ..trace import SpanKind, Timeline
-from ._barrier import VOTE_BARRIER_SKIPPED, VOTE_NO, VOTE_WHOLE, VOTE_YES, barrier_mismatch
+from ._barrier import (
+    ABORT,
+    UNKNOWN_VERSION,
+    VOTE_BARRIER_SKIPPED,
+    VOTE_NO,
+    VOTE_WHOLE,
+    VOTE_YES,
+    barrier_mismatch,
+)
 from ._pipeline import _Link
 from .config import TransferConfig, TransferHooks
 
@@ -77,6 +85,48 @@ class TransferCollectives:
     """This process's rank, numbered as ``src``."""
     device: torch.device
     """Where buckets and vote tensors live."""
+
+    def abort(self, reason: str, *, version: int | None = None) -> None:
+        """Tell the receivers waiting for this transfer's manifest that none is coming.
+
+        On the source only, in place of :meth:`send` (a source that cannot send, say because
+        its own weights are torn): every receiver raises :class:`ManifestRejected` at once,
+        writing nothing, instead of waiting out the timeout. ``version``: the version that is
+        not coming, if the source knows it (the receivers' message names it). A failure to
+        deliver the abort (a receiver already dead) is not raised: the reason to abort is the
+        error to report.
+        """
+        what = "a version" if version is None else f"version {version}"
+        op = f"send {what} from rank {self.src} to ranks {list(self.ranks)}"
+        word = UNKNOWN_VERSION if version is None else version
+        header = torch.tensor([ABORT, word], dtype=torch.int64, device=self.device)
+        try:
+            self._collective(
+                lambda: self.collectives.broadcast(header, self.src),
+                f"{op}: abort ({reason})",
+                version=version,
+                written=0,
+            )
+        except WeightTransferError:
+            pass
+
+    def _broadcast_manifest(self, data: bytes, version: int, op: str) -> None:
+        header = torch.tensor([len(data), version], dtype=torch.int64, device=self.device)
+        self._collective(
+            lambda: self.collectives.broadcast(header, self.src),
+            f"{op}: manifest header",
+            version=version,
+            written=0,
+        )
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        self._collective(
+            lambda: self.collectives.broadcast(payload, self.src),
+            f"{op}: manifest",
+            version=version,
+            written=0,
+        )
+
+    # -- a receiver ----------------------------------------------------------------------------
 
     @property
     def is_source(self) -> bool:

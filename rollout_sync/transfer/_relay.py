@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
 
 import torch
+from typing_extensions import Self
 
 from ..errors import (
     ChecksumMismatchError,
@@ -24,9 +24,6 @@ from ._pipeline import _Forward
 from ._receiving import Targets, _Arrival, _Outcome, _verify_landed
 from .config import TransferStats
 from .delta_sync import DeltaTarget
-
-if TYPE_CHECKING:
-    from .weight_transfer import WeightTransfer
 
 __all__ = ["Relay"]
 
@@ -73,7 +70,7 @@ class Relay(DeltaReceive):
     def relay(
         self,
         into: Targets,
-        forward: WeightTransfer,
+        forward: Self,
         *,
         allow_subset: bool = True,
         write_kind: str = SpanKind.WEIGHT_WRITE,
