@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from delta_helpers import break_apply
 
 from rollout_sync.errors import DeltaError
 from rollout_sync.transfer.delta import (
@@ -145,15 +146,7 @@ def test_an_apply_that_fails_part_way_puts_back_what_it_wrote(
     target = DeltaTarget(served, 1, cache)
     received = delta_sync.ReceivedDelta.check(2, encoded.header, encoded.packed, target)
     real = delta_sync.apply_changes
-    calls = []
-
-    def failing(tensor: torch.Tensor, positions: torch.Tensor, bits: torch.Tensor) -> object:
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("the device went away")
-        return real(tensor, positions, bits)
-
-    monkeypatch.setattr(delta_sync, "apply_changes", failing)
+    calls = break_apply(monkeypatch)
     with pytest.raises(RuntimeError, match="device went away"):
         received.apply(cache)
     assert len(calls) == 2 and not received.undo

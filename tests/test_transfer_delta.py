@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from delta_helpers import break_apply
 
 from rollout_sync import SyncMode
 from rollout_sync.errors import (
@@ -432,7 +433,6 @@ def test_an_apply_whose_restore_also_failed_reports_the_targets_written(
     from rollout_sync.distributed import standalone_group
     from rollout_sync.errors import WeightTransferError
     from rollout_sync.testing import find_free_port
-    from rollout_sync.transfer import delta, delta_sync
 
     base, new = _version(1), _version(2)
     encoder = DeltaEncoder()
@@ -441,19 +441,7 @@ def test_an_apply_whose_restore_also_failed_reports_the_targets_written(
     encoded = encoder.encode(new, 2)
     assert isinstance(encoded, EncodedDelta)
     served = {n: t.clone() for n, t in base.items()}
-    real, calls = delta_sync.apply_changes, []
-
-    def failing(tensor: torch.Tensor, positions: torch.Tensor, bits: torch.Tensor) -> Any:
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("the device went away")
-        return real(tensor, positions, bits)
-
-    def restore_fails(self: Any) -> None:
-        raise RuntimeError("and stayed away")
-
-    monkeypatch.setattr(delta_sync, "apply_changes", failing)
-    monkeypatch.setattr(delta.Overwritten, "restore", restore_fails)
+    break_apply(monkeypatch, restore_too=True)
     port, out = find_free_port(), {}
 
     def run(rank: int) -> None:
@@ -491,7 +479,7 @@ def test_a_staged_install_whose_apply_and_restore_failed_leaves_the_weights_torn
 
     from rollout_sync.sync.slot import EngineSlot
     from rollout_sync.sync.staged import Staged
-    from rollout_sync.transfer import delta, delta_sync
+    from rollout_sync.transfer import delta_sync
 
     base, new = _version(1), _version(2)
     encoder = DeltaEncoder()
@@ -507,19 +495,7 @@ def test_a_staged_install_whose_apply_and_restore_failed_leaves_the_weights_torn
     strategy = Staged(host, EngineSlot(rollout, "test"))
     target = DeltaTarget(rollout.served_weights(), 1, strategy.digests, apply=False)
     received = delta_sync.ReceivedDelta.check(2, encoded.header, encoded.packed, target)
-    real, calls = delta_sync.apply_changes, []
-
-    def failing(tensor: torch.Tensor, positions: torch.Tensor, bits: torch.Tensor) -> Any:
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("the device went away")
-        return real(tensor, positions, bits)
-
-    def restore_fails(self: Any) -> None:
-        raise RuntimeError("and stayed away")
-
-    monkeypatch.setattr(delta_sync, "apply_changes", failing)
-    monkeypatch.setattr(delta.Overwritten, "restore", restore_fails)
+    break_apply(monkeypatch, restore_too=True)
     bracket = types.SimpleNamespace(stalled=lambda pause: contextlib.nullcontext())
     with pytest.raises(RuntimeError, match="stayed away"):
         strategy._install_delta(bracket, received)  # type: ignore[arg-type]
