@@ -20,16 +20,26 @@ one engine, alternating so the ratios are fair on a noisy machine:
   and its stall (the report's ``stall_s``: parked to resumed), the decode tokens produced while
   the wire ran, and the decode step (the interval between two tokens of one stream then);
 * **load alone**: vLLM's own load of the same tensors with no wire (layerwise reload, the
-  model's loader, finalize; tensors already in the worker), run in the engine's worker, parked.
+  model's loader, finalize; tensors already in the worker), run in the engine's worker, parked;
+* **engine wire**: the same send received by the worker's ``"rollout_sync"`` transfer with no
+  load (``WeightTransfer.stream`` with the engine's receive buffers and ``receive_ahead``,
+  checksums verified, the loader a no-op), timed in the worker from the end of the manifest
+  vote to the last bucket verified; **engine wire, no checksums**: the same without checksums
+  (what the checksums cost).
 
 The engine runs in its own process (vLLM's engine core), so every row crosses a process
 boundary. Ratios are of bytes/s (higher is better for ``*_over_raw``). The last line is one JSON
 object: ``native_over_raw``, ``rpc_over_raw``, ``bracket_overhead``, ``stall_over_update``
 (staged stall / whole staged update), ``staged_stall_ms``, ``staged_update_ms``,
-``load_alone_ms``, ``decode_step_ms``, ``tokens_during_wire`` (medians; all for the larger
-model), ``model_mb``, and every row.
+``load_alone_ms``, ``decode_step_ms``, ``tokens_during_wire``, ``engine_wire_ms``,
+``engine_wire_over_raw`` (engine wire / raw broadcast: what the engine adds to the wire),
+``engine_wire_unchecked_over_raw`` (the same without checksums), ``update_over_max_wire_load``
+(guarded native / max(raw broadcast, load alone): how well the in-place update overlaps the
+wire with vLLM's load), ``update_over_wire_plus_load`` (guarded native / (raw broadcast + load
+alone)) (medians; all for the larger model), ``model_mb``, and every row.
 
-Run: ``python benchmarks/vllm_native.py`` (``--iterations``, ``--skip-large``, ``--streams``).
+Run: ``python benchmarks/vllm_native.py`` (``--iterations``, ``--skip-large``, ``--streams``,
+``--bucket-mb``, ``--receive-ahead``; their defaults are ``RolloutSyncTrainerInitInfo``'s).
 
 ``--tp N`` measures tensor parallelism instead: the backend's native write
 (``VLLMBlockingBackend.load_weights``) into an engine with ``tensor_parallel_size=1`` and one
@@ -59,6 +69,7 @@ from typing import Any
 import torch
 
 from rollout_sync.backends.vllm import VLLMAsyncBackend, VLLMEngineConfig, greedy_params
+from rollout_sync.backends.vllm.engine import DEFAULT_BUCKET_BYTES, DEFAULT_RECEIVE_AHEAD
 from rollout_sync.distributed import find_free_port, standalone_group
 from rollout_sync.errors import VLLMUnavailableError
 from rollout_sync.testing.tiny_llama import build_tiny_llama, random_llama_weights
@@ -123,6 +134,51 @@ def _load_alone(worker: Any, seed: int, repeats: int) -> list[float]:
     return times
 
 
+def _wire_alone(worker: Any) -> float:
+    """In the engine's worker (``collective_rpc``, beside the trainer's send): receive one
+    transfer as the engine does, with no load; seconds from the end of the manifest vote to
+    the last bucket verified."""
+    engine = worker.weight_transfer_engine
+    last = [0.0]
+
+    def arrived(names: list[str], tensors: list[torch.Tensor]) -> None:
+        last[0] = time.perf_counter()
+
+    start = time.perf_counter()
+    stats = engine.transfer.stream(
+        engine._expected, arrived, buffers=engine.receive_buffers, ahead=engine._receive_ahead
+    )
+    engine._reclaim_receive_buffers()
+    return last[0] - (start + stats.manifest_s)
+
+
+def _engine_wire_s(
+    backend: VLLMAsyncBackend, engine: Any, weights: Any, version: int, *, checksums: bool
+) -> float:
+    """One engine-wire row: the worker's no-load stream beside this process's send."""
+    import dataclasses
+    import threading
+
+    from rollout_sync.backends.vllm.trainer import in_layer_order
+    from rollout_sync.transfer import WeightTransfer
+
+    transfer = engine.transfer
+    if not checksums:
+        config = dataclasses.replace(transfer.config, checksums=False)
+        transfer = WeightTransfer(engine.group, 0, config=config, device=transfer.device)
+    got: list[Any] = []
+
+    def receive() -> None:
+        call = backend.engine.collective_rpc(_wire_alone)
+        got.append(backend.run_on_loop(call, 600, "engine wire"))
+
+    thread = threading.Thread(target=receive, daemon=True)
+    thread.start()
+    transfer.send(in_layer_order(weights), version=version)
+    thread.join(600)
+    return float(got[0][0])
+
+
 class _Streams:
     """Keeps ``count`` long greedy requests decoding on ``backend``; counts their tokens."""
 
@@ -159,6 +215,7 @@ def _staged_push(engine: Any, client: Any, streams: _Streams, weights: Any, vers
     from dataclasses import asdict
 
     from rollout_sync.backends.vllm.engine import RolloutSyncUpdateInfo
+    from rollout_sync.backends.vllm.trainer import in_layer_order
 
     info = engine.init_info
     update = asdict(
@@ -168,7 +225,7 @@ def _staged_push(engine: Any, client: Any, streams: _Streams, weights: Any, vers
     client.start_weight_update()
     client.update_weights(update)  # returns once the worker's receive thread runs
     before = streams.tokens()
-    engine.transfer.send(weights, version=version)
+    engine.transfer.send(in_layer_order(weights), version=version)
     during = streams.tokens() - before
     client.finish_weight_update(str(version))  # the install, parked
     total = time.perf_counter() - start
@@ -177,7 +234,7 @@ def _staged_push(engine: Any, client: Any, streams: _Streams, weights: Any, vers
 
 
 def _bench_model(
-    model_dir: Path, iterations: int, bucket_bytes: int, streams: int = 4
+    model_dir: Path, iterations: int, settings: dict[str, Any], streams: int = 4
 ) -> dict[str, Any]:
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
@@ -202,13 +259,19 @@ def _bench_model(
         plain = backend.weight_sync_client(timeout_s=600.0)
         guarded = GuardedWeightSyncClient(plain, rollout=backend, timeout=600.0)
         engine = WeightTransferTrainerFactory.trainer_init(
-            RolloutSyncTrainerInitInfo.on_this_host(bucket_bytes=bucket_bytes, timeout_s=600.0),
+            RolloutSyncTrainerInitInfo.on_this_host(timeout_s=600.0, **settings),
             client=guarded,
             source=MappingSource(current),
         )
         weights = [random_llama_weights(shapes, seed=s) for s in (1, 2)]
         nbytes = sum(t.numel() * t.element_size() for t in weights[0].values())
-        rows: dict[str, list[float]] = {"guarded native": [], "unguarded native": [], "rpc": []}
+        rows: dict[str, list[float]] = {
+            "guarded native": [],
+            "unguarded native": [],
+            "rpc": [],
+            "engine wire": [],
+            "engine wire, no checksums": [],
+        }
         overheads: list[float] = []
         for i in range(iterations + 1):
             current.clear()
@@ -224,6 +287,11 @@ def _bench_model(
                 backend.load_weights(weights[i % 2])
                 backend.commit_weight_version(backend.weight_version + 1)
             pair["rpc"] = time.perf_counter() - start
+            for name, checksums in (("engine wire", True), ("engine wire, no checksums", False)):
+                version = 10_000 + 2 * i + checksums
+                pair[name] = _engine_wire_s(
+                    backend, engine, weights[i % 2], version, checksums=checksums
+                )
             if i:  # the first round warms up
                 for name, seconds in pair.items():
                     rows[name].append(seconds)
@@ -238,6 +306,15 @@ def _bench_model(
     medians["load alone"] = staged["load_alone_ms"] / 1e3
     return {
         **staged,
+        "settings": settings,
+        "engine_wire_ms": medians["engine wire"] * 1e3,
+        "engine_wire_over_raw": medians["engine wire"] / medians["raw broadcast"],
+        "engine_wire_unchecked_over_raw": medians["engine wire, no checksums"]
+        / medians["raw broadcast"],
+        "update_over_max_wire_load": medians["guarded native"]
+        / max(medians["raw broadcast"], medians["load alone"]),
+        "update_over_wire_plus_load": medians["guarded native"]
+        / (medians["raw broadcast"] + medians["load alone"]),
         "model_mb": nbytes / 1e6,
         "median_s": medians,
         "mb_per_s": {name: nbytes / 1e6 / s for name, s in medians.items()},
@@ -397,7 +474,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iterations", type=int, default=5)
     parser.add_argument("--skip-large", action="store_true", help="the tiny model only")
-    parser.add_argument("--bucket-mb", type=float, default=8.0, help="the transfer's bucket size")
+    parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=DEFAULT_BUCKET_BYTES / (1 << 20),
+        help="the transfer's bucket size (RolloutSyncTrainerInitInfo.bucket_bytes)",
+    )
+    parser.add_argument(
+        "--receive-ahead",
+        type=int,
+        default=DEFAULT_RECEIVE_AHEAD,
+        help="buckets on the wire while vLLM loads (RolloutSyncTrainerInitInfo.receive_ahead)",
+    )
     parser.add_argument(
         "--streams", type=int, default=4, help="requests decoding during the staged rows"
     )
@@ -418,9 +506,11 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = Path(tmp) / label
             build_tiny_llama(model_dir, seed=0, **overrides)
             try:
-                results[label] = _bench_model(
-                    model_dir, args.iterations, int(args.bucket_mb * (1 << 20)), args.streams
-                )
+                settings = {
+                    "bucket_bytes": int(args.bucket_mb * (1 << 20)),
+                    "receive_ahead": args.receive_ahead,
+                }
+                results[label] = _bench_model(model_dir, args.iterations, settings, args.streams)
             except VLLMUnavailableError as exc:
                 print(exc, file=sys.stderr)
                 return 2
@@ -433,6 +523,10 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{label}: native/raw {r['native_over_raw']:.3f}  rpc/raw {r['rpc_over_raw']:.3f}  "
             f"bracket overhead {r['bracket_overhead'] * 100:+.1f}%  "
+            f"\n  engine wire {r['engine_wire_ms']:.1f} ms = {r['engine_wire_over_raw']:.2f} x raw "
+            f"({r['engine_wire_unchecked_over_raw']:.2f} x without checksums); update / "
+            f"max(raw, load alone) {r['update_over_max_wire_load']:.2f}, / (raw + load alone) "
+            f"{r['update_over_wire_plus_load']:.2f}"
             "\n  in the engine, last update: "
             + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["engine_s"].items())
             + f"\n  staged: update {r['staged_update_ms']:.1f} ms, stall (parked) "
@@ -455,6 +549,11 @@ def main(argv: list[str] | None = None) -> int:
                 "load_alone_ms": main_row["load_alone_ms"],
                 "decode_step_ms": main_row["decode_step_ms"],
                 "tokens_during_wire": main_row["tokens_during_wire"],
+                "engine_wire_ms": main_row["engine_wire_ms"],
+                "engine_wire_over_raw": main_row["engine_wire_over_raw"],
+                "engine_wire_unchecked_over_raw": main_row["engine_wire_unchecked_over_raw"],
+                "update_over_max_wire_load": main_row["update_over_max_wire_load"],
+                "update_over_wire_plus_load": main_row["update_over_wire_plus_load"],
                 "model_mb": main_row["model_mb"],
                 "models": results,
             }

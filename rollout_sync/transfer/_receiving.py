@@ -366,10 +366,13 @@ class Receiving(TransferCollectives, BucketBuffers):
         forward: _Forward | None,
         *,
         load: Callable[[list[str], list[torch.Tensor]], None] | None = None,
+        lend: Callable[[int], torch.Tensor] | None = None,
+        ahead: int = 1,
     ) -> None:
         """Receive every bucket, two in flight, into its span of ``into`` or a staging buffer
         (then verified and unpacked); pass each on through ``forward`` when relaying. With
-        ``load`` (a stream), every bucket gets a fresh buffer and is handed to ``load``."""
+        ``load`` (a stream), every bucket gets a buffer of its own (``lend``'s, else a fresh
+        one) and is handed to ``load``, while up to ``ahead`` later buckets arrive."""
         n = manifest.num_buckets
         flats: list[torch.Tensor | None]
         if load is None:
@@ -396,8 +399,11 @@ class Receiving(TransferCollectives, BucketBuffers):
 
         def post(k: int) -> None:
             if flats[k] is None:  # a stream's bucket: a buffer of its own
-                flats[k] = torch.empty(
-                    manifest.bucket_nbytes[k], dtype=torch.uint8, device=self.device
+                nbytes = manifest.bucket_nbytes[k]
+                flats[k] = (
+                    torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                    if lend is None
+                    else lend(nbytes)
                 )
             if spans[k] is not None:
                 # The collective itself writes the targets (zero-copy).
@@ -407,15 +413,20 @@ class Receiving(TransferCollectives, BucketBuffers):
             if sent_checksums is not None:
                 in_flight.launch(sent_checksums[k], k, "checksum")
 
+        # Buckets k + 1 .. k + ahead are posted before k is unpacked (a stream's may be more
+        # than one: each has a buffer of its own, so the wire runs on while the loader works).
+        ahead = max(1, ahead)
         post(0)
+        posted = 1
         with torch.no_grad():
             for k in range(n):
-                # Post bucket k + 1 before unpacking k. Staged, it lands in a buffer whose
-                # previous bucket was unpacked already (and, when relaying, forwarded).
-                if k + 1 < n:
-                    if forward is not None and spans[k + 1] is None:
-                        forward.finish_through(k + 1 - len(buffers))
-                    post(k + 1)
+                # Staged, bucket k + 1 lands in a buffer whose previous bucket was unpacked
+                # already (and, when relaying, forwarded).
+                while posted < n and posted <= k + ahead:
+                    if forward is not None and spans[posted] is None:
+                        forward.finish_through(posted - len(buffers))
+                    post(posted)
+                    posted += 1
                 try:
                     in_flight.finish_through(k, outcome.tensors_written)
                 finally:

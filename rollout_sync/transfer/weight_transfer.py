@@ -73,6 +73,7 @@ from ._relay import Relay
 from .config import TransferConfig, TransferHooks, TransferStats
 from .delta_sync import DeltaTarget, EncodedDelta, SyncKind, WholeReason
 from .manifest import OriginChecksums, WeightManifest, bucket_checksum
+from .receive_buffers import ReceiveBuffers
 
 __all__ = ["StepwiseSend", "WeightTransfer", "wait_transfer_work"]
 
@@ -421,6 +422,8 @@ class WeightTransfer(Relay):
         begin: Callable[[WeightManifest], None] | None = None,
         allow_subset: bool = True,
         delta: DeltaTarget | None = None,
+        buffers: ReceiveBuffers | None = None,
+        ahead: int = 1,
     ) -> TransferStats:
         """Receive one broadcast and hand each bucket's tensors to ``load`` as it arrives.
 
@@ -429,9 +432,12 @@ class WeightTransfer(Relay):
         shapes and dtypes; meta tensors will do) and by ``accept`` (raise to object), then
         voted on by every rank, as :meth:`receive` does; only after the vote passed does
         ``begin`` run and the first bucket arrive. Every bucket lands in a buffer of its own,
-        allocated for it and never reused by the transfer (a loader may keep references to the
-        tensors it was given, as vLLM's layerwise reload does until a layer is complete); with
-        checksums, a bucket is verified before ``load`` sees it.
+        never lent twice within this receive (a loader may keep references to the tensors it
+        was given, as vLLM's layerwise reload does until a layer is complete): made for it, or
+        lent by ``buffers`` (:class:`~rollout_sync.transfer.receive_buffers.ReceiveBuffers`,
+        whose buffers come back only when the caller reclaims them); with checksums, a bucket
+        is verified before ``load`` sees it. While ``load`` runs on bucket ``k``, buckets
+        ``k + 1`` .. ``k + ahead`` are on the wire (each one more buffer held at once).
 
         A ``begin`` or ``load`` that raises stops all further loading on this rank, which
         keeps receiving (the group is not left hanging) and votes no at the commit.
@@ -506,7 +512,17 @@ class WeightTransfer(Relay):
             except Exception as exc:  # reported after the commit vote
                 outcome.failure, outcome.cause = f"starting to load failed: {exc}", exc
         self._receive_buckets(
-            manifest, {}, None, op, version, outcome, SpanKind.WEIGHT_WRITE, None, load=load
+            manifest,
+            {},
+            None,
+            op,
+            version,
+            outcome,
+            SpanKind.WEIGHT_WRITE,
+            None,
+            load=load,
+            lend=None if buffers is None else buffers.lend,
+            ahead=ahead,
         )
         return self._commit("stream", op, version, manifest, outcome, start, manifest_done)
 

@@ -49,6 +49,7 @@ from vllm.distributed.weight_transfer.base import (
     TrainerWeightTransferEngine,
     VLLMWeightSyncClient,
     WeightSource,
+    layerwise_groups,
     materialize_full_tensor,
 )
 
@@ -60,13 +61,19 @@ from ...transfer import TransferStats, WeightTransfer
 from ...transfer.delta_sync import DeltaEncoder, EncodedDelta, WholeReason
 from .engine import (
     DEFAULT_BUCKET_BYTES,
+    DEFAULT_RECEIVE_AHEAD,
     RolloutSyncInitInfo,
     RolloutSyncUpdateInfo,
     join_transfer_group,
 )
 from .plugin import ENGINE_NAME, register_engines
 
-__all__ = ["MappingSource", "RolloutSyncTrainerEngine", "RolloutSyncTrainerInitInfo"]
+__all__ = [
+    "MappingSource",
+    "RolloutSyncTrainerEngine",
+    "RolloutSyncTrainerInitInfo",
+    "in_layer_order",
+]
 
 register_engines()
 
@@ -131,6 +138,12 @@ class RolloutSyncTrainerInitInfo(TrainerInitInfo):
     module); whole when a worker cannot take it."""
     full_every: int | None = None
     """With ``delta``: every ``full_every``-th push goes whole (a keyframe)."""
+    receive_ahead: int = DEFAULT_RECEIVE_AHEAD
+    """In place: buckets on the wire while a worker's vLLM loads the one that arrived
+    (:attr:`~rollout_sync.backends.vllm.engine.RolloutSyncInitInfo.receive_ahead`)."""
+    reuse_receive_buffers: bool = True
+    """The workers keep their receive buffers between updates on gloo
+    (:attr:`~rollout_sync.backends.vllm.engine.RolloutSyncInitInfo.reuse_receive_buffers`)."""
     delta_host_copy: bool | None = None
     """Whether the workers keep the host copy a delta is rebuilt from
     (:attr:`~rollout_sync.backends.vllm.engine.RolloutSyncInitInfo.delta_host_copy`: one copy
@@ -179,6 +192,8 @@ class RolloutSyncTrainerInitInfo(TrainerInitInfo):
             checksums=self.checksums,
             timeout_s=self.timeout_s,
             verify_columns=self.verify_columns,
+            receive_ahead=self.receive_ahead,
+            reuse_receive_buffers=self.reuse_receive_buffers,
             delta_host_copy=self.delta if self.delta_host_copy is None else self.delta_host_copy,
         )
 
@@ -313,6 +328,7 @@ class RolloutSyncTrainerEngine(TrainerWeightTransferEngine[RolloutSyncTrainerIni
         if transfer is None:
             raise RuntimeError("trainer_init() has not opened the transfer group")
         deadline = deadline_after(timeout + self.init_info.timeout_s)
+        weights = in_layer_order(weights)
         encoded = None if self.encoder is None else self.encoder.encode(weights, version)
         update = asdict(
             RolloutSyncUpdateInfo(
@@ -427,6 +443,18 @@ class RolloutSyncTrainerEngine(TrainerWeightTransferEngine[RolloutSyncTrainerIni
         group, self.group, self.transfer = self.group, None, None
         if group is not None:
             group.shutdown()
+
+
+def in_layer_order(weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """``weights`` in the order vLLM's layerwise reload completes layers in (vLLM's
+    ``layerwise_groups``: the block before the first indexed layer, each layer, the block after),
+    so that the buckets fill layer by layer and each layer loads as soon as its last bucket
+    arrived; the mapping itself when it is in that order already."""
+    names = list(weights)
+    order = [name for group in layerwise_groups(names) for name in group]
+    if order == names or sorted(order) != sorted(names):
+        return weights
+    return {name: weights[name] for name in order}
 
 
 def _result(future: concurrent.futures.Future[Any], deadline: float, what: str) -> Any:
