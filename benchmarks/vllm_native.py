@@ -39,7 +39,8 @@ wire with vLLM's load), ``update_over_wire_plus_load`` (guarded native / (raw br
 alone)) (medians; all for the larger model), ``model_mb``, and every row.
 
 Run: ``python benchmarks/vllm_native.py`` (``--iterations``, ``--skip-large``, ``--streams``,
-``--bucket-mb``, ``--receive-ahead``; their defaults are ``RolloutSyncTrainerInitInfo``'s).
+``--bucket-mb``, ``--receive-ahead``; their defaults are ``RolloutSyncTrainerInitInfo``'s). The
+engine's worker runs one OpenMP thread (``OMP_NUM_THREADS``, default 1, as in the main job).
 
 ``--tp N`` measures tensor parallelism instead: the backend's native write
 (``VLLMBlockingBackend.load_weights``) into an engine with ``tensor_parallel_size=1`` and one
@@ -53,6 +54,10 @@ import os
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+# One OpenMP thread in the engine's worker, as the main job runs its engines: with two, vLLM's
+# load alone keeps both cores of a 2-core machine busy (the second thread mostly spinning) and
+# nothing is left for the wire to overlap with. OMP_NUM_THREADS=2 in the environment overrides.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The load-alone row runs a function of this file in the engine's worker (collective_rpc).
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 

@@ -141,6 +141,10 @@ def _kept_buffers_child(rank: int, port: int) -> dict[str, Any]:
     if rank == 0:
         for version in (1, 2, 3, 4):
             transfer.send(_model(version), version=version)
+        try:
+            transfer.send(_model(5), version=5)
+        except ChecksumMismatchError as exc:
+            return {"failed_ranks": list(exc.failed_ranks)}
         return {}
     pool = ReceiveBuffers()
     out: dict[str, Any] = {}
@@ -177,6 +181,20 @@ def _kept_buffers_child(rank: int, port: int) -> dict[str, Any]:
     before = pool.allocated
     stream()
     out["fresh_after_forget"] = pool.allocated - before
+    # Bucket 3 corrupted on arrival: its checksum (taken on a thread beside the loader) is
+    # checked before the loader sees it, so the loader gets buckets 0-2 and nothing after.
+    loaded: list[str] = []
+
+    def corrupt(k: int, flat: torch.Tensor) -> None:
+        if k == 3:
+            flat[5] ^= 1
+
+    transfer.hooks.after_receive = corrupt
+    try:
+        transfer.stream(_expected(), lambda names, _: loaded.extend(names), buffers=pool, ahead=4)
+    except WeightTransferError as exc:
+        out["corrupt_error"], out["corrupt_written"] = type(exc), exc.tensors_written
+    out["corrupt_loaded"] = loaded
     return out
 
 
@@ -186,16 +204,21 @@ def test_stream_into_kept_buffers_lends_them_again_only_once_reclaimed_and_never
 ):
     """``stream(buffers=ReceiveBuffers())``: ten buckets in ten buffers every update; the next
     update receives into the same ones once reclaimed, except the one a served tensor lies in
-    (kept intact); reclaimed without that check, the served tensor is overwritten."""
-    out = run_processes(
+    (kept intact); reclaimed without that check, the served tensor is overwritten. A bucket
+    corrupted on arrival never reaches the loader (its checksum runs beside the loader)."""
+    results = run_processes(
         _kept_buffers_child, 2, (find_free_port(),), timeout_s=50, intra_op_threads=1
-    )[1]
+    )
+    out = results[1]
+    assert results[0] == {"failed_ranks": [1]}
     assert out["v2_exact"] and out["v2_buffers"] == 10
     assert out["v2_shared"] == 9  # the served one was refused, a fresh one made in its place
     assert out["served_kept"]
     assert out["counts_after_v2"] == (11, 9, 1)
     assert out["reckless_overwrote"]
     assert out["fresh_after_forget"] == 10
+    assert out["corrupt_loaded"] == [f"layers.{i}.weight" for i in range(3)]
+    assert out["corrupt_error"] is ChecksumMismatchError and out["corrupt_written"] == 3
 
 
 def _collectives_child(rank: int, port: int) -> tuple[int, list[int], int]:

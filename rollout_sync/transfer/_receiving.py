@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -364,30 +365,19 @@ class Receiving(TransferCollectives, BucketBuffers):
         outcome: _Outcome,
         write_kind: str,
         forward: _Forward | None,
-        *,
-        load: Callable[[list[str], list[torch.Tensor]], None] | None = None,
-        lend: Callable[[int], torch.Tensor] | None = None,
-        ahead: int = 1,
     ) -> None:
         """Receive every bucket, two in flight, into its span of ``into`` or a staging buffer
-        (then verified and unpacked); pass each on through ``forward`` when relaying. With
-        ``load`` (a stream), every bucket gets a buffer of its own (``lend``'s, else a fresh
-        one) and is handed to ``load``, while up to ``ahead`` later buckets arrive."""
+        (then verified and unpacked); pass each on through ``forward`` when relaying."""
         n = manifest.num_buckets
-        flats: list[torch.Tensor | None]
-        if load is None:
-            spans = self._bucket_spans(manifest, into, storage, receiving=True)
-            # A relay keeps a third staging buffer: one receiving, one being forwarded and
-            # unpacked, one whose forward may still be finishing.
-            buffers = self._bucket_buffers(manifest, spans, 2 if forward is None else 3)
-            views = self._bucket_views(manifest, buffers, spans)
-            flats = [
-                span if span is not None else buffers[k % len(buffers)][: manifest.bucket_nbytes[k]]
-                for k, span in enumerate(spans)
-            ]
-        else:
-            spans, views = (None,) * n, []
-            flats = [None] * n
+        spans = self._bucket_spans(manifest, into, storage, receiving=True)
+        # A relay keeps a third staging buffer: one receiving, one being forwarded and
+        # unpacked, one whose forward may still be finishing.
+        buffers = self._bucket_buffers(manifest, spans, 2 if forward is None else 3)
+        views = self._bucket_views(manifest, buffers, spans)
+        flats = [
+            span if span is not None else buffers[k % len(buffers)][: manifest.bucket_nbytes[k]]
+            for k, span in enumerate(spans)
+        ]
         sent_checksums = (
             [torch.zeros(2, dtype=torch.int64, device=self.device) for _ in range(n)]
             if manifest.checksums
@@ -398,35 +388,23 @@ class Receiving(TransferCollectives, BucketBuffers):
         write_starts: dict[int, int] = {}
 
         def post(k: int) -> None:
-            if flats[k] is None:  # a stream's bucket: a buffer of its own
-                nbytes = manifest.bucket_nbytes[k]
-                flats[k] = (
-                    torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-                    if lend is None
-                    else lend(nbytes)
-                )
             if spans[k] is not None:
                 # The collective itself writes the targets (zero-copy).
                 outcome.tensors_written += len(manifest.buckets[k])
                 write_starts[k] = time.monotonic_ns()
-            in_flight.launch(flats[k], k)  # type: ignore[arg-type]
+            in_flight.launch(flats[k], k)
             if sent_checksums is not None:
                 in_flight.launch(sent_checksums[k], k, "checksum")
 
-        # Buckets k + 1 .. k + ahead are posted before k is unpacked (a stream's may be more
-        # than one: each has a buffer of its own, so the wire runs on while the loader works).
-        ahead = max(1, ahead)
         post(0)
-        posted = 1
         with torch.no_grad():
             for k in range(n):
-                # Staged, bucket k + 1 lands in a buffer whose previous bucket was unpacked
-                # already (and, when relaying, forwarded).
-                while posted < n and posted <= k + ahead:
-                    if forward is not None and spans[posted] is None:
-                        forward.finish_through(posted - len(buffers))
-                    post(posted)
-                    posted += 1
+                # Post bucket k + 1 before unpacking k. Staged, it lands in a buffer whose
+                # previous bucket was unpacked already (and, when relaying, forwarded).
+                if k + 1 < n:
+                    if forward is not None and spans[k + 1] is None:
+                        forward.finish_through(k + 1 - len(buffers))
+                    post(k + 1)
                 try:
                     in_flight.finish_through(k, outcome.tensors_written)
                 finally:
@@ -437,9 +415,6 @@ class Receiving(TransferCollectives, BucketBuffers):
                             write_starts[k],
                         )
                 flat = flats[k]
-                assert flat is not None
-                if load is not None:
-                    flats[k] = None  # the loader holds the only reference from here on
                 if self.hooks.after_receive is not None:
                     self.hooks.after_receive(k, flat)
                 if forward is not None:
@@ -453,9 +428,6 @@ class Receiving(TransferCollectives, BucketBuffers):
                         continue
                 if spans[k] is not None:
                     continue
-                if load is not None:
-                    self._load_bucket(load, flat, k, manifest, outcome)
-                    continue
                 targets = [into[e.name] for e in manifest.buckets[k]]
                 # Counted before the copy: a copy that fails half-way has still written.
                 outcome.tensors_written += len(targets)
@@ -464,6 +436,86 @@ class Receiving(TransferCollectives, BucketBuffers):
                 else:
                     with self.timeline.span(write_kind, f"write bucket {k + 1}/{n} v{version}"):
                         torch._foreach_copy_(targets, views[k])
+
+    def _stream_buckets(
+        self,
+        manifest: WeightManifest,
+        op: str,
+        version: int,
+        outcome: _Outcome,
+        load: Callable[[list[str], list[torch.Tensor]], None],
+        lend: Callable[[int], torch.Tensor] | None,
+        ahead: int,
+    ) -> None:
+        """A stream's buckets, each in a buffer of its own (``lend``'s, else a fresh one) and
+        handed to ``load``, while up to ``ahead`` later buckets are on the wire. With checksums,
+        bucket ``k``'s is computed on a thread of its own while ``load`` runs on bucket
+        ``k - 1`` (the checksum is the receive's other big cost, and vLLM's loader holds this
+        thread), and checked before ``load`` sees bucket ``k``."""
+        n = manifest.num_buckets
+        flats: list[torch.Tensor | None] = [None] * n
+        sent = (
+            [torch.zeros(2, dtype=torch.int64, device=self.device) for _ in range(n)]
+            if manifest.checksums
+            else None
+        )
+        in_flight = _InFlight(self._link(), op, n, version)
+
+        def post(k: int) -> None:
+            nbytes = manifest.bucket_nbytes[k]
+            flat = (
+                torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                if lend is None
+                else lend(nbytes)
+            )
+            flats[k] = flat
+            in_flight.launch(flat, k)
+            if sent is not None:
+                in_flight.launch(sent[k], k, "checksum")
+
+        def check_and_load(
+            k: int, flat: torch.Tensor, checksum: Future[torch.Tensor] | None
+        ) -> None:
+            if outcome.failure is not None:
+                return  # keep the collectives matched; load nothing more
+            if sent is not None:
+                assert checksum is not None
+                failure = self._verify(flat, sent[k], k, manifest, outcome, checksum.result())
+                if failure is not None:
+                    outcome.failure = failure
+                    outcome.failed_buckets.append(k)
+                    return
+            self._load_bucket(load, flat, k, manifest, outcome)
+
+        checker = (
+            ThreadPoolExecutor(1, thread_name_prefix="rollout_sync-checksum")
+            if sent is not None
+            else None
+        )
+        posted = 0
+        held: tuple[int, torch.Tensor, Future[torch.Tensor] | None] | None = None
+        try:
+            with torch.no_grad():
+                for k in range(n):
+                    while posted < n and posted <= k + ahead:
+                        post(posted)
+                        posted += 1
+                    in_flight.finish_through(k, outcome.tensors_written)
+                    flat, flats[k] = flats[k], None  # the loader holds the only reference
+                    assert flat is not None
+                    if self.hooks.after_receive is not None:
+                        self.hooks.after_receive(k, flat)
+                    checksum = None
+                    if checker is not None and outcome.failure is None:
+                        checksum = checker.submit(bucket_checksum, flat)
+                    if held is not None:
+                        check_and_load(*held)
+                    held = (k, flat, checksum)
+                if held is not None:
+                    check_and_load(*held)
+        finally:
+            if checker is not None:
+                checker.shutdown(wait=True)  # a checksum ends on its own: nothing to cancel
 
     def _load_bucket(
         self,
@@ -501,10 +553,12 @@ class Receiving(TransferCollectives, BucketBuffers):
         k: int,
         manifest: WeightManifest,
         outcome: _Outcome,
+        computed: torch.Tensor | None = None,
     ) -> str | None:
         """Check bucket ``k`` against the checksum its source sent (and the origin's); the
-        failure, or ``None``."""
-        got = [int(x) for x in bucket_checksum(flat).tolist()]
+        failure, or ``None``. ``computed``: ``flat``'s checksum, if taken already."""
+        checksum = bucket_checksum(flat) if computed is None else computed
+        got = [int(x) for x in checksum.tolist()]
         expected = [int(x) for x in sent.tolist()]
         outcome.source_checksums.append((expected[0], expected[1]))
         origin = manifest.origin

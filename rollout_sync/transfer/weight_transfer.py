@@ -511,18 +511,14 @@ class WeightTransfer(Relay):
                 begin(manifest)
             except Exception as exc:  # reported after the commit vote
                 outcome.failure, outcome.cause = f"starting to load failed: {exc}", exc
-        self._receive_buckets(
+        self._stream_buckets(
             manifest,
-            {},
-            None,
             op,
             version,
             outcome,
-            SpanKind.WEIGHT_WRITE,
-            None,
-            load=load,
-            lend=None if buffers is None else buffers.lend,
-            ahead=ahead,
+            load,
+            None if buffers is None else buffers.lend,
+            ahead,
         )
         return self._commit("stream", op, version, manifest, outcome, start, manifest_done)
 
