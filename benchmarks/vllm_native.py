@@ -22,7 +22,7 @@ one engine, alternating so the ratios are fair on a noisy machine:
 * **load alone**: vLLM's own load of the same tensors with no wire (layerwise reload, the
   model's loader, finalize; tensors already in the worker), run in the engine's worker, parked;
 * **engine wire**: the same send received by the worker's ``"rollout_sync"`` transfer with no
-  load (``WeightTransfer.stream`` with the engine's receive buffers and ``receive_ahead``,
+  load (``WeightTransfer.stream`` with the engine's ``receive_ahead``,
   checksums verified, the loader a no-op), timed in the worker from the end of the manifest
   vote to the last bucket verified; **engine wire, no checksums**: the same without checksums
   (what the checksums cost).
@@ -150,10 +150,7 @@ def _wire_alone(worker: Any) -> float:
         last[0] = time.perf_counter()
 
     start = time.perf_counter()
-    stats = engine.transfer.stream(
-        engine._expected, arrived, buffers=engine.receive_buffers, ahead=engine._receive_ahead
-    )
-    engine._reclaim_receive_buffers()
+    stats = engine.transfer.stream(engine._expected, arrived, ahead=engine._receive_ahead)
     return last[0] - (start + stats.manifest_s)
 
 

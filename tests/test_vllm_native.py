@@ -147,9 +147,6 @@ def test_a_guarded_native_update_mid_generation_splits_old_then_exactly_new(
     assert find_overlaps(spans, NO_FORWARD_DURING) == []
     report = native.client.reports[-1]
     assert report.error is None and report.paused and report.park_s < 30
-    # The update received into the buffers the fixture's push left (gloo: kept, reclaimed).
-    state = native.backend.native_transfer_state()
-    assert state["receive_buffers_reused"] > 0 and state["receive_buffers_mb"] > 0
 
 
 @pytest.mark.timeout(180)

@@ -444,11 +444,10 @@ class Receiving(TransferCollectives, BucketBuffers):
         version: int,
         outcome: _Outcome,
         load: Callable[[list[str], list[torch.Tensor]], None],
-        lend: Callable[[int], torch.Tensor] | None,
         ahead: int,
     ) -> None:
-        """A stream's buckets, each in a buffer of its own (``lend``'s, else a fresh one) and
-        handed to ``load``, while up to ``ahead`` later buckets are on the wire. With checksums,
+        """A stream's buckets, each in a buffer of its own (allocated for it) and handed to
+        ``load``, while up to ``ahead`` later buckets are on the wire. With checksums,
         bucket ``k``'s is computed on a thread of its own while ``load`` runs on bucket
         ``k - 1`` (the checksum is the receive's other big cost, and vLLM's loader holds this
         thread), and checked before ``load`` sees bucket ``k``."""
@@ -463,11 +462,7 @@ class Receiving(TransferCollectives, BucketBuffers):
 
         def post(k: int) -> None:
             nbytes = manifest.bucket_nbytes[k]
-            flat = (
-                torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-                if lend is None
-                else lend(nbytes)
-            )
+            flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             flats[k] = flat
             in_flight.launch(flat, k)
             if sent is not None:

@@ -73,7 +73,6 @@ from ._relay import Relay
 from .config import TransferConfig, TransferHooks, TransferStats
 from .delta_sync import DeltaTarget, EncodedDelta, SyncKind, WholeReason
 from .manifest import OriginChecksums, WeightManifest, bucket_checksum
-from .receive_buffers import ReceiveBuffers
 
 __all__ = ["StepwiseSend", "WeightTransfer", "wait_transfer_work"]
 
@@ -422,7 +421,6 @@ class WeightTransfer(Relay):
         begin: Callable[[WeightManifest], None] | None = None,
         allow_subset: bool = True,
         delta: DeltaTarget | None = None,
-        buffers: ReceiveBuffers | None = None,
         ahead: int = 1,
     ) -> TransferStats:
         """Receive one broadcast and hand each bucket's tensors to ``load`` as it arrives.
@@ -432,12 +430,12 @@ class WeightTransfer(Relay):
         shapes and dtypes; meta tensors will do) and by ``accept`` (raise to object), then
         voted on by every rank, as :meth:`receive` does; only after the vote passed does
         ``begin`` run and the first bucket arrive. Every bucket lands in a buffer of its own,
-        never lent twice within this receive (a loader may keep references to the tensors it
-        was given, as vLLM's layerwise reload does until a layer is complete): made for it, or
-        lent by ``buffers`` (:class:`~rollout_sync.transfer.receive_buffers.ReceiveBuffers`,
-        whose buffers come back only when the caller reclaims them); with checksums, a bucket
-        is verified before ``load`` sees it. While ``load`` runs on bucket ``k``, buckets
-        ``k + 1`` .. ``k + ahead`` are on the wire (each one more buffer held at once).
+        allocated for it and never reused by the transfer (a loader may keep references to the
+        tensors it was given, as vLLM's layerwise reload does until a layer is complete); with
+        checksums, a bucket is verified before ``load`` sees it (its checksum is taken on a
+        thread of its own while ``load`` runs on the bucket before). While ``load`` runs on
+        bucket ``k``, buckets ``k + 1`` .. ``k + ahead`` are on the wire (each one more buffer
+        held at once).
 
         A ``begin`` or ``load`` that raises stops all further loading on this rank, which
         keeps receiving (the group is not left hanging) and votes no at the commit.
@@ -517,7 +515,6 @@ class WeightTransfer(Relay):
             version,
             outcome,
             load,
-            None if buffers is None else buffers.lend,
             ahead,
         )
         return self._commit("stream", op, version, manifest, outcome, start, manifest_done)

@@ -13,13 +13,8 @@ one code path), and it does what vLLM's built-in engines do not:
   once the manifest has been checked here (names, shapes, dtypes against the checkpoint the
   engine loaded) and every rank voted yes. A bad manifest is refused with nothing touched.
 * **no receive buffer is reused** while a layer that references it is incomplete: the reload
-  keeps references to loaded tensors until a layer is whole, so every bucket of an update
-  arrives in a buffer of its own (:meth:`~rollout_sync.transfer.WeightTransfer.stream`). On
-  gloo the buffers are kept for the next update
-  (:class:`~rollout_sync.transfer.receive_buffers.ReceiveBuffers`,
-  ``RolloutSyncInitInfo.reuse_receive_buffers``): lent again only once the update's reload was
-  finalized (vLLM then holds none of them) and never one a served tensor lies in; after a
-  failed or discarded receive they are dropped instead.
+  keeps references to loaded tensors until a layer is whole, so every bucket arrives in a
+  buffer of its own (:meth:`~rollout_sync.transfer.WeightTransfer.stream`).
 * **part of a fused module is refused** (``q_proj`` without ``k_proj`` and ``v_proj``: vLLM
   would rebuild ``qkv_proj`` around uninitialized memory).
 * **the load is read back.** :meth:`finish_weight_update` finalizes the reload, then reads every
@@ -102,7 +97,6 @@ from ...errors import (
 from ...trace import SpanKind, Timeline
 from ...transfer import TransferConfig, TransferStats, WeightManifest, WeightTransfer
 from ...transfer.delta_sync import DeltaTarget, ReceivedDelta, SyncKind
-from ...transfer.receive_buffers import ReceiveBuffers
 from .host_copy import DeltaLoad, FusedParts, HostCopy
 from .worker import (
     ProbePlan,
@@ -135,7 +129,11 @@ DEFAULT_BUCKET_BYTES = 8 << 20
 wire, large enough that a bucket's collectives and checksum cost little beside its bytes
 (benchmarks/vllm_native.py: on the 96.5 MB model an in-place update took about 310 ms with
 32 MiB buckets, 258 ms with 8 MiB and 260-280 ms with 4 MiB)."""
-DEFAULT_RECEIVE_AHEAD = 4
+DEFAULT_RECEIVE_AHEAD = 1
+"""One bucket on the wire while vLLM loads the one before: on a 2-core host more buckets ahead
+made the in-place update no faster (the wire and vLLM's load compete for the same cores;
+benchmarks/vllm_native.py, docs/vllm.md). Raise it where the wire does not need the cores
+the load uses (NCCL), at one more receive buffer held per bucket."""
 
 
 @dataclass
@@ -164,11 +162,6 @@ class RolloutSyncInitInfo(WeightTransferInitInfo):
     receive_ahead: int = DEFAULT_RECEIVE_AHEAD
     """In place: buckets on the wire while vLLM loads the one that arrived (each holds a
     receive buffer), so the wire runs on beside the load."""
-    reuse_receive_buffers: bool = True
-    """On gloo, keep the last update's receive buffers (one copy of what it received, in host
-    memory) and receive the next update into them: fresh host buffers cost a page fault per
-    page on the wire. ``False``: a fresh buffer per bucket and update. Ignored on NCCL (the
-    CUDA caching allocator already reuses freed blocks)."""
 
     def __post_init__(self) -> None:
         if self.group_backend not in ("gloo", "nccl"):
@@ -326,8 +319,6 @@ class RolloutSyncWeightTransferEngine(
         update loads)."""
         self._host_pending: ReceivedDelta | None = None
         """A staged delta being installed: written into the host copy once it landed."""
-        self.receive_buffers: ReceiveBuffers | None = None
-        """The kept receive buffers (``reuse_receive_buffers`` on gloo), else ``None``."""
 
     # -- the lifecycle vLLM drives ---------------------------------------------------------------
 
@@ -348,8 +339,6 @@ class RolloutSyncWeightTransferEngine(
         self._verify_columns = init_info.verify_columns
         self._timeout_s = init_info.timeout_s
         self._receive_ahead = init_info.receive_ahead
-        reuse = init_info.reuse_receive_buffers and init_info.group_backend == "gloo"
-        self.receive_buffers = ReceiveBuffers(device) if reuse else None
         self._group_id = f"{init_info.master_address}:{init_info.master_port}"
         # A copy kept across trainers stays valid: a delta is taken only on the bits it holds.
         if not init_info.delta_host_copy:
@@ -411,11 +400,9 @@ class RolloutSyncWeightTransferEngine(
                 begin=self._begin,
                 allow_subset=update_info.allow_subset,
                 delta=self._delta_target(apply=True) if update_info.final else None,
-                buffers=self.receive_buffers,
                 ahead=self._receive_ahead,
             )
         except BaseException as exc:
-            self._forget_receive_buffers()  # the reload may still hold what it was handed
             if self._reload_started:
                 self.torn = f"an update failed mid-load: {type(exc).__name__}: {exc}"
                 self._drop_host_copy()
@@ -456,7 +443,6 @@ class RolloutSyncWeightTransferEngine(
         staged, self._staged = self._staged, None
         if staged is None:
             return False
-        self._forget_receive_buffers()  # its thread may still be writing into them
         self._abandoned = staged
         self.staged_discarded += 1
         return True
@@ -466,7 +452,6 @@ class RolloutSyncWeightTransferEngine(
         ``timeout_s``), so that the next transfer does not meet it there."""
         abandoned, self._abandoned = self._abandoned, None
         if abandoned is None or abandoned.done.wait(self._timeout_s + 5.0):
-            self._forget_receive_buffers()  # what it was lent after the discard
             return
         raise WeightTransferTimeout(
             f"a discarded staged receive was still in the transfer group's collectives after "
@@ -523,7 +508,6 @@ class RolloutSyncWeightTransferEngine(
                     accept=self._accept,
                     allow_subset=update_info.allow_subset,
                     delta=delta,
-                    buffers=self.receive_buffers,
                     ahead=self._receive_ahead,
                 )
                 if staged.stats.sync_kind == SyncKind.DELTA.value:
@@ -546,7 +530,6 @@ class RolloutSyncWeightTransferEngine(
         :meth:`finish_weight_update`."""
         limit = self._timeout_s + 5.0
         if not staged.done.wait(limit):
-            self._forget_receive_buffers()
             self._abandoned = staged
             self.staged_discarded += 1
             raise WeightTransferTimeout(
@@ -555,7 +538,6 @@ class RolloutSyncWeightTransferEngine(
                 operation="install a staged rollout_sync update",
             )
         if staged.error is not None:
-            self._forget_receive_buffers()
             self.staged_discarded += 1
             error = staged.error
             raise WeightTransferError(
@@ -581,7 +563,6 @@ class RolloutSyncWeightTransferEngine(
                 self._load_into_model(staged.names, staged.tensors)
                 self.last_load_s = time.perf_counter() - load_start
         except BaseException as exc:
-            self._forget_receive_buffers()
             self.torn = f"installing a staged update failed mid-load: {type(exc).__name__}: {exc}"
             self._drop_host_copy()
             self._record_write(error=True)
@@ -636,20 +617,6 @@ class RolloutSyncWeightTransferEngine(
             self.host = HostCopy()  # new objects: a staged receive may still hold the old
         self._host_pending = None
 
-    def _reclaim_receive_buffers(self) -> None:
-        """The reload was finalized (or never started): vLLM holds none of this update's
-        receive buffers, so the next update may receive into them; never into one that a
-        served tensor lies in (``ReceiveBuffers.reclaim`` checks)."""
-        if self.receive_buffers is not None:
-            served = [*self.model.parameters(), *self.model.buffers()]
-            self.receive_buffers.reclaim(served)
-
-    def _forget_receive_buffers(self) -> None:
-        """A receive or load failed or was given up: drop its buffers rather than reuse them
-        (a half-done reload, or a receive thread, may still hold them)."""
-        if self.receive_buffers is not None:
-            self.receive_buffers.forget()
-
     def _commit_host_copy(self, version: int | None) -> None:
         """An update landed (verified): the host copy holds ``version`` where it holds every
         served name."""
@@ -659,18 +626,13 @@ class RolloutSyncWeightTransferEngine(
 
     def _complete(self) -> None:
         if not self._reload_started:
-            self._reclaim_receive_buffers()  # nothing (more) was loaded: none is held
-            return  # the model serves what it served
+            return  # nothing (more) was loaded: the model serves what it served
         start = time.perf_counter()
         try:
             try:
                 self._finish_reload()
-            except BaseException:
-                self._forget_receive_buffers()
-                raise
             finally:
                 self._reload_started = False
-            self._reclaim_receive_buffers()
             self.last_finalize_s = time.perf_counter() - start
             start = time.perf_counter()
             problems = self._read_back()
@@ -709,7 +671,7 @@ class RolloutSyncWeightTransferEngine(
 
     def state(self) -> dict[str, Any]:
         """Plain data for an RPC: torn or not, updates landed, the last transfer's numbers."""
-        stats, pool = self.last_stats, self.receive_buffers
+        stats = self.last_stats
         return {
             "initialized": self.transfer is not None,
             "torn": self.torn,
@@ -730,8 +692,6 @@ class RolloutSyncWeightTransferEngine(
             "last_full_mb": (stats.full_nbytes or 0) / 1e6 if stats is not None else 0.0,
             "host_copy_version": None if self.host is None else self.host.version,
             "host_copy_mb": None if self.host is None else self.host.nbytes / 1e6,
-            "receive_buffers_mb": 0.0 if pool is None else pool.nbytes / 1e6,
-            "receive_buffers_reused": 0 if pool is None else pool.reused,
         }
 
     # -- inside a transfer -----------------------------------------------------------------------

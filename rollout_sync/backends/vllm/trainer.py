@@ -141,9 +141,6 @@ class RolloutSyncTrainerInitInfo(TrainerInitInfo):
     receive_ahead: int = DEFAULT_RECEIVE_AHEAD
     """In place: buckets on the wire while a worker's vLLM loads the one that arrived
     (:attr:`~rollout_sync.backends.vllm.engine.RolloutSyncInitInfo.receive_ahead`)."""
-    reuse_receive_buffers: bool = True
-    """The workers keep their receive buffers between updates on gloo
-    (:attr:`~rollout_sync.backends.vllm.engine.RolloutSyncInitInfo.reuse_receive_buffers`)."""
     delta_host_copy: bool | None = None
     """Whether the workers keep the host copy a delta is rebuilt from
     (:attr:`~rollout_sync.backends.vllm.engine.RolloutSyncInitInfo.delta_host_copy`: one copy
@@ -193,7 +190,6 @@ class RolloutSyncTrainerInitInfo(TrainerInitInfo):
             timeout_s=self.timeout_s,
             verify_columns=self.verify_columns,
             receive_ahead=self.receive_ahead,
-            reuse_receive_buffers=self.reuse_receive_buffers,
             delta_host_copy=self.delta if self.delta_host_copy is None else self.delta_host_copy,
         )
 
