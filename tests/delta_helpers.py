@@ -10,17 +10,26 @@ import torch
 from rollout_sync.transfer import delta, delta_sync
 
 
-def break_apply(monkeypatch: pytest.MonkeyPatch, *, restore_too: bool = False) -> list[int]:
+def break_apply(
+    monkeypatch: pytest.MonkeyPatch, *, restore_too: bool = False, after_write: bool = False
+) -> list[int]:
     """Make ``ReceivedDelta.apply`` fail at its second tensor (``RuntimeError("the device went
     away")``) after writing the first, and with ``restore_too`` every restore fail as well
-    (``RuntimeError("and stayed away")``). Returns the list each write attempt appends to."""
+    (``RuntimeError("and stayed away")``). ``after_write``: the second tensor's write fails
+    once it has written (a write that fails part-way), not before. Returns the list each write
+    attempt appends to."""
     real, calls = delta_sync.apply_changes, []
 
-    def failing(tensor: torch.Tensor, positions: torch.Tensor, bits: torch.Tensor) -> Any:
+    def failing(
+        tensor: torch.Tensor, positions: torch.Tensor, bits: torch.Tensor, **kwargs: Any
+    ) -> Any:
         calls.append(1)
+        if len(calls) == 2 and not after_write:
+            raise RuntimeError("the device went away")
+        out = real(tensor, positions, bits, **kwargs)
         if len(calls) == 2:
             raise RuntimeError("the device went away")
-        return real(tensor, positions, bits)
+        return out
 
     def restore_fails(self: Any) -> None:
         raise RuntimeError("and stayed away")

@@ -125,12 +125,13 @@ def test_a_position_past_the_last_block_end_is_refused() -> None:
         check_delta(bad, base)
 
 
+@pytest.mark.parametrize("after_write", [False, True], ids=["before-write", "mid-write"])
 def test_an_apply_that_fails_part_way_puts_back_what_it_wrote(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, after_write: bool
 ) -> None:
-    """ReceivedDelta.apply writes tensor by tensor; an error at the second leaves the first
-    restored bit for bit and nothing listed to undo (so the receive reports nothing written),
-    and the digest cache is not moved."""
+    """ReceivedDelta.apply writes tensor by tensor; an error at the second (before its write,
+    or once the write had begun) leaves both restored bit for bit and nothing listed to undo
+    (so the receive reports nothing written), and the digest cache is not moved."""
     from rollout_sync.transfer import delta_sync
     from rollout_sync.transfer.delta_sync import DeltaEncoder, DeltaTarget, DigestCache
 
@@ -146,7 +147,7 @@ def test_an_apply_that_fails_part_way_puts_back_what_it_wrote(
     target = DeltaTarget(served, 1, cache)
     received = delta_sync.ReceivedDelta.check(2, encoded.header, encoded.packed, target)
     real = delta_sync.apply_changes
-    calls = break_apply(monkeypatch)
+    calls = break_apply(monkeypatch, after_write=after_write)
     with pytest.raises(RuntimeError, match="device went away"):
         received.apply(cache)
     assert len(calls) == 2 and not received.undo

@@ -307,15 +307,22 @@ def apply_delta(target: torch.Tensor, delta: TensorDelta, *, name: str = "tensor
 
 
 def apply_changes(
-    target: torch.Tensor, positions: torch.Tensor, new_bits: torch.Tensor
+    target: torch.Tensor,
+    positions: torch.Tensor,
+    new_bits: torch.Tensor,
+    *,
+    undo: list[Overwritten] | None = None,
 ) -> Overwritten:
     """Write ``new_bits`` (integers of the element size) at the flat ``positions`` of
     ``target`` (checked already: :func:`delta_changes` of a checked delta); returns what it
-    overwrote."""
+    overwrote. ``undo``: a list that what it overwrites joins before the write, so that a
+    write failing part-way is put back too."""
     bits = bits_of(target)
-    undo = Overwritten(target, [positions], [bits[positions]])  # a gather: a copy
+    overwritten = Overwritten(target, [positions], [bits[positions]])  # a gather: a copy
+    if undo is not None:
+        undo.append(overwritten)
     bits[positions] = new_bits
-    return undo
+    return overwritten
 
 
 def moved_digest(

@@ -418,7 +418,8 @@ class ReceivedDelta:
         itself to fail, what it could not put back stays in :attr:`undo`)."""
         try:
             for name, (positions, new_bits) in self.changes.items():
-                self.undo.append(apply_changes(self.targets[name], positions, new_bits))
+                # Listed before the write: a write that fails part-way is put back too.
+                apply_changes(self.targets[name], positions, new_bits, undo=self.undo)
         except BaseException:
             self.restore()
             raise
