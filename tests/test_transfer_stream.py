@@ -145,6 +145,10 @@ def _ahead_child(rank: int, port: int) -> dict[str, Any]:
         return {}
     out: dict[str, Any] = {}
     held: dict[str, torch.Tensor] = {}
+    try:  # refused before anything is received: the group stays in step
+        transfer.stream(_expected(), lambda n, t: held.update(zip(n, t, strict=True)), ahead=-1)
+    except ValueError as exc:
+        out["negative_ahead"] = str(exc)
     transfer.stream(_expected(), lambda n, t: held.update(zip(n, t, strict=True)), ahead=4)
     out["exact"] = all(torch.equal(t, _model(1)[n]) for n, t in held.items()) and len(held) == 10
     out["buffers"] = len({t.untyped_storage().data_ptr() for t in held.values()})
@@ -173,6 +177,7 @@ def test_stream_with_buckets_ahead_checks_each_before_the_loader_sees_it() -> No
     results = run_processes(_ahead_child, 2, (find_free_port(),), timeout_s=50, intra_op_threads=1)
     out = results[1]
     assert results[0] == {"failed_ranks": [1]}
+    assert "ahead must be 0 or more" in out["negative_ahead"]
     assert out["exact"] and out["buffers"] == 10
     assert out["corrupt_loaded"] == [f"layers.{i}.weight" for i in range(3)]
     assert out["corrupt_error"] is ChecksumMismatchError and out["corrupt_written"] == 3

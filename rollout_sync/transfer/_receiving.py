@@ -448,9 +448,11 @@ class Receiving(TransferCollectives, BucketBuffers):
     ) -> None:
         """A stream's buckets, each in a buffer of its own (allocated for it) and handed to
         ``load``, while up to ``ahead`` later buckets are on the wire. With checksums,
-        bucket ``k``'s is computed on a thread of its own while ``load`` runs on bucket
-        ``k - 1`` (the checksum is the receive's other big cost, and vLLM's loader holds this
-        thread), and checked before ``load`` sees bucket ``k``."""
+        bucket ``k``'s is checked before ``load`` sees bucket ``k``; on the CPU it is computed
+        on a thread of its own while ``load`` runs on bucket ``k - 1`` (the checksum is the
+        receive's other big cost, and vLLM's loader holds this thread). On a GPU it is taken
+        here: its kernels run asynchronously anyway, and on another thread they would run on
+        that thread's stream, not ordered after the receive's wait on this one's."""
         n = manifest.num_buckets
         flats: list[torch.Tensor | None] = [None] * n
         sent = (
@@ -474,8 +476,8 @@ class Receiving(TransferCollectives, BucketBuffers):
             if outcome.failure is not None:
                 return  # keep the collectives matched; load nothing more
             if sent is not None:
-                assert checksum is not None
-                failure = self._verify(flat, sent[k], k, manifest, outcome, checksum.result())
+                computed = None if checksum is None else checksum.result()
+                failure = self._verify(flat, sent[k], k, manifest, outcome, computed)
                 if failure is not None:
                     outcome.failure = failure
                     outcome.failed_buckets.append(k)
@@ -484,7 +486,7 @@ class Receiving(TransferCollectives, BucketBuffers):
 
         checker = (
             ThreadPoolExecutor(1, thread_name_prefix="rollout_sync-checksum")
-            if sent is not None
+            if sent is not None and self.device.type == "cpu"
             else None
         )
         posted = 0

@@ -432,10 +432,10 @@ class WeightTransfer(Relay):
         ``begin`` run and the first bucket arrive. Every bucket lands in a buffer of its own,
         allocated for it and never reused by the transfer (a loader may keep references to the
         tensors it was given, as vLLM's layerwise reload does until a layer is complete); with
-        checksums, a bucket is verified before ``load`` sees it (its checksum is taken on a
-        thread of its own while ``load`` runs on the bucket before). While ``load`` runs on
-        bucket ``k``, buckets ``k + 1`` .. ``k + ahead`` are on the wire (each one more buffer
-        held at once).
+        checksums, a bucket is verified before ``load`` sees it (on the CPU its checksum is
+        taken on a thread of its own while ``load`` runs on the bucket before). While ``load``
+        runs on bucket ``k``, bucket ``k + 1`` has arrived (and is being checked) and buckets
+        ``k + 2`` .. ``k + 1 + ahead`` are on the wire (each one more buffer held at once).
 
         A ``begin`` or ``load`` that raises stops all further loading on this rank, which
         keeps receiving (the group is not left hanging) and votes no at the commit.
@@ -468,9 +468,12 @@ class WeightTransfer(Relay):
                 :meth:`receive`; ``tensors_written`` says how much was loaded.
             DeltaRefused: a delta that fails its checks or its proof; nothing was loaded
                 (``begin`` did not run) and ``delta.served`` is untouched.
+            ValueError: ``ahead`` is negative (before anything is received).
         """
         if self.is_source:
             raise RuntimeError(f"stream() on the source rank {self.src}; call send()")
+        if ahead < 0:
+            raise ValueError(f"ahead must be 0 or more (buckets on the wire), got {ahead}")
         start = time.perf_counter()
         me = self.rank
         whole_asked = False
