@@ -37,6 +37,7 @@ version, are :mod:`rollout_sync.transfer.delta_sync`.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -164,18 +165,25 @@ def encode_delta(
     size = new.element_size()
     numel = values.numel()
     blocks: list[DeltaBlock] = []
-    if changed.numel():
-        which = torch.div(changed, BLOCK_ELEMENTS, rounding_mode="floor")
-        indices, counts = torch.unique_consecutive(which, return_counts=True)
-        at = 0
-        for index, count in zip(indices.tolist(), counts.tolist(), strict=True):
-            positions = changed[at : at + count]
-            at += count
-            start = index * BLOCK_ELEMENTS
-            n = _block_size(numel, index)
-            kind = min(BlockKind, key=lambda k: (encoded_bytes(k, n, count, size), k))
-            blocks.append(_encode_block(index, kind, positions - start, values[start : start + n]))
+    for index, n, offsets in _changed_blocks(changed, numel):
+        start = index * BLOCK_ELEMENTS
+        count = offsets.numel()
+        kind = min(BlockKind, key=lambda k: (encoded_bytes(k, n, count, size), k))
+        blocks.append(_encode_block(index, kind, offsets, values[start : start + n]))
     return TensorDelta(numel, new.dtype, tuple(blocks))
+
+
+def _changed_blocks(positions: torch.Tensor, numel: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Per block with changes at the flat ``positions`` (increasing) of a tensor of ``numel``
+    elements: its index, its size and the changed offsets in it."""
+    if not positions.numel():
+        return
+    which = torch.div(positions, BLOCK_ELEMENTS, rounding_mode="floor")
+    indices, counts = torch.unique_consecutive(which, return_counts=True)
+    at = 0
+    for index, count in zip(indices.tolist(), counts.tolist(), strict=True):
+        yield index, _block_size(numel, index), positions[at : at + count] - index * BLOCK_ELEMENTS
+        at += count
 
 
 def _encode_block(
@@ -480,20 +488,13 @@ def delta_of_changes(
     version's other values (a sharded target passing on the regions it received)."""
     size = torch.empty((), dtype=dtype).element_size()
     blocks: list[DeltaBlock] = []
-    if positions.numel():
-        which = torch.div(positions, BLOCK_ELEMENTS, rounding_mode="floor")
-        indices, counts = torch.unique_consecutive(which, return_counts=True)
-        at = 0
-        for index, count in zip(indices.tolist(), counts.tolist(), strict=True):
-            start = index * BLOCK_ELEMENTS
-            n = _block_size(numel, index)
-            offsets = positions[at : at + count] - start
-            block = torch.zeros(n, dtype=dtype)
-            block.view(new_bits.dtype)[offsets] = new_bits[at : at + count]
-            at += count
-            kinds = [BlockKind.POSITIONS, BlockKind.BITMASK] + (
-                [BlockKind.DENSE] if count == n else []
-            )
-            kind = min(kinds, key=lambda k: (encoded_bytes(k, n, count, size), k))
-            blocks.append(_encode_block(index, kind, offsets, block))
+    at = 0
+    for index, n, offsets in _changed_blocks(positions, numel):
+        count = offsets.numel()
+        block = torch.zeros(n, dtype=dtype)
+        block.view(new_bits.dtype)[offsets] = new_bits[at : at + count]
+        at += count
+        kinds = [BlockKind.POSITIONS, BlockKind.BITMASK] + ([BlockKind.DENSE] if count == n else [])
+        kind = min(kinds, key=lambda k: (encoded_bytes(k, n, count, size), k))
+        blocks.append(_encode_block(index, kind, offsets, block))
     return TensorDelta(numel, dtype, tuple(blocks))
