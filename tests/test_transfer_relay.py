@@ -374,6 +374,51 @@ def test_without_the_fill_the_leaves_of_a_failed_relay_wait_out_the_timeout() ->
         assert leaf.servable is False  # still never served torn
 
 
+def _unexpected_child(rank: int) -> tuple[str, float]:
+    """The relay's own receive raises an error of no transfer type (a hook, at bucket 2): what
+    each rank raised, and after how long."""
+    groups = build_sync_groups(0, [1, 2, 3], timeout_s=20)
+    config = TransferConfig(bucket_bytes=4096, timeout_s=TIMEOUT_S)
+
+    def broken(k: int, flat: torch.Tensor) -> None:
+        if k == 2:
+            raise RuntimeError("the relay broke")
+
+    hooks = TransferHooks(after_receive=broken if rank == 1 else None)
+    p2r = groups.p2r_transfer(config=config, hooks=hooks)
+    r2r = groups.r2r_transfer(config=config, hooks=hooks)
+    weights = _mixed(1 if rank == 0 else 0)
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            assert p2r is not None
+            p2r.send(weights, version=1)
+        elif rank == 1:
+            assert p2r is not None and r2r is not None
+            p2r.relay(weights, r2r)
+        else:
+            assert r2r is not None
+            r2r.receive(weights)
+    except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+        elapsed = time.monotonic() - start
+        if rank == 1:
+            # Alive past the leaves' limit: what they see is the relay's word, not its exit.
+            time.sleep(TIMEOUT_S * 1.5)
+        return type(exc).__name__, elapsed
+    return "", time.monotonic() - start
+
+
+@pytest.mark.timeout(120)
+def test_a_relay_failing_with_an_unexpected_error_still_fails_its_leaves_fast() -> None:
+    """Not only the transfer's own errors: the relay sends the rest void and votes no, so its
+    leaves fail well under the collective timeout (they waited it out before)."""
+    results = run_group(_unexpected_child, WORLD, (), timeout_s=90)
+    assert results[1][0] == "RuntimeError"
+    for rank in (2, 3):
+        name, elapsed = results[rank]
+        assert name == "WeightTransferError" and elapsed < TIMEOUT_S / 2, results[rank]
+
+
 def monkeypatch_relay_fill_off() -> None:
     """In a child process: the relay no longer sends the void rest after its source died."""
     from rollout_sync.transfer import _pipeline

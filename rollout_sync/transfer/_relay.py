@@ -235,7 +235,7 @@ class Relay(DeltaReceive):
                 version=version,
                 written=outcome.tensors_written,
             )
-        except WeightTransferError:
+        except BaseException:  # the transfer's own errors, and any other (as a delta's)
             if forwarding is not None:
                 # The buckets not passed on yet still go out (void), so the receivers reach
                 # the commit vote, where this rank says no, instead of timing out.
