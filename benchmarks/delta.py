@@ -101,7 +101,7 @@ from rollout_sync.scale import FLEET_1T, Link
 from rollout_sync.testing import IdleFlatRollout, run_group
 from rollout_sync.testing.emulated_nic import EmulatedNic, PacedWeightTransfer
 from rollout_sync.testing.tiny_llama import tiny_llama
-from rollout_sync.transfer.delta import apply_delta, encode_delta
+from rollout_sync.transfer.delta import apply_delta, bits_of, encode_delta
 from rollout_sync.transfer.delta_sync import DeltaEncoder, EncodedDelta
 from rollout_sync.worker import P2R, R2R, RolloutWorker
 
@@ -181,10 +181,6 @@ VersionHook = Callable[[int, Mapping[str, torch.Tensor], Mapping[str, torch.Tens
 versions a sync would ship (the side-by-side transfers' way in)."""
 
 
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(-1).view(torch.int16)
-
-
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().nbytes()
 
@@ -231,7 +227,7 @@ def train_and_measure(
         for name, p in params.items():
             new = p.detach().to(SERVED)
             base = served[name]
-            changed += int((_bits(base) != _bits(new)).sum())
+            changed += int((bits_of(base) != bits_of(new)).sum())
             started = time.perf_counter()
             delta = encode_delta(base, new)
             encode_s += time.perf_counter() - started
@@ -240,7 +236,7 @@ def train_and_measure(
             transient = max(transient, _nbytes(new) + delta.nbytes)
             applied = base.clone()
             apply_delta(applied, delta, name=name)
-            round_trip = round_trip and torch.equal(_bits(applied), _bits(new))
+            round_trip = round_trip and torch.equal(bits_of(applied), bits_of(new))
             served[name] = new
         if on_version is not None:
             on_version(step, before, served)

@@ -703,6 +703,24 @@ class WeightBroadcastStatistics:
     pending_samples: int
 
 
+def _deltas_on(pusher: object, full_every: int | None) -> None:
+    """Turn deltas on in a :class:`WeightBroadcastCallback`'s pusher (``delta=True``): its
+    encoder, made here unless it has one, takes the callback's keyframes (``full_every``).
+
+    Raises:
+        ValueError: ``pusher`` is not a :class:`TransferWeightPusher`.
+    """
+    if not isinstance(pusher, TransferWeightPusher):
+        raise ValueError(
+            "a WeightBroadcastCallback(delta=True) sends through a TransferWeightPusher (it "
+            f"keeps the base the deltas are encoded against); got {pusher!r}"
+        )
+    if pusher.encoder is None:
+        pusher.use_deltas(full_every=full_every)
+    elif full_every is not None:
+        pusher.encoder.full_every = full_every  # the callback's keyframes hold
+
+
 class WeightBroadcastCallback(TrainerCallback):
     """On every successful step: announce, then push the full weights, timed.
 
@@ -772,20 +790,10 @@ class WeightBroadcastCallback(TrainerCallback):
     ) -> None:
         if pusher is None:
             pusher = _default_pusher(timeout)
-        if delta or full_every is not None:
-            if not isinstance(pusher, TransferWeightPusher):
-                raise ValueError(
-                    "WeightBroadcastCallback(delta=True) sends through a TransferWeightPusher "
-                    f"(it keeps the base the deltas are encoded against); got {pusher!r}"
-                )
-            if not delta:
-                raise ValueError(
-                    "full_every is the keyframe interval of delta syncs: pass delta=True"
-                )
-            if pusher.encoder is None:
-                pusher.use_deltas(full_every=full_every)
-            elif full_every is not None:
-                pusher.encoder.full_every = full_every  # the callback's keyframes hold
+        if full_every is not None and not delta:
+            raise ValueError("full_every is the keyframe interval of delta syncs: pass delta=True")
+        if delta:
+            _deltas_on(pusher, full_every)
         self.delta = delta
         self.full_every = full_every
         self.weights = weights
@@ -881,15 +889,7 @@ class WeightBroadcastCallback(TrainerCallback):
                 :class:`TransferWeightPusher`.
         """
         if self.delta:
-            if not isinstance(pusher, TransferWeightPusher):
-                raise ValueError(
-                    "a WeightBroadcastCallback(delta=True) sends through a TransferWeightPusher; "
-                    f"use_pusher got {pusher!r}"
-                )
-            if pusher.encoder is None:
-                pusher.use_deltas(full_every=self.full_every)
-            elif self.full_every is not None:
-                pusher.encoder.full_every = self.full_every
+            _deltas_on(pusher, self.full_every)
         self.pusher = pusher if isinstance(pusher, WeightPusher) else _FunctionPusher(pusher)
         self.channel = channel
 

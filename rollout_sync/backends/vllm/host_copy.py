@@ -96,12 +96,19 @@ class HostCopy:
     ) -> None:
         """An update landed (verified): write ``pending`` (a staged delta, proven against this
         copy), then hold ``version`` where this copy has every ``served`` name. It claims no
-        version while it is written, nor after a write that failed (of any kind)."""
+        version while it is written; a write that failed (of any kind: the engine landed, only
+        the copy is behind) empties it, so that no later update claims a version for tensors
+        left behind (a delta's unchanged fused parts are loaded from here unproven) until a
+        whole update of every served name refilled it. An error that is no ``Exception`` is
+        raised on."""
         self.version = None
         if pending is not None:
             try:
-                pending.apply(self.digests)  # proven already; restores itself on a failure
-            except Exception:  # the engine landed; only the copy is behind: it claims nothing
+                pending.apply(self.digests)  # proven already
+            except BaseException as exc:
+                self.tensors, self.digests = {}, DigestCache()
+                if not isinstance(exc, Exception):
+                    raise
                 return
         self.version = version if self.covers(served) else None
 

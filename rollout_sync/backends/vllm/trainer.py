@@ -445,10 +445,11 @@ def in_layer_order(weights: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Te
     """``weights`` in the order vLLM's layerwise reload completes layers in (vLLM's
     ``layerwise_groups``: the block before the first indexed layer, each layer, the block after),
     so that the buckets fill layer by layer and each layer loads as soon as its last bucket
-    arrived; the mapping itself when it is in that order already."""
+    arrived; the mapping itself when it is in that order already. ``layerwise_groups`` is a
+    partition of the names: the reordered mapping holds every tensor once."""
     names = list(weights)
     order = [name for group in layerwise_groups(names) for name in group]
-    if order == names or sorted(order) != sorted(names):
+    if order == names:
         return weights
     return {name: weights[name] for name in order}
 
