@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
+from demo_helpers import capture_demo_configs
 
 from rollout_sync.demos import cli
 from rollout_sync.demos.cli import main
@@ -127,24 +127,7 @@ def test_sharded_options_the_job_cannot_run_are_refused_before_anything_starts(
 def test_the_sharded_options_reach_the_job_and_its_report_names_the_layout(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    seen: list[object] = []
-    report = {
-        "guarded": True,
-        "replicas": 3,
-        "trainer_ranks": 2,
-        "tp": 2,
-        "processes": 8,
-        "torn_reads": 0,
-        "egress_overlaps": 0,
-        "bit_identical": True,
-        "payloads_lost": 0,
-    }
-
-    def run(config: object, timeline: object, **launch: object) -> dict[str, object]:
-        seen.append(config)
-        return report
-
-    monkeypatch.setattr(cli, "run_distributed_demo", run)
+    seen = capture_demo_configs(monkeypatch, replicas=3, trainer_ranks=2, tp=2, processes=8)
     assert main(["demo", "--trainer-ranks", "2", "--tp", "2", "--json"]) == 0
     (config,) = seen
     assert isinstance(config, cli.DistributedDemoConfig)
@@ -170,19 +153,7 @@ def test_the_staged_and_lora_options_reach_the_job(
 ) -> None:
     """`--staged` is `--mode staged` on the stream LM (the default engine) and on vLLM, and
     `--lora` reaches the job as documented (docs/staged.md, docs/lora.md)."""
-    seen: list[cli.DistributedDemoConfig] = []
-
-    def run(config: cli.DistributedDemoConfig, timeline: object, **_: object) -> dict[str, Any]:
-        seen.append(config)
-        return {
-            "guarded": True,
-            "torn_reads": 0,
-            "egress_overlaps": 0,
-            "bit_identical": True,
-            "payloads_lost": 0,
-        }
-
-    monkeypatch.setattr(cli, "run_distributed_demo", run)
+    seen = capture_demo_configs(monkeypatch)
     assert main(["demo", "--json", *argv]) == 0
     (config,) = seen
     assert (config.mode.value, config.lora) == (mode, lora)

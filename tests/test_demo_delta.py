@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from demo_helpers import capture_demo_configs
 
 from rollout_sync.demos import cli
 from rollout_sync.demos.cli import main
@@ -28,10 +29,11 @@ NOT_SMALLER = WholeReason.NOT_SMALLER.value
 def test_demo_delta_sends_most_versions_by_delta_and_stays_bit_identical(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """README's `./run.sh demo --delta`, shorter: after the first (whole) sync every version
-    goes by delta, a percent or so of the whole model, on every replica (P2R and R2R), and
-    every replica ends, and is after every version, bit-identical to the trainer."""
-    code = main(["demo", "--delta", "--steps", "8", "--json"])
+    """README's `./run.sh demo --delta --full-every N`, shorter: the first sync and every N-th
+    go whole (`first`, `keyframe`), every other version by delta, a percent or so of the whole
+    model, on every replica (P2R and R2R), and every replica ends, and is after every version,
+    bit-identical to the trainer."""
+    code = main(["demo", "--delta", "--full-every", "4", "--steps", "8", "--json"])
     out = capsys.readouterr().out
     report = json.loads(out.strip().splitlines()[-1])
     assert code == 0, out
@@ -40,14 +42,15 @@ def test_demo_delta_sends_most_versions_by_delta_and_stays_bit_identical(
     assert report["versions_checked"] == 3 * 8 and report["final_versions"] == [8, 8, 8]
     assert report["torn_reads"] == 0 and report["torn_forwards_detected"] == 0
     assert report["payloads_lost"] == 0 and report["payloads_invalid"] == 0
-    # One whole sync per replica (the first), every other version by delta.
-    assert report["full_syncs"] >= 1 and report["delta_syncs"] > 0
-    assert report["full_syncs"] + report["delta_syncs"] == 3 * 8
-    assert report["full_sync_reasons"]["first"] >= 1
+    # Versions 1..8: version 1 whole (the first) and 5 whole (the keyframe) on each of the
+    # three replicas, the other six by delta; no fallback besides.
+    assert report["full_sync_reasons"] == {"first": 3, "keyframe": 3}, report["full_sync_reasons"]
+    assert (report["full_syncs"], report["delta_syncs"]) == (3 * 2, 3 * 6)
     assert 0 < report["delta_bytes_over_full_p50"] < 0.15
     assert 0 < report["changed_fraction_p50"] < 0.05  # lr 1e-6: a few bf16 roundings flip
     assert report["bytes_per_sync"] < report["model_mb"] * 1e6 * 0.15
-    assert re.search(r"\nfull_sync_reasons +first \d+ \(first sync: no committed base", out)
+    assert re.search(r"\nfull_sync_reasons +first 3 \(first sync: no committed base", out)
+    assert re.search(r"\n +keyframe 3 \(keyframe: every full_every-th sync is whole\)", out)
     assert "OK:" in out
 
 
@@ -114,23 +117,6 @@ def test_the_delta_report_counts_every_fallback_with_its_reason() -> None:
     assert stepped["changed_fraction_p50"] == pytest.approx(0.2)
 
 
-def _captured(monkeypatch: pytest.MonkeyPatch) -> list[DistributedDemoConfig]:
-    seen: list[DistributedDemoConfig] = []
-
-    def run(config: DistributedDemoConfig, timeline: object, **_: object) -> dict[str, Any]:
-        seen.append(config)
-        return {
-            "guarded": True,
-            "torn_reads": 0,
-            "egress_overlaps": 0,
-            "bit_identical": True,
-            "payloads_lost": 0,
-        }
-
-    monkeypatch.setattr(cli, "run_distributed_demo", run)
-    return seen
-
-
 @pytest.mark.parametrize(
     ("argv", "want"),
     [
@@ -144,7 +130,7 @@ def _captured(monkeypatch: pytest.MonkeyPatch) -> list[DistributedDemoConfig]:
 def test_the_delta_options_reach_the_job(
     argv: list[str], want: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    seen = _captured(monkeypatch)
+    seen = capture_demo_configs(monkeypatch)
     assert main(["demo", *argv]) == 0
     (config,) = seen
     assert config.delta and config.model.dtype == torch.bfloat16  # the replicas serve bf16
@@ -158,7 +144,7 @@ def test_the_delta_options_reach_the_job(
 
 
 def test_without_delta_the_demo_is_unchanged(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen = _captured(monkeypatch)
+    seen = capture_demo_configs(monkeypatch)
     assert main(["demo"]) == 0
     (config,) = seen
     assert not config.delta and config.full_every is None
@@ -185,7 +171,7 @@ def test_what_cannot_send_deltas_is_refused_in_one_line_before_anything_starts(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    seen = _captured(monkeypatch)
+    seen = capture_demo_configs(monkeypatch)
     assert main(["demo", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and not seen

@@ -20,6 +20,7 @@ from typing import Any, cast
 
 import pytest
 import torch
+from demo_helpers import capture_demo_configs
 
 from rollout_sync import RolloutBase, SyncMode, Timeline
 from rollout_sync.backends import (
@@ -147,13 +148,7 @@ def test_the_demo_refuses_what_the_toy_engine_did_not_register(toy: ToyRegistrat
 def test_the_command_line_asks_the_registered_engine_what_it_needs(
     toy: ToyRegistration, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    seen: list[DistributedDemoConfig] = []
-
-    def run(config: DistributedDemoConfig, timeline: object, **launch: object) -> dict[str, Any]:
-        seen.append(config)
-        return {"guarded": True, "torn_reads": 0, "egress_overlaps": 0, "bit_identical": True}
-
-    monkeypatch.setattr(cli, "run_distributed_demo", run)
+    seen = capture_demo_configs(monkeypatch)
     assert cli.main(["demo", "--backend", TOY]) == 0
     (config,) = seen
     assert config.backend == TOY and config.replicas == 5  # its default replica count

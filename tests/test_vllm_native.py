@@ -20,6 +20,7 @@ import pytest
 import torch
 from vllm_helpers import (  # first: it sets the environment vLLM reads
     NO_FORWARD_DURING,
+    ForwardingClient,
     TrainerWeights,
     corrupted_in_transit,
     native_backend,
@@ -438,22 +439,10 @@ class _WrongDigest(DeltaEncoder):
         return dataclasses.replace(out, header=header)
 
 
-class _LostFinishReply:
+class _LostFinishReply(ForwardingClient):
     """The guarded client, whose ``finish_weight_update`` reply is lost once after the update
     landed: the trainer's push fails, so its encoder keeps the old base while the worker
     serves (and its host copy holds) the new version."""
-
-    def __init__(self, inner: GuardedWeightSyncClient) -> None:
-        self.inner = inner
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.inner.init_weight_transfer_engine(init_info)
-
-    def start_weight_update(self) -> None:
-        self.inner.start_weight_update()
-
-    def update_weights(self, update_info: Any) -> None:
-        self.inner.update_weights(update_info)
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.inner.finish_weight_update(weight_version)

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from vllm_helpers import (  # first: it sets the environment vLLM reads
+    ForwardingClient,
     TrainerWeights,
     native_backend,
 )
@@ -48,23 +49,15 @@ SMALL_BUCKETS = 16 << 10
 """Every 64 x 64 projection a bucket of its own: each layer spans many buckets."""
 
 
-class _WithFlaw:
+class _WithFlaw(ForwardingClient):
     """vLLM's client protocol, adding the test engine's ``flaw`` to the init info."""
 
     def __init__(self, inner: Any, flaw: str) -> None:
-        self.inner, self.flaw = inner, flaw
+        super().__init__(inner)
+        self.flaw = flaw
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.inner.init_weight_transfer_engine({**init_info, "flaw": self.flaw})
-
-    def start_weight_update(self) -> None:
-        self.inner.start_weight_update()
-
-    def update_weights(self, update_info: Any) -> None:
-        self.inner.update_weights(update_info)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.inner.finish_weight_update(weight_version)
 
     def native_transfer_state(self) -> Any:
         return None  # the guard then takes every failure as torn

@@ -245,6 +245,26 @@ def native_backend(
     return backend
 
 
+class ForwardingClient:
+    """vLLM's weight-sync client protocol passed on to ``inner`` call for call: a test's
+    client subclasses it and overrides the one call it changes."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.inner.init_weight_transfer_engine(init_info)
+
+    def start_weight_update(self) -> None:
+        self.inner.start_weight_update()
+
+    def update_weights(self, update_info: Any) -> None:
+        self.inner.update_weights(update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.inner.finish_weight_update(weight_version)
+
+
 class TrainerWeights:
     """A native-update test's trainer side: ``current`` (what its ``MappingSource`` reads) and
     the random weights of every version (seeded ``seed + version``; version 0 is ``initial``)."""
