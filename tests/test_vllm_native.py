@@ -608,7 +608,8 @@ def test_a_delta_with_a_wrong_digest_is_refused_with_nothing_loaded(native: Nati
 
 def test_the_host_copy_claims_only_bits_it_holds() -> None:
     """A version number sent again whole with other bits is digested anew, and a staged
-    delta whose write stops part-way (of any error type) leaves the copy claiming nothing."""
+    delta whose write stops part-way (of any error type) empties the copy, so that nothing
+    claims a version over what it left behind until a whole update refilled it."""
     from rollout_sync.backends.vllm.host_copy import HostCopy
 
     served = {"w": torch.zeros(4)}
@@ -636,10 +637,16 @@ def test_the_host_copy_claims_only_bits_it_holds() -> None:
             raise self.error
 
     for error in (RuntimeError("the write failed (test)"), _Interrupted()):
+        host.refresh(["w"], [torch.zeros(4)])
         host.commit(None, 3, served)
         with contextlib.suppress(_Interrupted):
             host.commit(_Unwritable(error), 4, served)  # type: ignore[arg-type]
         assert host.version is None, error
+        # Emptied, not only unversioned: a later update that refreshes nothing (a subset
+        # without "w") claims no version over the half-written tensor, and no delta is taken.
+        assert host.tensors == {}, error
+        host.commit(None, 5, served)
+        assert host.version is None and host.target(served, apply=True) is None, error
 
 
 # -- the trainer in a process of its own -------------------------------------------------------
